@@ -1,0 +1,5 @@
+import sys
+
+from megatron_ucp.cli import main
+
+sys.exit(main())

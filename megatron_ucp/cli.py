@@ -1,0 +1,38 @@
+"""`megatron-ucp` command line: convert, inspect."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="megatron-ucp", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("convert", help="consolidate a fragment checkpoint into a universal directory")
+    p.add_argument("fragments_dir", help="save root (with 'latest') or an iter_XXXXXXX directory")
+    p.add_argument("universal_dir", help="new output directory")
+    p.add_argument("--no-progress", action="store_true")
+    p = sub.add_parser("inspect", help="print layout, iteration, parameter table and sizes")
+    p.add_argument("dir")
+    args = parser.parse_args(argv)
+
+    from megatron_ucp.errors import UCPError
+
+    try:
+        if args.command == "convert":
+            from megatron_ucp.consolidate import convert
+
+            convert(args.fragments_dir, args.universal_dir, progress=not args.no_progress)
+        elif args.command == "inspect":
+            from megatron_ucp.inspect import inspect
+
+            print(inspect(args.dir))
+    except UCPError as e:
+        print(f"megatron-ucp: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

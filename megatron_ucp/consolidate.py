@@ -1,0 +1,58 @@
+"""Fragments -> universal: one full tensor per parameter and state, streamed, no process group."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from megatron_ucp import manifest as mf
+from megatron_ucp.errors import UCPError
+from megatron_ucp.fragments import FragmentSource
+from megatron_ucp.storage import fsync_dir
+from megatron_ucp.universal import write_params, write_rng
+
+
+def convert(fragments_dir: str | Path, universal_dir: str | Path, *, progress: bool = True,
+            max_file_bytes: int = 2**31) -> Path:
+    """Consolidate a fragment checkpoint into a universal directory; returns its path.
+
+    Peak memory is about one parameter state (the tensor being written), not the model.
+    """
+    t0 = time.perf_counter()
+    ckpt = mf.resolve(fragments_dir)
+    manifest = mf.read(ckpt)
+    if manifest["kind"] != "fragments":
+        raise UCPError(f"{ckpt}: already a {manifest['kind']} checkpoint; nothing to convert")
+    source = FragmentSource(ckpt, manifest)
+    out = Path(universal_dir)
+    if out.exists() and any(out.iterdir()):
+        raise UCPError(f"{out} exists and is not empty; choose a new directory")
+    partial = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+
+    params = manifest["params"]
+    bar = tqdm(total=len(params), desc="consolidate", unit="param", disable=not progress)
+    shapes = {n: s["shape"] for n, s in params.items()}
+    entries = write_params(partial, params,
+                           lambda n, s: source.read(n, s, (0,) * len(shapes[n]), tuple(shapes[n])),
+                           max_file_bytes, bar)
+    bar.close()
+    write_rng(partial, {r: source.rng(r) for r in range(manifest["layout_world_size"])})
+    universal = {k: v for k, v in manifest.items() if k not in ("files", "bytes")}
+    universal["kind"] = "universal"
+    universal["params"] = {n: {**spec, "step": source.step(n), "tensors": entries[n]}
+                           for n, spec in params.items()}
+    universal["converted_from"] = {"kind": "fragments", "path": str(ckpt)}
+    mf.write(partial, universal)
+    fsync_dir(partial)
+    if out.exists():
+        out.rmdir()
+    partial.rename(out)
+    if progress:
+        print(f"[megatron-ucp] {len(params)} parameters, {source.reader.bytes_read / 2**20:.1f} MiB "
+              f"read, written to {out} in {time.perf_counter() - t0:.2f}s")
+    return out

@@ -1,0 +1,185 @@
+"""The fragment form: what `save` writes, one safetensors file per rank, no gathering.
+
+`rank_XXXXX.safetensors` holds, for every parameter copy the rank owns canonically, the rank's
+distributed-optimizer range [start, end) of the flattened local (TP-sliced) tensor: tensors
+`<name>/param` (fp32 master weight), `<name>/exp_avg`, `<name>/exp_avg_sq`. Its safetensors
+`__metadata__` key `fragments` is JSON: for each fragment the local shape, the range, the Adam step,
+the crc32 of each tensor and the pieces (rows of the local tensor -> box of the universal tensor).
+`rng/*` tensors and the `rng` metadata key hold the rank's generator states.
+
+`FragmentSource` answers "give me this box of this universal tensor" by reading only the byte
+ranges of the fragments that overlap it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from megatron_ucp.errors import UCPError
+from megatron_ucp.param_spec import Piece
+from megatron_ucp.storage import Reader, SafetensorsWriter, crc32
+
+STATES = ("param", "exp_avg", "exp_avg_sq")
+
+
+def rank_file_name(rank: int) -> str:
+    return f"rank_{rank:05d}.safetensors"
+
+
+@dataclass
+class Fragment:
+    name: str
+    local_shape: tuple[int, ...]
+    pieces: list[Piece]
+    start: int
+    end: int
+    step: float
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # state -> 1-D fp32
+    crc: dict[str, int] = field(default_factory=dict)
+    file: Path | None = None  # when read back
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "local_shape": list(self.local_shape),
+                "pieces": [p.to_json() for p in self.pieces], "range": [self.start, self.end],
+                "step": self.step, "crc32": self.crc}
+
+    @classmethod
+    def from_json(cls, d: dict, file: Path) -> Fragment:
+        return cls(d["name"], tuple(d["local_shape"]), [Piece.from_json(p) for p in d["pieces"]],
+                   d["range"][0], d["range"][1], d["step"], crc=d["crc32"], file=file)
+
+
+def write_rank_file(path: Path, fragments: list[Fragment], rng_tensors: dict[str, torch.Tensor],
+                    rng_meta: dict, coords: dict) -> int:
+    """Write one rank's fragments; returns bytes written. The file is fsynced before returning."""
+    entries = [(f"{f.name}/{s}", torch.float32, (f.end - f.start,)) for f in fragments for s in STATES]
+    entries += [(f"rng/{k}", v.dtype, tuple(v.shape)) for k, v in rng_tensors.items()]
+    for f in fragments:
+        f.crc = {s: crc32(f.tensors[s]) for s in STATES}
+    meta = {"fragments": json.dumps([f.to_json() for f in fragments]),
+            "rng": json.dumps(rng_meta), "coords": json.dumps(coords)}
+    w = SafetensorsWriter(path, entries, meta)
+    for f in fragments:
+        for s in STATES:
+            w.write(f"{f.name}/{s}", f.tensors[s])
+    for k, v in rng_tensors.items():
+        w.write(f"rng/{k}", v)
+    w.close()
+    return w.nbytes
+
+
+@dataclass
+class SourceTensor:
+    """One canonical local tensor of the saving run and the fragments that hold it."""
+
+    local_shape: tuple[int, ...]
+    pieces: list[Piece]
+    fragments: list[Fragment]
+
+
+class FragmentSource:
+    """Reads boxes of universal tensors out of a fragment checkpoint."""
+
+    def __init__(self, ckpt_dir: Path, manifest: dict, reader: Reader | None = None,
+                 verify_checksums: bool = True):
+        self.dir = Path(ckpt_dir)
+        self.manifest = manifest
+        self.reader = reader or Reader()
+        self.verify = verify_checksums
+        self.tensors: dict[str, list[SourceTensor]] = {}
+        self.steps: dict[str, float] = {}
+        for rank in range(manifest["layout_world_size"]):
+            path = self.dir / rank_file_name(rank)
+            meta = self.reader.metadata(path)
+            for d in json.loads(meta.get("fragments", "[]")):
+                self._add(Fragment.from_json(d, path))
+        self._check_coverage()
+
+    def _add(self, f: Fragment) -> None:
+        if f.name in self.steps and self.steps[f.name] != f.step:
+            raise UCPError(f"{f.file}: parameter {f.name} has Adam step {f.step} but another rank "
+                           f"saved {self.steps[f.name]}; the checkpoint mixes iterations")
+        self.steps[f.name] = f.step
+        for st in self.tensors.setdefault(f.name, []):
+            if st.pieces == f.pieces:
+                st.fragments.append(f)
+                return
+        self.tensors[f.name].append(SourceTensor(f.local_shape, f.pieces, [f]))
+
+    def _check_coverage(self) -> None:
+        for name, spec in self.manifest["params"].items():
+            sts = self.tensors.get(name)
+            if not sts:
+                raise UCPError(f"{self.dir}: no rank file holds parameter {name}; the checkpoint "
+                               "is incomplete (a rank file is missing or from another save)")
+            covered = 0
+            for st in sts:
+                st.fragments.sort(key=lambda f: f.start)
+                pos = 0
+                for f in st.fragments:
+                    if f.start != pos:
+                        raise UCPError(f"{self.dir}: parameter {name}: elements [{pos}, {f.start}) "
+                                       "of a saved slice are in no rank file; checkpoint incomplete")
+                    pos = f.end
+                if pos != math.prod(st.local_shape):
+                    raise UCPError(f"{self.dir}: parameter {name}: a saved slice ends at element "
+                                   f"{pos} of {math.prod(st.local_shape)}; checkpoint incomplete")
+                covered += sum(math.prod(p.shape) for p in st.pieces)
+            if covered != math.prod(spec["shape"]):
+                raise UCPError(f"{self.dir}: parameter {name}: saved slices cover {covered} of "
+                               f"{math.prod(spec['shape'])} elements; checkpoint incomplete")
+
+    def step(self, name: str) -> float:
+        return self.steps[name]
+
+    def _read_flat(self, name: str, state: str, st: SourceTensor, a: int, b: int) -> torch.Tensor:
+        buf = torch.empty(b - a, dtype=torch.float32)
+        for f in st.fragments:
+            s, e = max(a, f.start), min(b, f.end)
+            if e <= s:
+                continue
+            key = f"{name}/{state}"
+            if s == f.start and e == f.end:
+                t = self.reader.read(f.file, key)
+                if self.verify and crc32(t) != f.crc[state]:
+                    raise UCPError(f"{f.file}: checksum mismatch in tensor {key!r}; the file is "
+                                   "corrupt: restore it or load an earlier iteration")
+            else:
+                t = self.reader.read(f.file, key, (slice(s - f.start, e - f.start),))
+            buf[s - a:e - a] = t
+        return buf
+
+    def read(self, name: str, state: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        """Box [offset, offset + shape) of universal tensor `name`, state `state`, as fp32."""
+        out = torch.empty(shape, dtype=torch.float32)
+        filled = 0
+        for st in self.tensors[name]:
+            strides = torch.empty(st.local_shape, device="meta").stride()
+            for pc in st.pieces:
+                lo = [max(o, p) for o, p in zip(offset, pc.offset)]
+                hi = [min(o + n, p + m) for o, n, p, m in zip(offset, shape, pc.offset, pc.shape)]
+                if any(h <= lo_ for lo_, h in zip(lo, hi)):
+                    continue
+                region_start = [pc.row + lo[0] - pc.offset[0]] + [lo[d] - pc.offset[d] for d in range(1, len(lo))]
+                region_shape = [h - lo_ for lo_, h in zip(lo, hi)]
+                first = sum(s * k for s, k in zip(region_start, strides))
+                last = sum((s + n - 1) * k for s, n, k in zip(region_start, region_shape, strides))
+                flat = self._read_flat(name, state, st, first, last + 1)
+                region = flat.as_strided(region_shape, strides)
+                out[tuple(slice(lo_ - o, h - o) for lo_, h, o in zip(lo, hi, offset))] = region
+                filled += region.numel()
+        if filled != out.numel():
+            raise UCPError(f"{self.dir}: parameter {name}: only {filled} of {out.numel()} requested "
+                           "elements are saved; checkpoint incomplete")
+        return out
+
+    def rng(self, rank: int) -> tuple[dict[str, torch.Tensor], dict]:
+        path = self.dir / rank_file_name(rank)
+        f = self.reader.open(path)
+        tensors = {k.removeprefix("rng/"): f.get_tensor(k) for k in f.keys() if k.startswith("rng/")}
+        return tensors, json.loads(self.reader.metadata(path).get("rng", "{}"))

@@ -1,0 +1,110 @@
+"""Reading and writing megatron-core DistributedOptimizer state through its own range maps.
+
+Each DP rank owns a contiguous range of every parameter's flattened elements (possibly empty); the
+optimizer's `_get_model_param_range_map(param)["param"]` says which. Main (fp32) params and Adam
+moments are read and written with `_get/_set_main_param_and_optimizer_states`, the accessors the
+optimizer's own checkpoint code uses.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+from megatron_ucp.errors import UCPError
+
+STATES = ("param", "exp_avg", "exp_avg_sq")  # "param" = fp32 master weight
+GROUP_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+
+
+def distributed_optimizers(optimizer) -> list[DistributedOptimizer]:
+    opts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    for o in opts:
+        if not isinstance(o, DistributedOptimizer):
+            raise UCPError(f"optimizer {type(o).__name__} is not megatron-core's DistributedOptimizer;"
+                           " build it with OptimizerConfig(use_distributed_optimizer=True)")
+        if o.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            raise UCPError("precision-aware optimizer state is not supported by megatron-ucp v1")
+    return opts
+
+
+class OptimizerIndex:
+    """Which DistributedOptimizer owns each model param, and the element range this rank holds."""
+
+    def __init__(self, optimizer):
+        self.opts = distributed_optimizers(optimizer)
+        self.owner = {p: o for o in self.opts for p in o.model_param_group_index_map}
+
+    def shard_range(self, param: torch.nn.Parameter) -> tuple[int, int] | None:
+        o = self.owner.get(param)
+        if o is None:
+            return None
+        r = o._get_model_param_range_map(param)["param"]
+        return (r.start, r.end) if r.end > r.start else None
+
+    def get(self, param: torch.nn.Parameter) -> tuple[dict[str, torch.Tensor], float]:
+        """This rank's shard of the fp32 master weight and Adam moments, plus the Adam step."""
+        o = self.owner[param]
+        states = o._get_main_param_and_optimizer_states(param)
+        if "exp_avg" not in states:
+            raise UCPError("the optimizer has no Adam state yet (no step taken); nothing to save")
+        step = states.get("step", 0)
+        step = float(step.item() if torch.is_tensor(step) else step)
+        return {k: states[k].detach() for k in STATES}, step
+
+    def ensure_state(self) -> None:
+        """Create Adam state tensors if the optimizer has not stepped yet (they are overwritten)."""
+        for o in self.opts:
+            if any(len(o.optimizer.state.get(p, {})) == 0
+                   for g in o.optimizer.param_groups for p in g["params"]):
+                o._init_optimizer_states_with_dummy_values()
+
+    def set(self, param: torch.nn.Parameter, tensors: dict[str, torch.Tensor], step: float) -> None:
+        o = self.owner[param]
+        gi, go = o.model_param_group_index_map[param]
+        state = o.optimizer.state[o.optimizer.param_groups[gi]["params"][go]]
+        # Each parameter gets its own step tensor: a shared one would be incremented once per
+        # parameter per iteration (megatron-core 0.16.1's own legacy load path does that).
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        # the accessor copies every state key, step included (it raises KeyError without it)
+        o._set_main_param_and_optimizer_states(param, {**tensors, "step": torch.tensor(step)})
+
+    def param_groups(self) -> list[dict]:
+        """JSON-able hyper-parameters of every param group, in order (no tensors, no params)."""
+        out = []
+        for i, o in enumerate(self.opts):
+            for g in o.optimizer.param_groups:
+                out.append({"optimizer": i, **{k: _jsonable(v) for k, v in g.items()
+                                               if k != "params" and _jsonable(v) is not None}})
+        return out
+
+    def load_param_groups(self, saved: list[dict]) -> None:
+        """Restore hyper-parameters into groups with the same identity keys (wd_mult, lr_mult...)."""
+        for i, o in enumerate(self.opts):
+            for g in o.optimizer.param_groups:
+                ident = tuple(g.get(k) for k in GROUP_KEYS)
+                match = [s for s in saved if s["optimizer"] == i
+                         and tuple(s.get(k) for k in GROUP_KEYS) == ident]
+                if not match:
+                    raise UCPError(f"optimizer {i} has a param group {dict(zip(GROUP_KEYS, ident))}"
+                                   " that the checkpoint does not have; the optimizer config differs")
+                for k, v in match[0].items():
+                    if k != "optimizer" and k in g:
+                        g[k] = tuple(v) if isinstance(g[k], tuple) else v
+
+    def copy_main_to_model(self, model_chunks: list) -> None:
+        """Write the loaded master weights into the model weights and all-gather them over DP."""
+        for o in self.opts:
+            o._copy_main_params_to_model_params()
+        for chunk in model_chunks:
+            chunk.start_param_sync(force_sync=True)
+
+
+def _jsonable(v):
+    if isinstance(v, (bool, int, float, str)) or v is None:
+        return v
+    if isinstance(v, (tuple, list)) and all(isinstance(x, (bool, int, float, str)) for x in v):
+        return list(v)
+    if torch.is_tensor(v) and v.numel() == 1:
+        return v.item()
+    return None

@@ -1,0 +1,184 @@
+"""Partition specs derived from megatron-core itself.
+
+For every parameter of every model chunk we ask the layer for its `sharded_state_dict()` (the same
+declaration `dist_checkpointing` uses): the ShardedTensor key is the layout-free name, the global
+shape/offsets say where this rank's TP slice sits, ShardedTensorFactory (SwiGLU `linear_fc1`) says
+the local tensor is several independently split blocks, and `replica_id` says whether this copy is
+canonical or a TP/PP replica (replicated layer norms, the tied output layer). Nothing is guessed from
+names: a parameter the model does not declare is an error.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+from megatron.core.dist_checkpointing.mapping import (
+    ShardedObject,
+    ShardedTensor,
+    ShardedTensorFactory,
+)
+from megatron.core.utils import unwrap_model
+
+from megatron_ucp.errors import UCPError
+from megatron_ucp.storage import DTYPE_NAMES
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows [row, row + shape[0]) of a local tensor fill the box at `offset` of the universal tensor."""
+
+    row: int
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    def to_json(self) -> list:
+        return [self.row, list(self.offset), list(self.shape)]
+
+    @classmethod
+    def from_json(cls, d: list) -> Piece:
+        return cls(d[0], tuple(d[1]), tuple(d[2]))
+
+
+@dataclass
+class ParamSpec:
+    """Layout-free description of one parameter: how any TP degree slices it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # model weight dtype when saved; master weights and optimizer state are float32
+    tp_axis: int | None  # dim that tensor parallelism splits; None = replicated over TP
+    tp_blocks: int = 1  # equal blocks along tp_axis each split over TP (2: SwiGLU gate and up halves)
+    aliases: list[str] = field(default_factory=list)  # other local names holding the same tensor
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["shape"] = list(self.shape)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> ParamSpec:
+        return cls(**{**d, "shape": tuple(d["shape"])})
+
+
+@dataclass
+class LocalParam:
+    """One parameter on this rank: the model tensor and where its pieces go."""
+
+    spec: ParamSpec
+    param: torch.nn.Parameter
+    chunk: int
+    local_name: str
+    pieces: list[Piece]
+    canonical: bool  # False for replicas (TP copies of replicated params, tied output layer)
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return tuple(self.param.shape)
+
+
+def universal_name(local_key: str, sharded_key: str, prepended: tuple[int, ...]) -> str:
+    """'decoder.layers.self_attention.linear_qkv.weight' + layer 5 -> 'decoder.layers.5.self_...'.
+
+    megatron stacks repeated modules (layers, experts) along prepended axes whose global offsets
+    are the global indices. The index goes after the same path word that precedes the local index
+    in the local key (`decoder.layers.1.` -> after `layers`).
+    """
+    if not prepended:
+        return sharded_key
+    local = local_key.split(".")
+    anchors = [local[i - 1] for i, part in enumerate(local) if part.isdigit() and i > 0]
+    if len(anchors) != len(prepended):
+        raise UCPError(f"parameter {local_key!r}: {len(prepended)} stacked axes in its sharded key "
+                       f"{sharded_key!r} but {len(anchors)} indices in its name; no rule maps it")
+    out, j = [], 0
+    for part in sharded_key.split("."):
+        out.append(part)
+        if j < len(anchors) and part == anchors[j]:
+            out.append(str(prepended[j]))
+            j += 1
+    if j != len(anchors):
+        raise UCPError(f"parameter {local_key!r}: cannot place indices {prepended} in sharded key "
+                       f"{sharded_key!r}; no rule maps it")
+    return ".".join(out)
+
+
+def _canonical(replica_id) -> bool:
+    # replica_id is (pipeline/tied copy, TP replica, DP rank); the distributed optimizer shards DP,
+    # so every DP rank writes its own range and only the first two components decide.
+    if isinstance(replica_id, int):
+        return replica_id == 0
+    return all(r == 0 for r in replica_id[:-1])
+
+
+def _pipeline_copy(replica_id) -> bool:
+    return not isinstance(replica_id, int) and replica_id[0] != 0
+
+
+def _flatten(x) -> list:
+    if isinstance(x, dict):
+        return [y for v in x.values() for y in _flatten(v)]
+    if isinstance(x, (list, tuple)):
+        return [y for v in x for y in _flatten(v)]
+    return [x]
+
+
+def _piece(local_key: str, param: torch.Tensor, sh: ShardedTensor) -> Piece:
+    view = sh.data
+    row_numel = math.prod(param.shape[1:])
+    rel = view.storage_offset() - param.storage_offset()
+    if (view.untyped_storage().data_ptr() != param.untyped_storage().data_ptr()
+            or not view.is_contiguous() or tuple(view.shape[1:]) != tuple(param.shape[1:])
+            or rel % row_numel):
+        raise UCPError(f"parameter {local_key!r}: its sharded_state_dict piece is not a block of "
+                       "rows of the parameter; no rule maps it")
+    p = sh.prepend_axis_num
+    return Piece(rel // row_numel, tuple(sh.global_offset[p:]), tuple(view.shape))
+
+
+def local_params(model_chunks: list) -> list[LocalParam]:
+    """Every trainable parameter of this rank's model chunks with its spec and pieces."""
+    out: list[LocalParam] = []
+    for chunk_index, chunk in enumerate(model_chunks):
+        model = unwrap_model(chunk)
+        params = {id(p): (n, p) for n, p in model.named_parameters()}
+        seen: set[int] = set()
+        for local_key, entry in model.sharded_state_dict().items():
+            if isinstance(entry, ShardedObject):
+                if entry.data is not None:
+                    raise UCPError(f"{local_key!r} holds extra state {type(entry.data).__name__}; "
+                                   "megatron-ucp v1 handles parameters only (TE extra state is "
+                                   "not supported yet)")
+                continue
+            if not isinstance(entry, (ShardedTensor, ShardedTensorFactory)):
+                raise UCPError(f"{local_key!r}: unsupported sharded entry {type(entry).__name__}")
+            if id(entry.data) not in params:
+                raise UCPError(f"{local_key!r} is in the model's sharded_state_dict but is not a "
+                               "parameter (a persistent buffer); megatron-ucp v1 cannot carry it")
+            name_in_model, param = params[id(entry.data)]
+            seen.add(id(param))
+            subs = _flatten(entry.build()) if isinstance(entry, ShardedTensorFactory) else [entry]
+            first = subs[0]
+            p = first.prepend_axis_num
+            name = universal_name(local_key, first.key, tuple(first.global_offset[:p]))
+            tp_axis = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
+            spec = ParamSpec(
+                name=name,
+                shape=tuple(first.global_shape[p:]),
+                dtype=DTYPE_NAMES[param.dtype],
+                tp_axis=tp_axis,
+                tp_blocks=len(subs),
+                # a pipeline-level copy (the tied output layer on the last stage) is an alias
+                aliases=[name_in_model] if _pipeline_copy(first.replica_id) else [],
+            )
+            pieces = [_piece(local_key, param, s) for s in subs]
+            if sum(math.prod(x.shape) for x in pieces) != param.numel():
+                raise UCPError(f"parameter {local_key!r}: its sharded pieces do not cover it")
+            out.append(LocalParam(spec, param, chunk_index, name_in_model, pieces,
+                                  _canonical(first.replica_id)))
+        missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in seen]
+        if missing:
+            raise UCPError(f"parameters {missing} are not declared by the model's "
+                           "sharded_state_dict(); megatron-ucp cannot tell how they are split")
+    return out

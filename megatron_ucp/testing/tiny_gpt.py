@@ -1,0 +1,263 @@
+"""A tiny megatron-core GPT trained on CPU: model, DDP, DistributedOptimizer, LR schedule, data.
+
+Everything here is real megatron-core; the only stand-in is `cpu_shim` for torch.cuda. The data is a
+deterministic synthetic token stream indexed by global sample number, so every layout sees the same
+global batches and losses are comparable across layouts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from functools import partial
+
+from megatron_ucp.testing import cpu_shim  # noqa: F401  (must precede megatron.core)
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import Float16Module
+
+from megatron_ucp.layout import Layout
+
+
+@dataclass
+class TinyGPTConfig:
+    num_layers: int = 4
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None
+    ffn_hidden_size: int = 128
+    vocab_size: int = 256
+    seq_length: int = 32
+    swiglu: bool = False
+    normalization: str = "LayerNorm"
+    position_embedding_type: str = "learned_absolute"
+    add_bias_linear: bool = True
+    untie_embeddings: bool = False
+    qk_layernorm: bool = False
+    dtype: str = "fp32"  # "fp32" or "bf16" model weights; main params and Adam state are fp32
+    sequence_parallel: bool = False
+    seed: int = 1234
+    # optimizer and schedule
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    lr_warmup_steps: int = 2
+    lr_decay_steps: int = 20
+    micro_batch_size: int = 2
+    global_batch_size: int = 8
+    extra: dict = field(default_factory=dict)  # extra TransformerConfig fields
+
+
+@dataclass
+class TrainState:
+    model: list  # model chunks (DDP-wrapped)
+    optimizer: object
+    scheduler: OptimizerParamScheduler
+    config: TinyGPTConfig
+    layout: Layout
+    iteration: int = 0
+
+
+def init_distributed(layout: Layout) -> None:
+    """gloo process group from RANK/WORLD_SIZE/MASTER_* env, then megatron-core's groups."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    if dist.get_world_size() != layout.world_size:
+        raise ValueError(f"{layout} needs {layout.world_size} processes, got {dist.get_world_size()}")
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+    )
+
+
+def transformer_config(cfg: TinyGPTConfig, layout: Layout) -> TransformerConfig:
+    bf16 = cfg.dtype == "bf16"
+    return TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        gated_linear_unit=cfg.swiglu,
+        activation_func=torch.nn.functional.silu if cfg.swiglu else torch.nn.functional.gelu,
+        normalization=cfg.normalization,
+        add_bias_linear=cfg.add_bias_linear,
+        qk_layernorm=cfg.qk_layernorm,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        sequence_parallel=cfg.sequence_parallel,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,  # full weights drawn on CPU then split: init independent of TP
+        gradient_accumulation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        **cfg.extra,
+    )
+
+
+def build(cfg: TinyGPTConfig, layout: Layout) -> TrainState:
+    """Build model chunks, DDP, DistributedOptimizer and scheduler at `layout` (process groups up)."""
+    torch.manual_seed(cfg.seed)  # identical on every rank: full weights drawn on CPU, then split
+    tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
+    tf_config = transformer_config(cfg, layout)
+    spec = get_gpt_layer_local_spec(qk_layernorm=cfg.qk_layernorm, normalization=cfg.normalization)
+    chunks = []
+    for vp_stage in range(layout.vpp or 1):
+        vp = vp_stage if layout.vpp else None
+        model = GPTModel(
+            config=tf_config,
+            transformer_layer_spec=spec,
+            vocab_size=cfg.vocab_size,
+            max_sequence_length=cfg.seq_length,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            share_embeddings_and_output_weights=not cfg.untie_embeddings,
+            position_embedding_type=cfg.position_embedding_type,
+            vp_stage=vp,
+        )
+        if tf_config.bf16:
+            model = Float16Module(tf_config, model)
+        chunks.append(model)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
+    )
+    chunks = [
+        DistributedDataParallel(
+            config=tf_config, ddp_config=ddp_config, module=m, disable_bucketing=(i > 0)
+        )
+        for i, m in enumerate(chunks)
+    ]
+    for m in chunks:
+        m.broadcast_params()
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        weight_decay=0.01,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        clip_grad=1.0,
+        bf16=tf_config.bf16,
+        params_dtype=tf_config.params_dtype,
+        use_distributed_optimizer=True,
+    )
+    optimizer = get_megatron_optimizer(opt_config, chunks)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        lr_warmup_steps=cfg.lr_warmup_steps * cfg.global_batch_size,
+        lr_decay_steps=cfg.lr_decay_steps * cfg.global_batch_size,
+        lr_decay_style="cosine",
+        start_wd=0.01,
+        end_wd=0.01,
+        wd_incr_steps=cfg.lr_decay_steps * cfg.global_batch_size,
+        wd_incr_style="constant",
+    )
+    tf_config.finalize_model_grads_func = finalize_model_grads
+    tf_config.no_sync_func = [m.no_sync for m in chunks] if len(chunks) > 1 else chunks[0].no_sync
+    return TrainState(chunks, optimizer, scheduler, cfg, layout)
+
+
+def sample_tokens(cfg: TinyGPTConfig, sample_index: int) -> torch.Tensor:
+    """Sample `sample_index` of the synthetic stream: seq_length + 1 tokens with local structure."""
+    g = torch.Generator().manual_seed(1_000_003 * (sample_index + 1))
+    start = torch.randint(0, cfg.vocab_size, (1,), generator=g)
+    steps = torch.randint(1, 4, (cfg.seq_length + 1,), generator=g)
+    return (start + torch.cumsum(steps, 0)) % cfg.vocab_size
+
+
+def _micro_batches(cfg: TinyGPTConfig, iteration: int) -> list[dict]:
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    per_rank = cfg.global_batch_size // dp_size
+    first = iteration * cfg.global_batch_size + dp_rank * per_rank
+    mask = torch.triu(torch.ones(cfg.seq_length, cfg.seq_length, dtype=torch.bool), 1)[None, None]
+    batches = []
+    for mb in range(per_rank // cfg.micro_batch_size):
+        idx = range(first + mb * cfg.micro_batch_size, first + (mb + 1) * cfg.micro_batch_size)
+        seqs = torch.stack([sample_tokens(cfg, i) for i in idx])
+        batches.append(
+            {
+                "tokens": seqs[:, :-1].contiguous(),
+                "labels": seqs[:, 1:].contiguous(),
+                "position_ids": torch.arange(cfg.seq_length).expand(len(idx), -1),
+                "attention_mask": mask,
+            }
+        )
+    return batches
+
+
+def _loss_func(output_tensor: torch.Tensor):
+    loss = output_tensor.float().mean()
+    return loss, {"lm loss": loss.detach().clone()}  # the schedule divides `loss` in place
+
+
+def _forward_step(data_iterator, model):
+    b = next(data_iterator)
+    out = model(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"])
+    return out, _loss_func
+
+
+def train_step(state: TrainState) -> float:
+    """One optimizer step on global batch number `state.iteration`; returns the global mean loss."""
+    cfg, layout = state.config, state.layout
+    batches = _micro_batches(cfg, state.iteration)
+    num_mb = len(batches)
+    for m in state.model:
+        m.zero_grad_buffer()
+    state.optimizer.zero_grad()
+    iters = [iter(batches) for _ in state.model]
+    losses = get_forward_backward_func()(
+        forward_step_func=_forward_step,
+        data_iterator=iters if len(iters) > 1 else iters[0],
+        model=state.model,
+        num_microbatches=num_mb,
+        seq_length=cfg.seq_length,
+        micro_batch_size=cfg.micro_batch_size,
+        forward_only=False,
+    )
+    state.optimizer.step()
+    state.scheduler.step(increment=cfg.global_batch_size)
+    state.iteration += 1
+    local = torch.zeros(1, dtype=torch.float64)
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        local += sum(float(x["lm loss"]) for x in losses) / num_mb / layout.dp
+    dist.all_reduce(local)  # DP mean; other PP stages contribute 0
+    return float(local) / layout.tp / layout.cp
+
+
+def destroy() -> None:
+    ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def env_layout() -> Layout:
+    return Layout.parse(os.environ["UCP_LAYOUT"])
+
+
+__all__ = ["TinyGPTConfig", "TrainState", "build", "init_distributed", "train_step", "partial"]

@@ -1,0 +1,99 @@
+"""The universal (consolidated) form: each parameter as full fp32 tensors, layout-free.
+
+`params_XXXXX.safetensors` files hold `<name>/param`, `<name>/exp_avg`, `<name>/exp_avg_sq` at
+their full global shape; manifest.json's `params[name].tensors[state]` gives file, key and crc32.
+`rng.safetensors` keeps the saving ranks' generator states (used only at the same layout).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from megatron_ucp.errors import UCPError
+from megatron_ucp.storage import Reader, SafetensorsWriter, crc32, write_tensors
+
+STATES = ("param", "exp_avg", "exp_avg_sq")
+RNG_FILE = "rng.safetensors"
+
+
+def data_file_name(i: int) -> str:
+    return f"params_{i:05d}.safetensors"
+
+
+def write_params(out_dir: Path, params: dict[str, dict],
+                 read_full: Callable[[str, str], torch.Tensor],
+                 max_file_bytes: int = 2**31, progress: Iterator | None = None) -> dict[str, dict]:
+    """Stream every parameter's states into data files; returns name -> {state: file/key/crc32}.
+
+    Only one tensor is in memory at a time: each file's header is computed from the shapes first.
+    """
+    files: list[list[str]] = [[]]
+    size = 0
+    for name, spec in params.items():
+        nbytes = 4 * math.prod(spec["shape"]) * len(STATES)
+        if files[-1] and size + nbytes > max_file_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(name)
+        size += nbytes
+    entries: dict[str, dict] = {}
+    for i, names in enumerate(files):
+        fname = data_file_name(i)
+        w = SafetensorsWriter(out_dir / fname, [(f"{n}/{s}", torch.float32, tuple(params[n]["shape"]))
+                                                for n in names for s in STATES])
+        for n in names:
+            entries[n] = {}
+            for s in STATES:
+                t = read_full(n, s)
+                w.write(f"{n}/{s}", t)
+                entries[n][s] = {"file": fname, "key": f"{n}/{s}", "crc32": crc32(t)}
+            if progress is not None:
+                progress.update(1)
+        w.close()
+    return entries
+
+
+def write_rng(out_dir: Path, per_rank: dict[int, tuple[dict[str, torch.Tensor], dict]]) -> None:
+    tensors = {f"rank{r:05d}/{k}": v for r, (ts, _) in per_rank.items() for k, v in ts.items()}
+    meta = {f"rank{r:05d}": json.dumps(m) for r, (_, m) in per_rank.items()}
+    write_tensors(out_dir / RNG_FILE, tensors, meta)
+
+
+class UniversalSource:
+    """Reads boxes of universal tensors from a consolidated directory (sliced reads)."""
+
+    def __init__(self, ckpt_dir: Path, manifest: dict, reader: Reader | None = None,
+                 verify_checksums: bool = True):
+        self.dir = Path(ckpt_dir)
+        self.manifest = manifest
+        self.reader = reader or Reader()
+        self.verify = verify_checksums
+
+    def step(self, name: str) -> float:
+        return self.manifest["params"][name]["step"]
+
+    def read(self, name: str, state: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        entry = self.manifest["params"][name]["tensors"][state]
+        path = self.dir / entry["file"]
+        whole = tuple(offset) == (0,) * len(offset) and tuple(shape) == tuple(self.manifest["params"][name]["shape"])
+        if whole:
+            t = self.reader.read(path, entry["key"])
+            if self.verify and crc32(t) != entry["crc32"]:
+                raise UCPError(f"{path}: checksum mismatch in tensor {entry['key']!r}; the file is "
+                               "corrupt: restore it or re-run `megatron-ucp convert`")
+            return t
+        return self.reader.read(path, entry["key"], tuple(slice(o, o + n) for o, n in zip(offset, shape)))
+
+    def rng(self, rank: int) -> tuple[dict[str, torch.Tensor], dict]:
+        path = self.dir / RNG_FILE
+        if not path.exists():
+            return {}, {}
+        f = self.reader.open(path)
+        prefix = f"rank{rank:05d}/"
+        tensors = {k.removeprefix(prefix): f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
+        return tensors, json.loads(self.reader.metadata(path).get(f"rank{rank:05d}", "{}"))
