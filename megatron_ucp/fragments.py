@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from megatron_ucp.errors import UCPError
-from megatron_ucp.param_spec import Piece
+from megatron_ucp.spec import Piece
 from megatron_ucp.storage import Reader, SafetensorsWriter, crc32
 
 STATES = ("param", "exp_avg", "exp_avg_sq")

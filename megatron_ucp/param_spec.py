@@ -11,7 +11,7 @@ names: a parameter the model does not declare is an error.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 import torch
 from megatron.core.dist_checkpointing.mapping import (
@@ -22,44 +22,8 @@ from megatron.core.dist_checkpointing.mapping import (
 from megatron.core.utils import unwrap_model
 
 from megatron_ucp.errors import UCPError
+from megatron_ucp.spec import ParamSpec, Piece
 from megatron_ucp.storage import DTYPE_NAMES
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Rows [row, row + shape[0]) of a local tensor fill the box at `offset` of the universal tensor."""
-
-    row: int
-    offset: tuple[int, ...]
-    shape: tuple[int, ...]
-
-    def to_json(self) -> list:
-        return [self.row, list(self.offset), list(self.shape)]
-
-    @classmethod
-    def from_json(cls, d: list) -> Piece:
-        return cls(d[0], tuple(d[1]), tuple(d[2]))
-
-
-@dataclass
-class ParamSpec:
-    """Layout-free description of one parameter: how any TP degree slices it."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str  # model weight dtype when saved; master weights and optimizer state are float32
-    tp_axis: int | None  # dim that tensor parallelism splits; None = replicated over TP
-    tp_blocks: int = 1  # equal blocks along tp_axis each split over TP (2: SwiGLU gate and up halves)
-    aliases: list[str] = field(default_factory=list)  # other local names holding the same tensor
-
-    def to_json(self) -> dict:
-        d = asdict(self)
-        d["shape"] = list(self.shape)
-        return d
-
-    @classmethod
-    def from_json(cls, d: dict) -> ParamSpec:
-        return cls(**{**d, "shape": tuple(d["shape"])})
 
 
 @dataclass

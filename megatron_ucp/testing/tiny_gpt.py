@@ -11,14 +11,15 @@ import os
 from dataclasses import dataclass, field
 from functools import partial
 
-from megatron_ucp.testing import cpu_shim  # noqa: F401  (must precede megatron.core)
-
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.distributed import finalize_model_grads
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -28,6 +29,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
 from megatron_ucp.layout import Layout
+from megatron_ucp.testing import cpu_shim  # noqa: F401  (must precede megatron.core)
 
 
 @dataclass

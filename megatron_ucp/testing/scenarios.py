@@ -1,0 +1,94 @@
+"""Multi-process scenarios run through `launch`: train/save at one layout, load/train at another.
+
+Every function here runs inside one rank (see `launch.launch`) and returns JSON. `dump_dir` writes
+each rank's raw local state (model slice, optimizer shard, step) read through megatron-core's own
+accessors, so tests can assemble full tensors independently of megatron_ucp's mapping code.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from megatron_ucp.testing import tiny_gpt as tg  # installs the CPU shim first
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.utils import unwrap_model
+
+import megatron_ucp as ucp
+from megatron_ucp.layout import Layout
+
+
+def _setup(layout: str, cfg: dict) -> tg.TrainState:
+    lay = Layout.parse(layout)
+    tg.init_distributed(lay)
+    return tg.build(tg.TinyGPTConfig(**cfg), lay)
+
+
+def dump_local_state(state: tg.TrainState, dump_dir: str) -> None:
+    """Write rank<r>.pt: every local param's model tensor, optimizer shard and step."""
+    opts = getattr(state.optimizer, "chained_optimizers", None) or [state.optimizer]
+    entries = []
+    for chunk_index, chunk in enumerate(state.model):
+        for name, p in unwrap_model(chunk).named_parameters():
+            e = {"chunk": chunk_index, "name": name, "model": p.detach().clone(), "range": None}
+            for o in opts:
+                if p in o.model_param_group_index_map:
+                    r = o._get_model_param_range_map(p)["param"]
+                    s = o._get_main_param_and_optimizer_states(p)
+                    e.update(range=(r.start, r.end), step=float(s["step"]),
+                             **{k: s[k].detach().clone() for k in ("param", "exp_avg", "exp_avg_sq")})
+            entries.append(e)
+    coords = {"tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
+              "dp": ps.get_data_parallel_rank(), "layout": str(state.layout),
+              "tp_size": state.layout.tp, "pp_size": state.layout.pp, "vpp": state.layout.vpp or 1,
+              "num_layers": state.config.num_layers}
+    Path(dump_dir).mkdir(parents=True, exist_ok=True)
+    torch.save({"coords": coords, "params": entries}, Path(dump_dir) / f"rank{dist.get_rank()}.pt")
+
+
+def train_and_save(layout: str, cfg: dict, steps: int, save_dir: str, continue_steps: int = 0,
+                   dump_dir: str | None = None) -> dict:
+    """Train `steps`, save, then keep training `continue_steps` (the no-interruption reference)."""
+    st = _setup(layout, cfg)
+    losses = [tg.train_step(st) for _ in range(steps)]
+    if dump_dir:
+        dump_local_state(st, dump_dir)
+    dist.barrier()
+    t0 = time.perf_counter()
+    ucp.save(st.model, st.optimizer, st.scheduler, save_dir, st.iteration,
+             extra={"consumed_samples": st.iteration * st.config.global_batch_size}, seed=st.config.seed)
+    save_s = time.perf_counter() - t0
+    continued = [tg.train_step(st) for _ in range(continue_steps)]
+    tg.destroy()
+    return {"losses": losses, "continued": continued, "save_seconds": save_s}
+
+
+def load_and_train(layout: str, cfg: dict, load_dir: str, steps: int, dump_dir: str | None = None,
+                   resave_dir: str | None = None) -> dict:
+    """Load at `layout`, optionally dump and re-save at once, then train `steps`."""
+    st = _setup(layout, cfg)
+    t0 = time.perf_counter()
+    r = ucp.load(st.model, st.optimizer, st.scheduler, load_dir)
+    load_s = time.perf_counter() - t0
+    st.iteration = r.iteration
+    if dump_dir:
+        dump_local_state(st, dump_dir)
+    if resave_dir:
+        ucp.save(st.model, st.optimizer, st.scheduler, resave_dir, st.iteration, extra=r.extra,
+                 seed=st.config.seed)
+    losses = [tg.train_step(st) for _ in range(steps)]
+    tg.destroy()
+    return {"losses": losses, "iteration": r.iteration, "extra": r.extra, "bytes_read": r.bytes_read,
+            "rng_restored": r.rng_restored, "load_seconds": load_s,
+            "lr": [g["lr"] for g in st.optimizer.param_groups]}
+
+
+def train_fresh(layout: str, cfg: dict, steps: int) -> dict:
+    """Train from initialisation (identical at every layout): measures the reduction-order floor."""
+    st = _setup(layout, cfg)
+    losses = [tg.train_step(st) for _ in range(steps)]
+    tg.destroy()
+    return {"losses": losses}
