@@ -32,13 +32,31 @@ def resolve(path: str | Path) -> Path:
     if (path / LATEST).exists():
         target = path / (path / LATEST).read_text().strip()
         if not (target / MANIFEST).exists():
-            raise UCPError(f"{path / LATEST} points to {target.name}, which has no {MANIFEST}; "
-                           "the save did not complete: point --load at an earlier iter_* directory")
+            why = ("does not exist" if not target.exists()
+                   else f"has no {MANIFEST} (its save did not complete)")
+            raise UCPError(f"{path / LATEST} points to {target.name}, which {why}; "
+                           f"pass a complete checkpoint directory instead ({_complete(path)})")
         return target
-    if path.exists() and any(path.glob("iter_*/" + MANIFEST)):
-        raise UCPError(f"{path} has no '{LATEST}' file; pass one of its iter_* directories")
-    raise UCPError(f"{path} is not a megatron-ucp checkpoint (no {MANIFEST} and no {LATEST}); "
-                   "for Megatron-LM torch/torch_dist checkpoints use `megatron-ucp reshard`")
+    if not path.exists():
+        raise UCPError(f"{path} does not exist; pass a save root (the directory given to save, with "
+                       f"a '{LATEST}' file) or one of its iter_* directories")
+    if path.name.startswith(".iter_") and path.name.endswith(".partial"):
+        raise UCPError(f"{path} is an interrupted save (no {MANIFEST}: it was never committed) and "
+                       f"cannot be loaded; pass its save root {path.parent}, whose '{LATEST}' names "
+                       "the last complete checkpoint")
+    if any(path.glob("iter_*/" + MANIFEST)):
+        raise UCPError(f"{path} has no '{LATEST}' file; pass one of its iter_* directories "
+                       f"({_complete(path)})")
+    raise UCPError(f"{path} is not a megatron-ucp checkpoint (no {MANIFEST} and no '{LATEST}' file "
+                   "in it); pass a directory written by megatron_ucp.save (or one of its iter_* "
+                   "directories) or by `megatron-ucp convert`")
+
+
+def _complete(root: Path) -> str:
+    """The committed iter_* checkpoints under `root`, for error messages."""
+    names = sorted(p.parent.name for p in root.glob("iter_*/" + MANIFEST))
+    return (f"complete checkpoints under {root}: {', '.join(names)}" if names
+            else f"there is no complete checkpoint under {root}")
 
 
 def read(ckpt_dir: Path) -> dict:
@@ -46,7 +64,8 @@ def read(ckpt_dir: Path) -> dict:
     try:
         manifest = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise UCPError(f"{path}: cannot read the manifest ({e}); the checkpoint is damaged") from e
+        raise UCPError(f"{path}: cannot read the manifest ({e}); the checkpoint is damaged: "
+                       "restore the file or load another iteration") from e
     if manifest.get("format") != FORMAT:
         raise UCPError(f"{path}: not a {FORMAT} manifest")
     if manifest.get("version", 0) > VERSION:

@@ -59,6 +59,7 @@ class OptimizerIndex:
                    for g in o.optimizer.param_groups for p in g["params"]):
                 o._init_optimizer_states_with_dummy_values()
 
+    @torch.no_grad()
     def set(self, param: torch.nn.Parameter, tensors: dict[str, torch.Tensor], step: float) -> None:
         o = self.owner[param]
         gi, go = o.model_param_group_index_map[param]

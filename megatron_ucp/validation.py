@@ -63,4 +63,5 @@ def check_layout(cfg: dict, layout: Layout, where: str = "checkpoint") -> None:
         problems.append(f"num_moe_experts={experts} is not divisible by EP={layout.ep}")
     if problems:
         raise UCPError(f"{where}: target layout {layout} cannot hold this model: "
-                       + "; ".join(problems) + ". Choose sizes that divide these.")
+                       + "; ".join(problems) + ". Choose parallel sizes that divide these (only the layout "
+                       "may change on load, not the architecture).")

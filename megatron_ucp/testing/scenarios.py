@@ -67,12 +67,18 @@ def train_and_save(layout: str, cfg: dict, steps: int, save_dir: str, continue_s
 
 
 def load_and_train(layout: str, cfg: dict, load_dir: str, steps: int, dump_dir: str | None = None,
-                   resave_dir: str | None = None) -> dict:
-    """Load at `layout`, optionally dump and re-save at once, then train `steps`."""
+                   resave_dir: str | None = None, sabotage: str | None = None) -> dict:
+    """Load at `layout`, optionally dump and re-save at once, then train `steps`.
+
+    sabotage="scheduler" restarts the LR schedule after the load (negative control for tests).
+    """
     st = _setup(layout, cfg)
     t0 = time.perf_counter()
     r = ucp.load(st.model, st.optimizer, st.scheduler, load_dir)
     load_s = time.perf_counter() - t0
+    if sabotage == "scheduler":
+        st.scheduler.num_steps = 0
+        st.scheduler.step(0)
     st.iteration = r.iteration
     if dump_dir:
         dump_local_state(st, dump_dir)

@@ -1,0 +1,1 @@
+"""Benchmarks for megatron-ucp (run `python bench/bench_checkpoint.py --help`)."""

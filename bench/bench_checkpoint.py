@@ -1,0 +1,307 @@
+"""Checkpoint benchmark: megatron_ucp.save/load/convert vs megatron-core dist_checkpointing.
+
+Run from the repository root:   .venv/bin/python bench/bench_checkpoint.py [--json out.json]
+
+Three launches, all real megatron-core (GPT + DDP + DistributedOptimizer) on CPU with gloo:
+1. save at --layout (default TP2xPP2, 4 ranks): train --train-steps so Adam state exists, then
+   --reps rounds of (a) megatron_ucp.save and (b) dist_checkpointing.save (torch_dist, default
+   strategy) of Megatron-LM's sharded state dict with the DistributedOptimizer in dp_reshardable
+   and in fully_reshardable mode. Op order rotates each round. Each op runs between barriers; its
+   time is the max over ranks, and the table shows the median over rounds.
+2. convert (1 process): megatron_ucp.convert of the last ucp save, against copytree+fsync and a
+   plain read of the same bytes.
+3. load at --load-layout (default DP2, 2 ranks): megatron_ucp.load of the fragment save and of the
+   converted universal copy, and dist_checkpointing.load of the fully_reshardable save (the only
+   megatron-core format that loads at another TP/PP), then a cross-check that both loaders
+   produce the same optimizer shard and model weights.
+See bench/_measure.py for how peak memory is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+os.chdir(ROOT)  # launch() runs `python -m megatron_ucp.testing.launch bench._rank:fn` from the cwd
+sys.path.insert(0, str(ROOT))
+
+from bench._measure import dir_bytes  # noqa: E402
+from megatron_ucp.layout import Layout  # noqa: E402
+from megatron_ucp.testing.launch import launch  # noqa: E402
+
+UCP, MCORE_DP, MCORE_FULL = "ucp", "mcore_dp_reshardable", "mcore_fully_reshardable"
+SAVE_LABELS = {UCP: "megatron_ucp.save (fragments)",
+               MCORE_DP: "mcore dist_ckpt save, dp_reshardable",
+               MCORE_FULL: "mcore dist_ckpt save, fully_reshardable"}
+LOAD_LABELS = {"ucp_load": "megatron_ucp.load (fragments)",
+               "ucp_load_universal": "megatron_ucp.load (universal)",
+               "mcore_load": "mcore dist_ckpt load, fully_reshardable"}
+CONVERT_LABELS = {"convert": "megatron_ucp.convert (consolidate)",
+                  "copytree_fsync": "shutil.copytree + fsync (same bytes)",
+                  "read_all": "plain read of all files (same bytes)"}
+MiB = 2**20
+
+
+def resolve_layout(text: str, nprocs: int | None) -> tuple[str, int]:
+    """'tp2pp2' + nprocs 8 -> TP2xPP2xDP2; without nprocs the unnamed DP is 1."""
+    lay = Layout.parse(text)
+    if nprocs is not None and "dp" not in text.lower():
+        per = lay.tp * lay.pp * lay.cp
+        if nprocs % per:
+            raise SystemExit(f"--nprocs {nprocs} is not a multiple of TP*PP*CP={per} ({text})")
+        lay = Layout(tp=lay.tp, pp=lay.pp, dp=nprocs // per, vpp=lay.vpp, cp=lay.cp, ep=lay.ep)
+    if nprocs is not None and nprocs != lay.world_size:
+        raise SystemExit(f"layout {lay} needs {lay.world_size} processes, --nprocs says {nprocs}")
+    name = f"tp{lay.tp}pp{lay.pp}dp{lay.dp}" + (f"vpp{lay.vpp}" if lay.vpp else "") + \
+        (f"cp{lay.cp}" if lay.cp > 1 else "") + (f"ep{lay.ep}" if lay.ep > 1 else "")
+    return name, lay.world_size
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--layout", default="tp2pp2", help="save layout, e.g. tp2pp2, tp2dp2, tp1pp2dp2")
+    p.add_argument("--nprocs", type=int, default=None, help="save ranks (default: the layout's)")
+    p.add_argument("--load-layout", default="dp2", help="load layout (different from --layout)")
+    p.add_argument("--load-nprocs", type=int, default=None, help="load ranks (default: the layout's)")
+    g = p.add_argument_group("model size (params ~ L*(4h^2+2hf) + V*h)")
+    g.add_argument("--num-layers", type=int, default=6)
+    g.add_argument("--hidden-size", type=int, default=512)
+    g.add_argument("--ffn-hidden-size", type=int, default=2048)
+    g.add_argument("--num-attention-heads", type=int, default=8)
+    g.add_argument("--vocab-size", type=int, default=8192)
+    g.add_argument("--seq-length", type=int, default=64)
+    g.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--global-batch-size", type=int, default=4)
+    g = p.add_argument_group("what to run")
+    g.add_argument("--train-steps", type=int, default=1)
+    g.add_argument("--reps", type=int, default=3, help="rounds of every save op")
+    g.add_argument("--load-reps", type=int, default=1, help="rounds of every load op")
+    g.add_argument("--convert-reps", type=int, default=1)
+    g.add_argument("--no-convert", action="store_true", help="skip convert (and the universal load)")
+    g.add_argument("--no-load", action="store_true", help="skip the load launch")
+    g.add_argument("--mcore-fully-parallel", action="store_true",
+                   help="wrap mcore's save strategy in FullyParallelSaveStrategyWrapper over DP "
+                        "(Megatron-LM's default; no effect when DP=1)")
+    g = p.add_argument_group("measurement")
+    g.add_argument("--page-cache", choices=("drop", "keep"), default="drop",
+                   help="evict checkpoint files from the page cache (fadvise) before each load/convert")
+    g.add_argument("--mem-sample-ms", type=float, default=20.0,
+                   help="sampling period for forked writer processes' memory (0: off)")
+    g.add_argument("--workdir", default=None, help="where checkpoints go (default: a new temp dir)")
+    g.add_argument("--keep", action="store_true", help="keep the checkpoints")
+    g.add_argument("--json", default=None, help="write all results here")
+    return p.parse_args(argv)
+
+
+# ------------------------------------------------------------------------------------- aggregation
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def summarize(per_rank: list[dict], op: str) -> dict:
+    """Per op: time per rep = max over ranks; memory = max over ranks and reps."""
+    recs = [[r for r in rank["records"] if r["op"] == op] for rank in per_rank]
+    reps = sorted({r["rep"] for r in recs[0]})
+    secs = [max(next(r["seconds"] for r in rr if r["rep"] == rep) for rr in recs) for rep in reps]
+    flat = [r for rr in recs for r in rr]
+    out = {
+        "seconds_per_rep": secs, "seconds_median": _median(secs), "seconds_min": min(secs),
+        "rss_peak_delta_max": max(r["mem"]["rss_peak_delta"] for r in flat),
+        "rss_peak_max": max(r["mem"]["rss_peak"] for r in flat),
+        "children_uss_peak_max": max(r["mem"]["children_uss_peak"] for r in flat),
+        "rss_peak_delta_per_rank": [max(r["mem"]["rss_peak_delta"] for r in rr) for rr in recs],
+        "mem_exact": all(r["mem"]["exact"] for r in flat),
+        "io_read_bytes_per_rank": [rr[-1]["io_read_bytes"] for rr in recs],
+    }
+    last = [rr[-1] for rr in recs]
+    if "disk_bytes" in last[0]:
+        out["disk_bytes"] = last[0]["disk_bytes"]
+    if isinstance(last[0].get("out"), dict):  # per-rank breakdowns (state dict build / write ...)
+        out["breakdown_rank_max"] = {k: max(r["out"][k] for r in last) for k in last[0]["out"]
+                                     if isinstance(last[0]["out"][k], float)}
+        if "bytes_read" in last[0]["out"]:
+            out["bytes_read_per_rank"] = [r["out"]["bytes_read"] for r in last]
+    return out
+
+
+# ------------------------------------------------------------------------------------------ tables
+
+
+def _fmt_bytes(n: float | None) -> str:
+    return "-" if n is None else f"{n / MiB:,.1f} MiB"
+
+
+def _ratio(x: float, anchor: float | None) -> str:
+    return "-" if not anchor else f"{x / anchor:.2f}x"
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    line = "  ".join("-" * w for w in widths)
+    out = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(headers, widths))),
+           line]
+    for r in rows:
+        out.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    return "\n".join(out)
+
+
+def render(res: dict) -> str:
+    s = res["save"]["summary"]
+    dp, full = s.get(MCORE_DP, {}).get("seconds_median"), s.get(MCORE_FULL, {}).get("seconds_median")
+    lines = [f"== save at {res['save']['layout']} ({res['save']['nprocs']} ranks), "
+             f"{res['model']['params'] / 1e6:.1f}M params, {res['args']['dtype']} model, "
+             f"{res['args']['reps']} rounds ==",
+             table(["operation", "median s", "min s", "vs mcore dp_resh", "vs mcore fully_resh",
+                    "on disk", "peak RSS d (max rank)", "peak RSS", "+forked writers USS"],
+                   [[SAVE_LABELS[op], f"{v['seconds_median']:.3f}", f"{v['seconds_min']:.3f}",
+                     _ratio(v["seconds_median"], dp), _ratio(v["seconds_median"], full),
+                     _fmt_bytes(v.get("disk_bytes")), _fmt_bytes(v["rss_peak_delta_max"]),
+                     _fmt_bytes(v["rss_peak_max"]), _fmt_bytes(v["children_uss_peak_max"])]
+                    for op, v in s.items()])]
+    for op, v in s.items():
+        if "breakdown_rank_max" in v:
+            parts = ", ".join(f"{k} {x:.3f}s" for k, x in v["breakdown_rank_max"].items())
+            lines.append(f"  {op} (last round, max over ranks): {parts}")
+    if "convert" in res:
+        c = res["convert"]["summary"]
+        conv = c["convert"]["seconds_median"]
+        in_bytes = res["convert"]["in_bytes"]
+        lines += ["", f"== consolidation of the ucp save ({_fmt_bytes(in_bytes)} in), 1 process, "
+                  f"page cache {res['args']['page_cache']} ==",
+                  table(["operation", "median s", "MiB/s in", "vs convert", "written", "peak RSS d"],
+                        [[CONVERT_LABELS[op], f"{v['seconds_median']:.3f}",
+                          f"{in_bytes / MiB / v['seconds_median']:,.0f}",
+                          _ratio(v["seconds_median"], conv), _fmt_bytes(v["out_bytes"]),
+                          _fmt_bytes(v["rss_peak_delta_max"])] for op, v in c.items()])]
+    if "load" in res:
+        ld = res["load"]["summary"]
+        anchor = ld.get("mcore_load", {}).get("seconds_median")
+        rows = []
+        for op, v in ld.items():
+            src = res["load"]["source_bytes"][op]
+            br = v.get("bytes_read_per_rank")
+            rows.append([LOAD_LABELS[op], f"{v['seconds_median']:.3f}", _ratio(v["seconds_median"], anchor),
+                         _fmt_bytes(src),
+                         " / ".join(f"{b / MiB:.1f}" for b in br) if br else "-",
+                         f"{sum(br) / src:.2f}" if br else "-",
+                         " / ".join(f"{b / MiB:.1f}" for b in v["io_read_bytes_per_rank"]),
+                         _fmt_bytes(v["rss_peak_delta_max"])])
+        lines += ["", f"== load at {res['load']['layout']} ({res['load']['nprocs']} ranks) from the "
+                  f"{res['save']['layout']} saves, page cache {res['args']['page_cache']} ==",
+                  table(["operation", "median s", "vs mcore load", "ckpt on disk",
+                         "bytes_read/rank MiB", "sum/disk", "OS read_bytes/rank MiB", "peak RSS d"], rows)]
+        for pair, c in res["load"]["checks"].items():
+            lines.append(f"  cross-check {pair}: max |diff| over ranks " +
+                         ", ".join(f"{k}={x:g}" for k, x in c["max_abs_diff"].items()) +
+                         (f"; differing params: {', '.join(c['mismatched'])}" if c["mismatched"]
+                          else "; identical"))
+        lines.append(f"  one train step after the loads: loss {res['load']['loss_after_load']:.4f}")
+    lines += ["", "notes:",
+              "- time: barrier, op, barrier on every rank; max over ranks; median over rounds.",
+              "- on disk: ucp keeps fp32 master weights + Adam moments (model weights are recast from "
+              "the masters at load); mcore also stores the bf16/fp32 model weights and common.pt.",
+              "- peak RSS d: kernel high-water RSS of the rank process during the op (VmHWM reset via "
+              "/proc/self/clear_refs) minus its RSS just before; max over ranks and rounds.",
+              "- +forked writers USS: mcore's torch_dist writer forks processes per rank; sampled peak "
+              "of their unique memory (0 for ucp, which writes in-process).",
+              "- bytes_read/rank: LoadResult.bytes_read (tensor bytes megatron_ucp read); OS read_bytes: "
+              "/proc/self/io of the rank process (storage reads; ~0 when the page cache is kept)."]
+    return "\n".join(lines)
+
+
+# -------------------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    save_layout, nprocs = resolve_layout(args.layout, args.nprocs)
+    load_layout, load_nprocs = resolve_layout(args.load_layout, args.load_nprocs)
+    cfg = {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
+           "ffn_hidden_size": args.ffn_hidden_size, "num_attention_heads": args.num_attention_heads,
+           "vocab_size": args.vocab_size, "seq_length": args.seq_length, "dtype": args.dtype,
+           "micro_batch_size": args.micro_batch_size, "global_batch_size": args.global_batch_size}
+    h, f, v, L = args.hidden_size, args.ffn_hidden_size, args.vocab_size, args.num_layers
+    params = L * (4 * h * h + 2 * h * f + 9 * h + f) + v * h + args.seq_length * h + 2 * h
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="ucp_bench_"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    sample_s = args.mem_sample_ms / 1000
+    res: dict = {"args": vars(args), "model": {"config": cfg, "params": params},
+                 "env": {"cpus": os.cpu_count(), **{p: importlib.metadata.version(p) for p in
+                                                    ("torch", "megatron-core", "megatron-ucp")}}}
+    t_all = time.perf_counter()
+    try:
+        print(f"[bench] save launch: {save_layout} on {nprocs} ranks, ~{params / 1e6:.1f}M params, "
+              f"workdir {workdir}", flush=True)
+        t0 = time.perf_counter()
+        ops = [UCP, MCORE_DP, MCORE_FULL]
+        out = launch(nprocs, "bench._rank:save_bench",
+                     {"layout": save_layout, "cfg": cfg, "train_steps": args.train_steps,
+                      "workdir": str(workdir / "save"), "reps": args.reps, "ops": ops,
+                      "sample_s": sample_s, "mcore_fully_parallel": args.mcore_fully_parallel},
+                     timeout=900)
+        res["save"] = {"layout": save_layout, "nprocs": nprocs, "per_rank": out,
+                       "launch_seconds": time.perf_counter() - t0,
+                       "summary": {op: summarize(out, op) for op in ops}}
+        print(f"[bench] save launch done in {res['save']['launch_seconds']:.1f}s "
+              f"(train {max(r['train_seconds'] for r in out):.1f}s)", flush=True)
+        sources = {"ucp_load": str(workdir / "save" / UCP)}
+        if not args.no_convert:
+            t0 = time.perf_counter()
+            cout = launch(1, "bench._rank:convert_bench",
+                          {"src": str(workdir / "save" / UCP), "workdir": str(workdir / "convert"),
+                           "reps": args.convert_reps, "sample_s": sample_s,
+                           "cold": args.page_cache == "drop"}, timeout=900)[0]
+            summ = {op: summarize([cout], op) for op in CONVERT_LABELS}
+            for op in CONVERT_LABELS:
+                summ[op]["out_bytes"] = next(r["out_bytes"] for r in cout["records"] if r["op"] == op)
+            res["convert"] = {"per_rank": [cout], "summary": summ,
+                              "in_bytes": cout["records"][0]["in_bytes"],
+                              "launch_seconds": time.perf_counter() - t0}
+            sources["ucp_load_universal"] = cout["universal"]
+            print(f"[bench] convert launch done in {res['convert']['launch_seconds']:.1f}s", flush=True)
+        if not args.no_load:
+            sources["mcore_load"] = str(workdir / "save" / MCORE_FULL)
+            t0 = time.perf_counter()
+            lout = launch(load_nprocs, "bench._rank:load_bench",
+                          {"layout": load_layout, "cfg": cfg, "sources": sources, "reps": args.load_reps,
+                           "sample_s": sample_s, "cold": args.page_cache == "drop"}, timeout=900)
+            checks = {pair: {"max_abs_diff": {k: max(r["checks"][pair]["max_abs_diff"][k] for r in lout)
+                                              for k in c["max_abs_diff"]},
+                             "mismatched": sorted({f"rank{r['rank']}:{n}" for r in lout
+                                                   for n in r["checks"][pair]["mismatched"]})}
+                      for pair, c in lout[0]["checks"].items()}
+            res["load"] = {"layout": load_layout, "nprocs": load_nprocs, "per_rank": lout,
+                           "summary": {op: summarize(lout, op) for op in sources},
+                           "source_bytes": {op: dir_bytes(src) for op, src in sources.items()},
+                           "checks": checks, "loss_after_load": lout[0]["loss_after_load"],
+                           "launch_seconds": time.perf_counter() - t0}
+            print(f"[bench] load launch done in {res['load']['launch_seconds']:.1f}s", flush=True)
+    finally:
+        if not args.keep and not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    res["total_seconds"] = time.perf_counter() - t_all
+    text = render(res)
+    print("\n" + text + f"\n\ntotal wall time {res['total_seconds']:.1f}s", flush=True)
+    res["table"] = text
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(res, indent=1, default=str))
+        print(f"[bench] results written to {args.json}")
+    return res
+
+
+if __name__ == "__main__":
+    main()

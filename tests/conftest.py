@@ -1,0 +1,52 @@
+"""Shared fixtures: multi-process source runs are expensive, so each (layout, config) runs once."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from megatron_ucp.testing.launch import launch
+
+SCENARIOS = "megatron_ucp.testing.scenarios"
+STEPS = 3  # steps before the save and after the resume (warm-up 2, then cosine decay)
+FULL = os.environ.get("UCP_FULL_MATRIX") == "1"
+REPORT: dict[str, dict] = {}
+
+
+def nprocs(layout: str) -> int:
+    from megatron_ucp.layout import Layout
+
+    return Layout.parse(layout).world_size
+
+
+class SourceRuns:
+    """Train at a layout, dump the state independently, save, continue (the reference)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.cache: dict[tuple, dict] = {}
+
+    def get(self, layout: str, cfg: dict) -> dict:
+        key = (layout, json.dumps(cfg, sort_keys=True))
+        if key not in self.cache:
+            d = self.root / f"src_{len(self.cache)}_{layout}"
+            res = launch(nprocs(layout), f"{SCENARIOS}:train_and_save",
+                         {"layout": layout, "cfg": cfg, "steps": STEPS, "save_dir": str(d / "ckpt"),
+                          "continue_steps": STEPS, "dump_dir": str(d / "dump")})
+            self.cache[key] = {"dir": d, "ckpt": d / "ckpt", "dump": d / "dump", **res[0]}
+        return self.cache[key]
+
+
+@pytest.fixture(scope="session")
+def source_runs(tmp_path_factory) -> SourceRuns:
+    return SourceRuns(tmp_path_factory.mktemp("sources"))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if REPORT:
+        out = Path(session.config.rootpath) / "out"
+        out.mkdir(exist_ok=True)
+        (out / "transition_report.json").write_text(json.dumps(REPORT, indent=1, sort_keys=True))

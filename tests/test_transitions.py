@@ -1,0 +1,95 @@
+"""Layout transitions with real megatron-core on CPU: save at A, load at B.
+
+For each transition: (a) every model tensor and optimizer-state tensor after the load equals,
+bitwise, the slice of the saved run's full tensors assembled independently (tests/reference.py);
+(b) A -> save -> load at B -> save -> consolidate equals consolidating A's save, bitwise;
+(c) the loss continues: first resumed step within 1e-5 relative of the uninterrupted run, later
+steps within the tolerance measured for reduction-order noise (see test_noise_floor).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import FULL, REPORT, SCENARIOS, STEPS, nprocs
+from reference import assemble, compare_to_reference
+from safetensors import safe_open
+
+import megatron_ucp as ucp
+from megatron_ucp import manifest as mf
+from megatron_ucp.testing.launch import launch
+
+TRANSITIONS = [
+    ("tp2", "tp1"), ("tp1", "tp2"), ("pp2", "pp1"), ("pp1", "pp2"), ("dp2", "dp1"), ("dp1", "dp2"),
+    ("tp2pp2", "dp2"), ("dp2", "tp2"), ("tp2pp2", "tp1"),
+]
+# Relative loss tolerances (first resumed step, later steps). Measured on this model: fp32 <= 6.5e-8
+# at every step; bf16 <= 1.3e-5 first, <= 2.4e-5 later (bf16 matmuls at another TP/DP reduce in
+# another order). A scheduler that is not restored moves the loss by >1e-3 (test_negative_control).
+RTOL = {"fp32": (1e-5, 1e-5), "bf16": (5e-5, 2e-4)}
+REDUCED = {("tp2pp2", "dp2"), ("tp2", "tp1"), ("dp2", "tp2"), ("pp2", "pp1")}
+
+
+def _cases():
+    for dtype in ("fp32", "bf16"):
+        for src, dst in TRANSITIONS:
+            full_only = dtype == "bf16" and (src, dst) not in REDUCED
+            marks = [pytest.mark.full] + ([] if FULL else [pytest.mark.skip("UCP_FULL_MATRIX=1")])
+            yield pytest.param(src, dst, dtype, id=f"{src}->{dst}-{dtype}",
+                               marks=marks if full_only else [])
+
+
+def universal_tensors(ckpt_root, out_dir) -> dict[str, torch.Tensor]:
+    udir = ucp.convert(ckpt_root, out_dir, progress=False)
+    manifest = mf.read(udir)
+    tensors = {}
+    for name, p in manifest["params"].items():
+        for state, e in p["tensors"].items():
+            with safe_open(str(udir / e["file"]), "pt") as f:
+                tensors[f"{name}/{state}"] = f.get_tensor(e["key"])
+        tensors[f"{name}/step"] = torch.tensor(p["step"])
+    return tensors
+
+
+@pytest.mark.parametrize("src,dst,dtype", list(_cases()))
+def test_transition(src, dst, dtype, source_runs, tmp_path):
+    cfg = {"dtype": dtype}
+    source = source_runs.get(src, cfg)
+    res = launch(nprocs(dst), f"{SCENARIOS}:load_and_train",
+                 {"layout": dst, "cfg": cfg, "load_dir": str(source["ckpt"]), "steps": STEPS,
+                  "dump_dir": str(tmp_path / "dump"), "resave_dir": str(tmp_path / "resave")})
+    r0 = res[0]
+    assert r0["iteration"] == STEPS
+    assert r0["extra"] == {"consumed_samples": STEPS * 8}
+    assert r0["rng_restored"] is (src == dst)
+
+    # (a) bitwise state after load, against an independent assembly of the saved run
+    expected = assemble(source["dump"])
+    n = compare_to_reference(tmp_path / "dump", expected)
+    assert n > len(expected)
+
+    # (b) universal round trip: consolidate(A) == consolidate(load at B, save)
+    a = universal_tensors(source["ckpt"], tmp_path / "ua")
+    b = universal_tensors(tmp_path / "resave", tmp_path / "ub")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+    # (c) loss continuity against the uninterrupted run
+    ref, got = source["continued"], r0["losses"]
+    rel = [abs(g - r) / abs(r) for g, r in zip(got, ref)]
+    REPORT[f"{src}->{dst}-{dtype}"] = {"reference": ref, "resumed": got, "rel_delta": rel,
+                                       "bytes_read_per_rank": [r["bytes_read"] for r in res]}
+    first, later = RTOL[dtype]
+    assert rel[0] < first, (ref, got)
+    assert max(rel) < later, (ref, got)
+
+
+def test_negative_control_scheduler_not_restored(source_runs, tmp_path):
+    """The loss check (c) can fail: the same resume with the LR schedule reset misses the reference."""
+    source = source_runs.get("tp2pp2", {"dtype": "fp32"})
+    res = launch(2, f"{SCENARIOS}:load_and_train",
+                 {"layout": "dp2", "cfg": {"dtype": "fp32"}, "load_dir": str(source["ckpt"]),
+                  "steps": STEPS, "sabotage": "scheduler"})
+    rel = [abs(g - r) / abs(r) for g, r in zip(res[0]["losses"], source["continued"])]
+    assert max(rel) > 100 * RTOL["fp32"][1], rel
