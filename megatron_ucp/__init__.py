@@ -8,12 +8,12 @@ import importlib
 
 __version__ = "0.1.0"
 _EXPORTS = {
-    "save": "megatron_ucp.save",
-    "load": "megatron_ucp.load",
-    "LoadResult": "megatron_ucp.load",
+    "save": "megatron_ucp.saver",
+    "load": "megatron_ucp.loader",
+    "LoadResult": "megatron_ucp.loader",
     "convert": "megatron_ucp.consolidate",
     "check_layout": "megatron_ucp.validation",
-    "inspect": "megatron_ucp.inspect",
+    "inspect": "megatron_ucp.inspector",
     "Layout": "megatron_ucp.layout",
     "UCPError": "megatron_ucp.errors",
 }

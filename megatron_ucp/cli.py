@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
 
             convert(args.fragments_dir, args.universal_dir, progress=not args.no_progress)
         elif args.command == "inspect":
-            from megatron_ucp.inspect import inspect
+            from megatron_ucp.inspector import inspect
 
             print(inspect(args.dir))
     except UCPError as e:

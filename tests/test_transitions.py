@@ -51,12 +51,13 @@ def universal_tensors(ckpt_root, out_dir) -> dict[str, torch.Tensor]:
     return tensors
 
 
-@pytest.mark.parametrize("src,dst,dtype", list(_cases()))
-def test_transition(src, dst, dtype, source_runs, tmp_path):
-    cfg = {"dtype": dtype}
+def check_transition(source_runs, tmp_path, src: str, dst: str, cfg: dict, dst_cfg: dict | None = None,
+                     swiglu: bool = False, rtol: tuple[float, float] = (1e-5, 1e-5), name: str = "") -> None:
+    """Save at `src` with `cfg`, load at `dst` with `dst_cfg`; assert (a), (b) and (c)."""
     source = source_runs.get(src, cfg)
     res = launch(nprocs(dst), f"{SCENARIOS}:load_and_train",
-                 {"layout": dst, "cfg": cfg, "load_dir": str(source["ckpt"]), "steps": STEPS,
+                 {"layout": dst, "cfg": cfg if dst_cfg is None else dst_cfg,
+                  "load_dir": str(source["ckpt"]), "steps": STEPS,
                   "dump_dir": str(tmp_path / "dump"), "resave_dir": str(tmp_path / "resave")})
     r0 = res[0]
     assert r0["iteration"] == STEPS
@@ -64,8 +65,8 @@ def test_transition(src, dst, dtype, source_runs, tmp_path):
     assert r0["rng_restored"] is (src == dst)
 
     # (a) bitwise state after load, against an independent assembly of the saved run
-    expected = assemble(source["dump"])
-    n = compare_to_reference(tmp_path / "dump", expected)
+    expected = assemble(source["dump"], swiglu)
+    n = compare_to_reference(tmp_path / "dump", expected, swiglu)
     assert n > len(expected)
 
     # (b) universal round trip: consolidate(A) == consolidate(load at B, save)
@@ -78,11 +79,39 @@ def test_transition(src, dst, dtype, source_runs, tmp_path):
     # (c) loss continuity against the uninterrupted run
     ref, got = source["continued"], r0["losses"]
     rel = [abs(g - r) / abs(r) for g, r in zip(got, ref)]
-    REPORT[f"{src}->{dst}-{dtype}"] = {"reference": ref, "resumed": got, "rel_delta": rel,
+    REPORT[name or f"{src}->{dst}"] = {"reference": ref, "resumed": got, "rel_delta": rel,
                                        "bytes_read_per_rank": [r["bytes_read"] for r in res]}
-    first, later = RTOL[dtype]
-    assert rel[0] < first, (ref, got)
-    assert max(rel) < later, (ref, got)
+    assert rel[0] < rtol[0], (ref, got)
+    assert max(rel) < rtol[1], (ref, got)
+
+
+@pytest.mark.parametrize("src,dst,dtype", list(_cases()))
+def test_transition(src, dst, dtype, source_runs, tmp_path):
+    check_transition(source_runs, tmp_path, src, dst, {"dtype": dtype}, rtol=RTOL[dtype],
+                     name=f"{src}->{dst}-{dtype}")
+
+
+LLAMA = {"swiglu": True, "num_query_groups": 2, "normalization": "RMSNorm",
+         "position_embedding_type": "rope", "untie_embeddings": True, "add_bias_linear": False,
+         "qk_layernorm": True}
+SP = {"sequence_parallel": True}
+FEATURES = [
+    # id, src, dst, source cfg, target cfg (None: same)
+    ("llama-gqa2", "tp2", "tp1", LLAMA, None),
+    ("llama-gqa2", "tp1", "tp2", LLAMA, None),
+    ("sp", "tp2", "tp1", SP, {}),
+    ("sp", "tp1", "tp2", {}, SP),
+    ("vpp", "pp2vpp2", "pp1", {}, None),
+    ("vpp", "pp1", "pp2vpp2", {}, None),
+    ("llama-bf16", "tp2pp2", "dp2", {**LLAMA, "dtype": "bf16"}, None),
+]
+
+
+@pytest.mark.parametrize("feature,src,dst,cfg,dst_cfg", [
+    pytest.param(*f, id=f"{f[0]}:{f[1]}->{f[2]}") for f in FEATURES])
+def test_feature_transition(feature, src, dst, cfg, dst_cfg, source_runs, tmp_path):
+    check_transition(source_runs, tmp_path, src, dst, cfg, dst_cfg, swiglu=cfg.get("swiglu", False),
+                     rtol=RTOL[cfg.get("dtype", "fp32")], name=f"{feature}:{src}->{dst}")
 
 
 def test_negative_control_scheduler_not_restored(source_runs, tmp_path):

@@ -3,7 +3,7 @@
 `save_then_die` trains, commits one checkpoint normally, trains on, and starts a second save in
 which one rank stops half-way through writing its rank file, touches a marker file and waits to be
 SIGKILLed by `launch(..., kill_rank_after=(victim, marker))`. Only that process's own reference to
-`write_rank_file` (as imported by megatron_ucp.save) is replaced; megatron-core is untouched.
+`write_rank_file` (as imported by megatron_ucp.saver) is replaced; megatron-core is untouched.
 """
 
 from __future__ import annotations
@@ -22,9 +22,7 @@ from megatron_ucp.testing import tiny_gpt as tg
 
 
 def _save_module():
-    # Imported here, after the shim. Not via `megatron_ucp.save`: once the submodule is imported,
-    # that attribute of the package is the module, not the function.
-    return importlib.import_module("megatron_ucp.save")
+    return importlib.import_module("megatron_ucp.saver")  # imported after the shim
 
 
 def _dying_write_rank_file(marker: str):

@@ -7,6 +7,7 @@ global batches and losses are comparable across layouts.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from functools import partial
@@ -27,9 +28,41 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 
 from megatron_ucp.layout import Layout
 from megatron_ucp.testing import cpu_shim  # noqa: F401  (must precede megatron.core)
+
+
+class SequenceParallelTorchNorm:
+    """megatron-core's WrappedTorchNorm without its "no sequence parallel" assert.
+
+    Without Apex/TE, megatron-core 0.16 has no norm that allows sequence parallelism. Like Apex's
+    FusedLayerNorm, this marks the weights `sequence_parallel` so finalize_model_grads all-reduces
+    their gradients over TP (each TP rank sees only its sequence shard).
+    """
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **unused):
+        norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+        norm = norm_cls(hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def _replace_norms(spec, norm_cls):
+    """Copy of a layer spec with every WrappedTorchNorm replaced by `norm_cls`."""
+    if spec is WrappedTorchNorm:
+        return norm_cls
+    if isinstance(spec, ModuleSpec) or dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        return dataclasses.replace(spec, **{f.name: _replace_norms(getattr(spec, f.name), norm_cls)
+                                            for f in dataclasses.fields(spec)})
+    return spec
 
 
 @dataclass
@@ -116,6 +149,11 @@ def transformer_config(cfg: TinyGPTConfig, layout: Layout) -> TransformerConfig:
         bias_dropout_fusion=False,
         persist_layer_norm=False,
         apply_rope_fusion=False,
+        # As Megatron-LM does for interleaved schedules (overlap_p2p_comm -> no batched p2p): with
+        # PP=2 the next and prev stage are the same rank, and batched isend/irecv would pair a
+        # backward gradient with a forward activation of the same shape.
+        batch_p2p_comm=not layout.vpp,
+        overlap_p2p_comm=bool(layout.vpp),
         **cfg.extra,
     )
 
@@ -125,10 +163,17 @@ def build(cfg: TinyGPTConfig, layout: Layout) -> TrainState:
     torch.manual_seed(cfg.seed)  # identical on every rank: full weights drawn on CPU, then split
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
     tf_config = transformer_config(cfg, layout)
-    spec = get_gpt_layer_local_spec(qk_layernorm=cfg.qk_layernorm, normalization=cfg.normalization)
+    layer_spec = get_gpt_layer_local_spec(qk_layernorm=cfg.qk_layernorm, normalization=cfg.normalization)
     chunks = []
     for vp_stage in range(layout.vpp or 1):
         vp = vp_stage if layout.vpp else None
+        spec = layer_spec
+        if cfg.sequence_parallel:
+            n = get_num_layers_to_build(tf_config, vp_stage=vp)
+            spec = TransformerBlockSubmodules(
+                layer_specs=[_replace_norms(layer_spec, SequenceParallelTorchNorm)] * n,
+                layer_norm=SequenceParallelTorchNorm,
+            )
         model = GPTModel(
             config=tf_config,
             transformer_layer_spec=spec,
