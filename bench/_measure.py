@@ -4,11 +4,15 @@ Peak memory (`PeakMemory`):
 - `rss_peak` is the kernel's exact high-water mark of this process's resident set (VmHWM from
   /proc/self/status), reset to the current RSS on entry by writing "5" to /proc/self/clear_refs
   (Linux >= 4.0, allowed for a process on itself). Where that is not possible it falls back to
-  sampling RSS in a thread and says so (`exact: false`).
+  sampling RSS in a thread and says so (`exact: false`). RSS includes file pages mapped into the
+  process (safetensors and torch_dist readers mmap checkpoint files), which are page cache the
+  kernel can drop, so `anon_peak` also tracks anonymous memory (RssAnon: heap, tensors), sampled.
 - `children_uss_peak` is the largest sum, over one sample, of the unique set size (memory no other
-  process shares) of this process's descendants, sampled every `sample_s` seconds. megatron-core's
-  torch_dist writer forks worker processes to write files; their private memory is not in the
-  parent's RSS, and their copy-on-write pages shared with the parent are already counted there,
+  process shares) of this process's descendants, sampled every `sample_s` seconds, and
+  `children_uss_before` the same sum for the children alive at entry. megatron-core's torch_dist
+  writer forks worker processes per save to write files, and on its first save spawns a
+  multiprocessing Manager process that stays alive; their private memory is not in the parent's
+  RSS, and forked workers' copy-on-write pages shared with the parent are already counted there,
   so USS is the honest amount to add. Sampling can miss short spikes.
 """
 
@@ -22,15 +26,19 @@ from pathlib import Path
 import psutil
 
 
-def _vm_hwm() -> int | None:
-    """Peak RSS of this process in bytes (VmHWM), None where /proc is not available."""
+def _status(field: str) -> int | None:
+    """A memory field of /proc/self/status (VmHWM, RssAnon, ...) in bytes; None if unavailable."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
+
+
+def _vm_hwm() -> int | None:
+    return _status("VmHWM")
 
 
 def _reset_hwm() -> bool:
@@ -53,14 +61,18 @@ class PeakMemory:
         self._children_peak = 0
         self._self_peak = 0
 
-    def _sample(self) -> None:
+    def _children_uss(self) -> int:
         total = 0
         for child in self.proc.children(recursive=True):
             try:
                 total += child.memory_full_info().uss
             except psutil.Error:  # the child exited between listing and reading
                 pass
-        self._children_peak = max(self._children_peak, total)
+        return total
+
+    def _sample(self) -> None:
+        self._children_peak = max(self._children_peak, self._children_uss())
+        self._anon_peak = max(self._anon_peak, _status("RssAnon") or 0)
         if not self._exact:
             self._self_peak = max(self._self_peak, self.proc.memory_info().rss)
 
@@ -72,6 +84,9 @@ class PeakMemory:
         self._exact = _reset_hwm()
         self._before = self.proc.memory_info().rss
         self._self_peak = self._before
+        self._anon_before = self._anon_peak = _status("RssAnon") or 0
+        self._children_before = self._children_uss() if self.sample_s > 0 else 0
+        self._children_peak = self._children_before
         if self.sample_s > 0:
             self._thread = threading.Thread(target=self._run, daemon=True)
             self._thread.start()
@@ -82,9 +97,13 @@ class PeakMemory:
         if self._thread is not None:
             self._thread.join()
         after = self.proc.memory_info().rss
+        self._anon_peak = max(self._anon_peak, _status("RssAnon") or 0)
         peak = _vm_hwm() if self._exact else max(self._self_peak, after)
         self.result = {"rss_before": self._before, "rss_peak": peak, "rss_after": after,
                        "rss_peak_delta": peak - self._before,
+                       "anon_before": self._anon_before, "anon_peak": self._anon_peak,
+                       "anon_peak_delta": self._anon_peak - self._anon_before,
+                       "children_uss_before": self._children_before,
                        "children_uss_peak": self._children_peak, "exact": self._exact}
 
 

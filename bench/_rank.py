@@ -34,15 +34,10 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.utils import unwrap_model
 
+import megatron_ucp as ucp
 from bench._measure import PeakMemory, dir_bytes, drop_page_cache, proc_io
-from megatron_ucp.consolidate import convert as ucp_convert
 from megatron_ucp.layout import Layout
-from megatron_ucp.load import load as ucp_load
 from megatron_ucp.optimizer_state import STATES, OptimizerIndex
-from megatron_ucp.save import save as ucp_save
-
-# Not `megatron_ucp.save(...)`: the package's lazy attribute returns the function on first access
-# only; importing the submodule `megatron_ucp.save` then shadows it with the module (same for load).
 
 UCP = "ucp"
 MCORE_DP = "mcore_dp_reshardable"
@@ -57,8 +52,13 @@ def _setup(layout: str, cfg: dict) -> tg.TrainState:
 
 
 def _timed(fn: Callable[[], Any], sample_s: float, collective: bool = True) -> dict:
-    """Run `fn` between barriers; wall seconds, peak memory, /proc/self/io deltas, fn's result."""
+    """Run `fn` between barriers; wall seconds, peak memory, /proc/self/io deltas, fn's result.
+
+    Before starting, flush all dirty pages (os.sync) so an op does not pay for the previous op's
+    writeback, and collect garbage so freed tensors of the previous op are not counted.
+    """
     gc.collect()
+    os.sync()
     if collective:
         dist.barrier()
     io0 = proc_io()
@@ -77,6 +77,14 @@ def _timed(fn: Callable[[], Any], sample_s: float, collective: bool = True) -> d
 def _fresh_dir(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
+
+
+def _keep_or_remove(path: Path, keep_as: Path | None) -> None:
+    if keep_as is None:
+        shutil.rmtree(path)
+        return
+    shutil.rmtree(keep_as, ignore_errors=True)
+    path.rename(keep_as)
 
 
 def _rank0_then_barrier(fn: Callable[[], Any]) -> Any:
@@ -199,10 +207,12 @@ def mcore_load(st: tg.TrainState, ckpt_dir: Path) -> dict:
 
 
 def save_bench(layout: str, cfg: dict, train_steps: int, workdir: str, reps: int, ops: list[str],
-               sample_s: float, mcore_fully_parallel: bool = False) -> dict:
-    """Train `train_steps`, then save `reps` times with every op in `ops` (order rotated per rep).
+               sample_s: float, warmup: int = 1, mcore_fully_parallel: bool = False) -> dict:
+    """Train `train_steps`, then save `warmup` + `reps` rounds of every op in `ops`.
 
-    Keeps the last repetition of each op on disk under `workdir/<op>` for the load benchmark.
+    Warm-up rounds have negative `rep` and pay one-time costs (first dist_checkpointing save spawns
+    a multiprocessing Manager, lazy imports). The op order rotates each timed round. Keeps the last
+    round of each op on disk under `workdir/<op>` for the load benchmark.
     """
     st = _setup(layout, cfg)
     t0 = time.perf_counter()
@@ -210,14 +220,14 @@ def save_bench(layout: str, cfg: dict, train_steps: int, workdir: str, reps: int
     train_s = time.perf_counter() - t0
     rank, work = dist.get_rank(), Path(workdir)
     records = []
-    for rep in range(reps):
-        order = ops[rep % len(ops):] + ops[:rep % len(ops)]
-        for op in order:
+    for rep in range(-warmup, reps):
+        k = max(rep, 0) % len(ops)
+        for op in ops[k:] + ops[:k]:
             target = work / f"{op}.rep{rep}"
             _rank0_then_barrier(lambda t=target: _fresh_dir(t))
             if op == UCP:
                 def fn(t: Path = target) -> None:
-                    ucp_save(st.model, st.optimizer, st.scheduler, t, st.iteration, seed=st.config.seed)
+                    ucp.save(st.model, st.optimizer, st.scheduler, t, st.iteration, seed=st.config.seed)
             else:
                 def fn(t: Path = target, o: str = op) -> dict:
                     return mcore_save(st, t, SHARDING[o], mcore_fully_parallel)
@@ -225,17 +235,9 @@ def save_bench(layout: str, cfg: dict, train_steps: int, workdir: str, reps: int
             rec.update(op=op, rep=rep)
             rec["disk_bytes"] = _rank0_then_barrier(lambda t=target: dir_bytes(t))
             records.append(rec)
-    # keep the last repetition of each op as `workdir/<op>`, remove the others
-    def _tidy() -> None:
-        for op in ops:
-            for rep in range(reps):
-                d = work / f"{op}.rep{rep}"
-                if rep == reps - 1:
-                    shutil.rmtree(work / op, ignore_errors=True)
-                    d.rename(work / op)
-                else:
-                    shutil.rmtree(d)
-    _rank0_then_barrier(_tidy)
+            # keep the last round as `workdir/<op>`; delete the others at once (untimed)
+            keep = work / op if rep == reps - 1 else None
+            _rank0_then_barrier(lambda t=target, k=keep: _keep_or_remove(t, k))
     n_local = sum(p.numel() for m in st.model for p in m.parameters())
     coords = {"tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
               "dp": ps.get_data_parallel_rank()}
@@ -282,7 +284,7 @@ def convert_bench(src: str, workdir: str, reps: int, sample_s: float, cold: bool
             if cold:
                 drop_page_cache(ckpt)
             fn: Callable[[], Any] = {
-                "convert": lambda o=out: str(ucp_convert(ckpt, o, progress=False)),
+                "convert": lambda o=out: str(ucp.convert(ckpt, o, progress=False)),
                 "copytree_fsync": lambda o=out: _copy_and_fsync(ckpt, o),
                 "read_all": lambda: _read_all(ckpt),
             }[op]
@@ -308,12 +310,45 @@ def _snapshot(st: tg.TrainState) -> dict[str, dict[str, torch.Tensor]]:
     for ci, chunk in enumerate(st.model):
         for name, p in unwrap_model(chunk).named_parameters():
             entry = {"model": p.detach().clone()}
-            if index.shard_range(p) is not None:
+            shard = index.shard_range(p)
+            if shard is not None:
                 tensors, step = index.get(p)
                 entry.update({k: v.clone() for k, v in tensors.items()})
                 entry["step"] = torch.tensor(step)
+                # the model weight is the master weight cast to the model dtype after every step
+                recast = tensors["param"].to(p.dtype).float()
+                entry["master_vs_model"] = torch.tensor(float(
+                    (p.detach().reshape(-1)[shard[0]:shard[1]].float() - recast).abs().max()))
             out[f"{ci}.{name}"] = entry
     return out
+
+
+POISON = 12288.0  # exactly representable in bf16; far from any trained value
+
+
+@torch.no_grad()
+def _poison(st: tg.TrainState) -> None:
+    """Overwrite model weights, fp32 master weights and Adam state with POISON before a load, so
+    state a loader leaves untouched shows up in the cross-checks instead of carrying over."""
+    for chunk in st.model:
+        for p in chunk.parameters():
+            p.fill_(POISON)
+    for o in OptimizerIndex(st.optimizer).opts:
+        for group in o.optimizer.param_groups:
+            for p in group["params"]:
+                p.fill_(POISON)
+                for v in o.optimizer.state.get(p, {}).values():
+                    if torch.is_tensor(v):
+                        v.fill_(POISON)
+
+
+def _consistency(snap: dict) -> dict:
+    """max |cast(master) - model weight| over this rank's shard: 0 when the loaded optimizer state
+    agrees with the loaded model weights (they were equal when the checkpoint was saved)."""
+    bad = [n for n, e in snap.items() if "master_vs_model" in e and float(e["master_vs_model"]) > 0]
+    worst = max((float(e["master_vs_model"]) for e in snap.values() if "master_vs_model" in e),
+                default=0.0)
+    return {"max_abs_diff": worst, "mismatched": bad}
 
 
 def _compare(a: dict, b: dict) -> dict:
@@ -321,7 +356,8 @@ def _compare(a: dict, b: dict) -> dict:
     diff = {k: 0.0 for k in ("model", *STATES, "step")}
     mismatched = []
     for name, ea in a.items():
-        eb = b[name]
+        ea = {k: v for k, v in ea.items() if k != "master_vs_model"}
+        eb = {k: v for k, v in b[name].items() if k != "master_vs_model"}
         if ea.keys() != eb.keys():
             raise RuntimeError(f"{name}: states differ between the two loads: {ea.keys()} vs {eb.keys()}")
         worst = 0.0
@@ -338,19 +374,26 @@ def load_bench(layout: str, cfg: dict, sources: dict[str, str], reps: int, sampl
                cold: bool) -> dict:
     """Load each source (op -> directory) `reps` times at `layout`; cross-check the loaded states.
 
+    The state is poisoned before every load, and each op's last load is snapshotted; the snapshots
+    are compared pairwise and each is checked for master/model-weight consistency.
+
     ops: "ucp_load" / "ucp_load_universal" (megatron_ucp.load) and "mcore_load" (a megatron-core
     fully_reshardable checkpoint through dist_checkpointing.load, as Megatron-LM loads it).
     """
     st = _setup(layout, cfg)
+    # Allocate Adam state up front (untimed): a fresh optimizer has none, and whichever loader ran
+    # first would otherwise pay for allocating it (both loaders do this themselves when needed).
+    OptimizerIndex(st.optimizer).ensure_state()
     rank = dist.get_rank()
     records, snapshots = [], {}
     for rep in range(reps):
         for op, src in sources.items():
+            _poison(st)
             if cold:
                 _rank0_then_barrier(lambda s=src: drop_page_cache(s))
             if op.startswith("ucp"):
                 def fn(s: str = src) -> dict:
-                    r = ucp_load(st.model, st.optimizer, st.scheduler, s)
+                    r = ucp.load(st.model, st.optimizer, st.scheduler, s)
                     st.iteration = r.iteration
                     return {"bytes_read": r.bytes_read, "rng_restored": r.rng_restored}
             else:
@@ -364,6 +407,8 @@ def load_bench(layout: str, cfg: dict, sources: dict[str, str], reps: int, sampl
     ops = list(sources)
     checks = {f"{a} vs {b}": _compare(snapshots[a], snapshots[b])
               for i, a in enumerate(ops) for b in ops[i + 1:]}
+    consistency = {op: _consistency(snap) for op, snap in snapshots.items()}
     loss_after = tg.train_step(st)  # the loaded state trains (finite loss)
     tg.destroy()
-    return {"rank": rank, "records": records, "checks": checks, "loss_after_load": loss_after}
+    return {"rank": rank, "records": records, "checks": checks, "consistency": consistency,
+            "loss_after_load": loss_after}

@@ -85,9 +85,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--global-batch-size", type=int, default=4)
     g = p.add_argument_group("what to run")
     g.add_argument("--train-steps", type=int, default=1)
-    g.add_argument("--reps", type=int, default=3, help="rounds of every save op")
-    g.add_argument("--load-reps", type=int, default=1, help="rounds of every load op")
-    g.add_argument("--convert-reps", type=int, default=1)
+    g.add_argument("--reps", type=int, default=3, help="timed rounds of every save op")
+    g.add_argument("--warmup", type=int, default=1,
+                   help="untimed first rounds of every save op (reported as '1st call')")
+    g.add_argument("--load-reps", type=int, default=3, help="rounds of every load op")
+    g.add_argument("--convert-reps", type=int, default=2)
     g.add_argument("--no-convert", action="store_true", help="skip convert (and the universal load)")
     g.add_argument("--no-load", action="store_true", help="skip the load launch")
     g.add_argument("--mcore-fully-parallel", action="store_true",
@@ -97,7 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--page-cache", choices=("drop", "keep"), default="drop",
                    help="evict checkpoint files from the page cache (fadvise) before each load/convert")
     g.add_argument("--mem-sample-ms", type=float, default=20.0,
-                   help="sampling period for forked writer processes' memory (0: off)")
+                   help="sampling period for child processes' USS and anonymous RSS (0: off)")
     g.add_argument("--workdir", default=None, help="where checkpoints go (default: a new temp dir)")
     g.add_argument("--keep", action="store_true", help="keep the checkpoints")
     g.add_argument("--json", default=None, help="write all results here")
@@ -112,26 +114,39 @@ def _median(xs: list[float]) -> float:
 
 
 def summarize(per_rank: list[dict], op: str) -> dict:
-    """Per op: time per rep = max over ranks; memory = max over ranks and reps."""
+    """Per op: time per round = max over ranks, median over timed rounds (rep >= 0); memory = max
+    over ranks and timed rounds. Warm-up rounds (rep < 0) give `first_call_seconds` only."""
     recs = [[r for r in rank["records"] if r["op"] == op] for rank in per_rank]
     reps = sorted({r["rep"] for r in recs[0]})
-    secs = [max(next(r["seconds"] for r in rr if r["rep"] == rep) for rr in recs) for rep in reps]
-    flat = [r for rr in recs for r in rr]
+
+    def seconds(rep: int) -> float:
+        return max(next(r["seconds"] for r in rr if r["rep"] == rep) for rr in recs)
+
+    secs = [seconds(rep) for rep in reps if rep >= 0]
+    timed = [[r for r in rr if r["rep"] >= 0] for rr in recs]
+    flat = [r for rr in timed for r in rr]
+    mem = [r["mem"] for r in flat]
     out = {
         "seconds_per_rep": secs, "seconds_median": _median(secs), "seconds_min": min(secs),
-        "rss_peak_delta_max": max(r["mem"]["rss_peak_delta"] for r in flat),
-        "rss_peak_max": max(r["mem"]["rss_peak"] for r in flat),
-        "children_uss_peak_max": max(r["mem"]["children_uss_peak"] for r in flat),
-        "rss_peak_delta_per_rank": [max(r["mem"]["rss_peak_delta"] for r in rr) for rr in recs],
-        "mem_exact": all(r["mem"]["exact"] for r in flat),
-        "io_read_bytes_per_rank": [rr[-1]["io_read_bytes"] for rr in recs],
+        "first_call_seconds": seconds(min(reps)) if min(reps) < 0 else None,
+        "rss_peak_delta_max": max(m["rss_peak_delta"] for m in mem),
+        "rss_peak_max": max(m["rss_peak"] for m in mem),
+        "rss_peak_delta_per_rank": [max(r["mem"]["rss_peak_delta"] for r in rr) for rr in timed],
+        "anon_peak_delta_max": max(m["anon_peak_delta"] for m in mem),
+        "children_uss_peak_max": max(m["children_uss_peak"] for m in mem),
+        "children_uss_added_max": max(m["children_uss_peak"] - m["children_uss_before"] for m in mem),
+        "children_uss_before_max": max(m["children_uss_before"] for m in mem),
+        "mem_exact": all(m["exact"] for m in mem),
+        "io_read_bytes_per_rank": [rr[-1]["io_read_bytes"] for rr in timed],
     }
-    last = [rr[-1] for rr in recs]
+    last = [rr[-1] for rr in timed]
     if "disk_bytes" in last[0]:
         out["disk_bytes"] = last[0]["disk_bytes"]
     if isinstance(last[0].get("out"), dict):  # per-rank breakdowns (state dict build / write ...)
-        out["breakdown_rank_max"] = {k: max(r["out"][k] for r in last) for k in last[0]["out"]
-                                     if isinstance(last[0]["out"][k], float)}
+        keys = [k for k, x in last[0]["out"].items() if isinstance(x, float)]
+        rounds = list(zip(*timed))  # rounds[i] = every rank's record of timed round i
+        out["breakdown_median_of_rank_max"] = {
+            k: _median([max(r["out"][k] for r in rnd) for rnd in rounds]) for k in keys}
         if "bytes_read" in last[0]["out"]:
             out["bytes_read_per_rank"] = [r["out"]["bytes_read"] for r in last]
     return out
@@ -164,28 +179,35 @@ def render(res: dict) -> str:
     lines = [f"== save at {res['save']['layout']} ({res['save']['nprocs']} ranks), "
              f"{res['model']['params'] / 1e6:.1f}M params, {res['args']['dtype']} model, "
              f"{res['args']['reps']} rounds ==",
-             table(["operation", "median s", "min s", "vs mcore dp_resh", "vs mcore fully_resh",
-                    "on disk", "peak RSS d (max rank)", "peak RSS", "+forked writers USS"],
-                   [[SAVE_LABELS[op], f"{v['seconds_median']:.3f}", f"{v['seconds_min']:.3f}",
+             table(["operation", "median s", "rounds s", "1st call s", "vs mcore dp_resh",
+                    "vs mcore fully_resh", "on disk", "peak RSS d", "anon d",
+                    "child procs USS: +op / before"],
+                   [[SAVE_LABELS[op], f"{v['seconds_median']:.3f}",
+                     " ".join(f"{x:.2f}" for x in v["seconds_per_rep"]),
+                     "-" if v["first_call_seconds"] is None else f"{v['first_call_seconds']:.3f}",
                      _ratio(v["seconds_median"], dp), _ratio(v["seconds_median"], full),
                      _fmt_bytes(v.get("disk_bytes")), _fmt_bytes(v["rss_peak_delta_max"]),
-                     _fmt_bytes(v["rss_peak_max"]), _fmt_bytes(v["children_uss_peak_max"])]
+                     _fmt_bytes(v["anon_peak_delta_max"]),
+                     f"+{v['children_uss_added_max'] / MiB:,.1f} / "
+                     f"{v['children_uss_before_max'] / MiB:,.0f} MiB"]
                     for op, v in s.items()])]
     for op, v in s.items():
-        if "breakdown_rank_max" in v:
-            parts = ", ".join(f"{k} {x:.3f}s" for k, x in v["breakdown_rank_max"].items())
-            lines.append(f"  {op} (last round, max over ranks): {parts}")
+        if "breakdown_median_of_rank_max" in v:
+            parts = ", ".join(f"{k} {x:.3f}s" for k, x in v["breakdown_median_of_rank_max"].items())
+            lines.append(f"  {op} parts (max over ranks, median over rounds): {parts}")
     if "convert" in res:
         c = res["convert"]["summary"]
         conv = c["convert"]["seconds_median"]
         in_bytes = res["convert"]["in_bytes"]
         lines += ["", f"== consolidation of the ucp save ({_fmt_bytes(in_bytes)} in), 1 process, "
                   f"page cache {res['args']['page_cache']} ==",
-                  table(["operation", "median s", "MiB/s in", "vs convert", "written", "peak RSS d"],
+                  table(["operation", "median s", "MiB/s in", "vs convert", "written", "peak RSS d",
+                         "anon d"],
                         [[CONVERT_LABELS[op], f"{v['seconds_median']:.3f}",
                           f"{in_bytes / MiB / v['seconds_median']:,.0f}",
                           _ratio(v["seconds_median"], conv), _fmt_bytes(v["out_bytes"]),
-                          _fmt_bytes(v["rss_peak_delta_max"])] for op, v in c.items()])]
+                          _fmt_bytes(v["rss_peak_delta_max"]), _fmt_bytes(v["anon_peak_delta_max"])]
+                         for op, v in c.items()])]
     if "load" in res:
         ld = res["load"]["summary"]
         anchor = ld.get("mcore_load", {}).get("seconds_median")
@@ -197,38 +219,105 @@ def render(res: dict) -> str:
                          _fmt_bytes(src),
                          " / ".join(f"{b / MiB:.1f}" for b in br) if br else "-",
                          f"{sum(br) / src:.2f}" if br else "-",
-                         " / ".join(f"{b / MiB:.1f}" for b in v["io_read_bytes_per_rank"]),
-                         _fmt_bytes(v["rss_peak_delta_max"])])
+                         _fmt_bytes(sum(v["io_read_bytes_per_rank"])),
+                         _fmt_bytes(v["rss_peak_delta_max"]), _fmt_bytes(v["anon_peak_delta_max"])])
         lines += ["", f"== load at {res['load']['layout']} ({res['load']['nprocs']} ranks) from the "
                   f"{res['save']['layout']} saves, page cache {res['args']['page_cache']} ==",
-                  table(["operation", "median s", "vs mcore load", "ckpt on disk",
-                         "bytes_read/rank MiB", "sum/disk", "OS read_bytes/rank MiB", "peak RSS d"], rows)]
+                  table(["operation", "median s", "vs mcore load", "ckpt on disk", "bytes_read/rank MiB",
+                         "sum/disk", "OS read_bytes, all ranks", "peak RSS d", "anon d"], rows)]
         for pair, c in res["load"]["checks"].items():
             lines.append(f"  cross-check {pair}: max |diff| over ranks " +
                          ", ".join(f"{k}={x:g}" for k, x in c["max_abs_diff"].items()) +
                          (f"; differing params: {', '.join(c['mismatched'])}" if c["mismatched"]
                           else "; identical"))
+        for op, c in res["load"]["consistency"].items():
+            lines.append(f"  {op}: max |cast(fp32 master) - loaded model weight| = {c['max_abs_diff']:g}" +
+                         (f" in {', '.join(c['mismatched'])}" if c["mismatched"] else " (consistent)"))
         lines.append(f"  one train step after the loads: loss {res['load']['loss_after_load']:.4f}")
-    lines += ["", "notes:",
-              "- time: barrier, op, barrier on every rank; max over ranks; median over rounds.",
+    la0, la1 = res["loadavg_before"], res["loadavg_after"]
+    lines += ["", f"host: {res['env']['cpus']} CPUs, load average (1 min) {la0:.1f} before, {la1:.1f} "
+              "after; torch " + res["env"]["torch"] + ", megatron-core " + res["env"]["megatron-core"],
+              "notes:",
+              "- time: barrier, op, barrier on every rank; max over ranks; median over rounds (op order "
+              "rotates per round; os.sync() before each op). 1st call: an untimed warm-up round.",
               "- on disk: ucp keeps fp32 master weights + Adam moments (model weights are recast from "
               "the masters at load); mcore also stores the bf16/fp32 model weights and common.pt.",
               "- peak RSS d: kernel high-water RSS of the rank process during the op (VmHWM reset via "
-              "/proc/self/clear_refs) minus its RSS just before; max over ranks and rounds.",
-              "- +forked writers USS: mcore's torch_dist writer forks processes per rank; sampled peak "
-              "of their unique memory (0 for ucp, which writes in-process).",
-              "- bytes_read/rank: LoadResult.bytes_read (tensor bytes megatron_ucp read); OS read_bytes: "
-              "/proc/self/io of the rank process (storage reads; ~0 when the page cache is kept)."]
+              "/proc/self/clear_refs) minus its RSS just before; max over ranks and rounds. It counts "
+              "mmapped checkpoint pages (reclaimable page cache); anon d is the sampled peak of "
+              "anonymous memory (RssAnon: heap, tensors) over its value before the op.",
+              "- child procs USS: sampled peak unique memory of the rank's child processes, added during "
+              "the op (+) and alive before it. mcore's torch_dist writer forks writer processes per "
+              "save and, on its first save, spawns a multiprocessing Manager that stays alive (the "
+              "'alive before' part); ucp writes in-process.",
+              "- bytes_read/rank: LoadResult.bytes_read (tensor bytes megatron_ucp read); sum/disk > 1 "
+              "when ranks hold replicas (tied embeddings on both PP ends). OS read_bytes: /proc/self/io "
+              "of the rank processes, last round (storage reads; ~0 when the page cache is kept).",
+              "- load: the load run allocates Adam state before timing and overwrites all model and "
+              "optimizer state with a sentinel before every load, so the cross-checks see only what "
+              "each loader wrote."]
     return "\n".join(lines)
 
 
 # -------------------------------------------------------------------------------------------- main
 
 
+def _merge_checks(per_rank: list[dict], key: str) -> dict:
+    """Per-rank {name: {max_abs_diff: float | {state: float}, mismatched: [...]}} -> max over ranks."""
+    out = {}
+    for name, first in per_rank[0][key].items():
+        diffs = [r[key][name]["max_abs_diff"] for r in per_rank]
+        merged = ({k: max(d[k] for d in diffs) for k in first["max_abs_diff"]}
+                  if isinstance(first["max_abs_diff"], dict) else max(diffs))
+        out[name] = {"max_abs_diff": merged,
+                     "mismatched": sorted({f"rank{r['rank']}:{n}" for r in per_rank
+                                           for n in r[key][name]["mismatched"]})}
+    return out
+
+
+def run_save(args: argparse.Namespace, cfg: dict, workdir: Path, sample_s: float) -> dict:
+    layout, nprocs = resolve_layout(args.layout, args.nprocs)
+    t0 = time.perf_counter()
+    ops = [UCP, MCORE_DP, MCORE_FULL]
+    out = launch(nprocs, "bench._rank:save_bench",
+                 {"layout": layout, "cfg": cfg, "train_steps": args.train_steps,
+                  "workdir": str(workdir), "reps": args.reps, "warmup": args.warmup, "ops": ops,
+                  "sample_s": sample_s, "mcore_fully_parallel": args.mcore_fully_parallel},
+                 timeout=900)
+    return {"layout": layout, "nprocs": nprocs, "per_rank": out,
+            "launch_seconds": time.perf_counter() - t0,
+            "summary": {op: summarize(out, op) for op in ops}}
+
+
+def run_convert(args: argparse.Namespace, src: Path, workdir: Path, sample_s: float) -> dict:
+    t0 = time.perf_counter()
+    out = launch(1, "bench._rank:convert_bench",
+                 {"src": str(src), "workdir": str(workdir), "reps": args.convert_reps,
+                  "sample_s": sample_s, "cold": args.page_cache == "drop"}, timeout=900)[0]
+    summary = {op: summarize([out], op) for op in CONVERT_LABELS}
+    for op in CONVERT_LABELS:
+        summary[op]["out_bytes"] = next(r["out_bytes"] for r in out["records"] if r["op"] == op)
+    return {"per_rank": [out], "summary": summary, "in_bytes": out["records"][0]["in_bytes"],
+            "universal": out["universal"], "launch_seconds": time.perf_counter() - t0}
+
+
+def run_load(args: argparse.Namespace, cfg: dict, sources: dict[str, str], sample_s: float) -> dict:
+    layout, nprocs = resolve_layout(args.load_layout, args.load_nprocs)
+    t0 = time.perf_counter()
+    out = launch(nprocs, "bench._rank:load_bench",
+                 {"layout": layout, "cfg": cfg, "sources": sources, "reps": args.load_reps,
+                  "sample_s": sample_s, "cold": args.page_cache == "drop"}, timeout=900)
+    return {"layout": layout, "nprocs": nprocs, "per_rank": out,
+            "summary": {op: summarize(out, op) for op in sources},
+            "source_bytes": {op: dir_bytes(src) for op, src in sources.items()},
+            "checks": _merge_checks(out, "checks"), "consistency": _merge_checks(out, "consistency"),
+            "loss_after_load": out[0]["loss_after_load"], "launch_seconds": time.perf_counter() - t0}
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    save_layout, nprocs = resolve_layout(args.layout, args.nprocs)
-    load_layout, load_nprocs = resolve_layout(args.load_layout, args.load_nprocs)
+    resolve_layout(args.layout, args.nprocs)  # fail fast on bad layouts
+    resolve_layout(args.load_layout, args.load_nprocs)
     cfg = {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
            "ffn_hidden_size": args.ffn_hidden_size, "num_attention_heads": args.num_attention_heads,
            "vocab_size": args.vocab_size, "seq_length": args.seq_length, "dtype": args.dtype,
@@ -242,57 +331,25 @@ def main(argv: list[str] | None = None) -> dict:
                  "env": {"cpus": os.cpu_count(), **{p: importlib.metadata.version(p) for p in
                                                     ("torch", "megatron-core", "megatron-ucp")}}}
     t_all = time.perf_counter()
+    res["loadavg_before"] = os.getloadavg()[0]
     try:
-        print(f"[bench] save launch: {save_layout} on {nprocs} ranks, ~{params / 1e6:.1f}M params, "
-              f"workdir {workdir}", flush=True)
-        t0 = time.perf_counter()
-        ops = [UCP, MCORE_DP, MCORE_FULL]
-        out = launch(nprocs, "bench._rank:save_bench",
-                     {"layout": save_layout, "cfg": cfg, "train_steps": args.train_steps,
-                      "workdir": str(workdir / "save"), "reps": args.reps, "ops": ops,
-                      "sample_s": sample_s, "mcore_fully_parallel": args.mcore_fully_parallel},
-                     timeout=900)
-        res["save"] = {"layout": save_layout, "nprocs": nprocs, "per_rank": out,
-                       "launch_seconds": time.perf_counter() - t0,
-                       "summary": {op: summarize(out, op) for op in ops}}
-        print(f"[bench] save launch done in {res['save']['launch_seconds']:.1f}s "
-              f"(train {max(r['train_seconds'] for r in out):.1f}s)", flush=True)
+        print(f"[bench] save: {args.layout}, ~{params / 1e6:.1f}M params, workdir {workdir}", flush=True)
+        res["save"] = run_save(args, cfg, workdir / "save", sample_s)
+        print(f"[bench] save launch done in {res['save']['launch_seconds']:.1f}s", flush=True)
         sources = {"ucp_load": str(workdir / "save" / UCP)}
         if not args.no_convert:
-            t0 = time.perf_counter()
-            cout = launch(1, "bench._rank:convert_bench",
-                          {"src": str(workdir / "save" / UCP), "workdir": str(workdir / "convert"),
-                           "reps": args.convert_reps, "sample_s": sample_s,
-                           "cold": args.page_cache == "drop"}, timeout=900)[0]
-            summ = {op: summarize([cout], op) for op in CONVERT_LABELS}
-            for op in CONVERT_LABELS:
-                summ[op]["out_bytes"] = next(r["out_bytes"] for r in cout["records"] if r["op"] == op)
-            res["convert"] = {"per_rank": [cout], "summary": summ,
-                              "in_bytes": cout["records"][0]["in_bytes"],
-                              "launch_seconds": time.perf_counter() - t0}
-            sources["ucp_load_universal"] = cout["universal"]
+            res["convert"] = run_convert(args, workdir / "save" / UCP, workdir / "convert", sample_s)
+            sources["ucp_load_universal"] = res["convert"]["universal"]
             print(f"[bench] convert launch done in {res['convert']['launch_seconds']:.1f}s", flush=True)
         if not args.no_load:
             sources["mcore_load"] = str(workdir / "save" / MCORE_FULL)
-            t0 = time.perf_counter()
-            lout = launch(load_nprocs, "bench._rank:load_bench",
-                          {"layout": load_layout, "cfg": cfg, "sources": sources, "reps": args.load_reps,
-                           "sample_s": sample_s, "cold": args.page_cache == "drop"}, timeout=900)
-            checks = {pair: {"max_abs_diff": {k: max(r["checks"][pair]["max_abs_diff"][k] for r in lout)
-                                              for k in c["max_abs_diff"]},
-                             "mismatched": sorted({f"rank{r['rank']}:{n}" for r in lout
-                                                   for n in r["checks"][pair]["mismatched"]})}
-                      for pair, c in lout[0]["checks"].items()}
-            res["load"] = {"layout": load_layout, "nprocs": load_nprocs, "per_rank": lout,
-                           "summary": {op: summarize(lout, op) for op in sources},
-                           "source_bytes": {op: dir_bytes(src) for op, src in sources.items()},
-                           "checks": checks, "loss_after_load": lout[0]["loss_after_load"],
-                           "launch_seconds": time.perf_counter() - t0}
+            res["load"] = run_load(args, cfg, sources, sample_s)
             print(f"[bench] load launch done in {res['load']['launch_seconds']:.1f}s", flush=True)
     finally:
         if not args.keep and not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
     res["total_seconds"] = time.perf_counter() - t_all
+    res["loadavg_after"] = os.getloadavg()[0]
     text = render(res)
     print("\n" + text + f"\n\ntotal wall time {res['total_seconds']:.1f}s", flush=True)
     res["table"] = text

@@ -14,7 +14,8 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron_ucp.errors import UCPError
 
 STATES = ("param", "exp_avg", "exp_avg_sq")  # "param" = fp32 master weight
-GROUP_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+# is_expert_parallel is not part of the identity: at EP1 experts join the dense optimizer
+GROUP_KEYS = ("wd_mult", "lr_mult", "is_decoupled_lr")
 
 
 def distributed_optimizers(optimizer) -> list[DistributedOptimizer]:
@@ -84,8 +85,8 @@ class OptimizerIndex:
         for i, o in enumerate(self.opts):
             for g in o.optimizer.param_groups:
                 ident = tuple(g.get(k) for k in GROUP_KEYS)
-                match = [s for s in saved if s["optimizer"] == i
-                         and tuple(s.get(k) for k in GROUP_KEYS) == ident]
+                # by identity, not position: the number of chained optimizers depends on the layout
+                match = [s for s in saved if tuple(s.get(k) for k in GROUP_KEYS) == ident]
                 if not match:
                     raise UCPError(f"optimizer {i} has a param group {dict(zip(GROUP_KEYS, ident))}"
                                    " that the checkpoint does not have; the optimizer config differs")

@@ -46,25 +46,31 @@ def universal_name(local_key: str, sharded_key: str, prepended: tuple[int, ...])
     """'decoder.layers.self_attention.linear_qkv.weight' + layer 5 -> 'decoder.layers.5.self_...'.
 
     megatron stacks repeated modules (layers, experts) along prepended axes whose global offsets
-    are the global indices. The index goes after the same path word that precedes the local index
-    in the local key (`decoder.layers.1.` -> after `layers`).
+    are the global indices. Each index goes after the path word that precedes the local index in
+    the local key (`decoder.layers.1.` -> after `layers`); when the sharded key renames that word
+    (SequentialMLP's `local_experts.1.linear_fc1` -> `experts.experts.linear_fc1`), the last index
+    goes before the suffix the two keys share: `...experts.experts.<global expert>.linear_fc1.weight`.
     """
     if not prepended:
         return sharded_key
     local = local_key.split(".")
-    anchors = [local[i - 1] for i, part in enumerate(local) if part.isdigit() and i > 0]
-    if len(anchors) != len(prepended):
+    positions = [i for i, part in enumerate(local) if part.isdigit() and i > 0]
+    if len(positions) != len(prepended):
         raise UCPError(f"parameter {local_key!r}: {len(prepended)} stacked axes in its sharded key "
-                       f"{sharded_key!r} but {len(anchors)} indices in its name; no rule maps it")
-    out, j = [], 0
-    for part in sharded_key.split("."):
-        out.append(part)
-        if j < len(anchors) and part == anchors[j]:
-            out.append(str(prepended[j]))
-            j += 1
-    if j != len(anchors):
-        raise UCPError(f"parameter {local_key!r}: cannot place indices {prepended} in sharded key "
-                       f"{sharded_key!r}; no rule maps it")
+                       f"{sharded_key!r} but {len(positions)} indices in its name; no rule maps it")
+    out = sharded_key.split(".")
+    at = 0  # insertion points move right as indices are placed
+    for j, (pos, index) in enumerate(zip(positions, prepended)):
+        anchor = local[pos - 1]
+        if anchor in out[at:]:
+            at = out.index(anchor, at) + 1
+        elif j == len(positions) - 1 and out[-len(local[pos + 1:]):] == local[pos + 1:]:
+            at = len(out) - len(local[pos + 1:])
+        else:
+            raise UCPError(f"parameter {local_key!r}: cannot place indices {prepended} in sharded "
+                           f"key {sharded_key!r}; no rule maps it")
+        out.insert(at, str(index))
+        at += 1
     return ".".join(out)
 
 

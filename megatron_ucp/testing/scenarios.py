@@ -44,7 +44,8 @@ def dump_local_state(state: tg.TrainState, dump_dir: str) -> None:
     coords = {"tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
               "dp": ps.get_data_parallel_rank(), "layout": str(state.layout),
               "tp_size": state.layout.tp, "pp_size": state.layout.pp, "vpp": state.layout.vpp or 1,
-              "num_layers": state.config.num_layers}
+              "num_layers": state.config.num_layers, "ep": ps.get_expert_model_parallel_rank(),
+              "ep_size": state.layout.ep, "num_experts": state.config.num_experts or 0}
     Path(dump_dir).mkdir(parents=True, exist_ok=True)
     torch.save({"coords": coords, "params": entries}, Path(dump_dir) / f"rank{dist.get_rank()}.pt")
 

@@ -82,6 +82,8 @@ class TinyGPTConfig:
     qk_layernorm: bool = False
     dtype: str = "fp32"  # "fp32" or "bf16" model weights; main params and Adam state are fp32
     sequence_parallel: bool = False
+    num_experts: int | None = None  # MoE in every layer (top-2 router, allgather dispatcher)
+    moe_grouped_gemm: bool = False
     seed: int = 1234
     # optimizer and schedule
     lr: float = 1e-3
@@ -149,6 +151,11 @@ def transformer_config(cfg: TinyGPTConfig, layout: Layout) -> TransformerConfig:
         bias_dropout_fusion=False,
         persist_layer_norm=False,
         apply_rope_fusion=False,
+        num_moe_experts=cfg.num_experts,
+        moe_router_topk=2,
+        moe_token_dispatcher_type="allgather",
+        moe_router_load_balancing_type="none",
+        moe_grouped_gemm=cfg.moe_grouped_gemm,
         # As Megatron-LM does for interleaved schedules (overlap_p2p_comm -> no batched p2p): with
         # PP=2 the next and prev stage are the same rank, and batched isend/irecv would pair a
         # backward gradient with a forward activation of the same shape.
@@ -163,7 +170,10 @@ def build(cfg: TinyGPTConfig, layout: Layout) -> TrainState:
     torch.manual_seed(cfg.seed)  # identical on every rank: full weights drawn on CPU, then split
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
     tf_config = transformer_config(cfg, layout)
-    layer_spec = get_gpt_layer_local_spec(qk_layernorm=cfg.qk_layernorm, normalization=cfg.normalization)
+    layer_spec = get_gpt_layer_local_spec(
+        num_experts=cfg.num_experts, moe_grouped_gemm=cfg.moe_grouped_gemm,
+        qk_layernorm=cfg.qk_layernorm, normalization=cfg.normalization,
+    )
     chunks = []
     for vp_stage in range(layout.vpp or 1):
         vp = vp_stage if layout.vpp else None
