@@ -34,7 +34,8 @@ def convert(fragments_dir: str | Path, universal_dir: str | Path, *, progress: b
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
 
-    params = manifest["params"]
+    true_vocab = manifest["model"].get("unpadded_vocab_size")
+    params = {n: _without_padding(spec, true_vocab) for n, spec in manifest["params"].items()}
     bar = tqdm(total=len(params), desc="consolidate", unit="param", disable=not progress)
     shapes = {n: s["shape"] for n, s in params.items()}
     entries = write_params(partial, params,
@@ -56,3 +57,10 @@ def convert(fragments_dir: str | Path, universal_dir: str | Path, *, progress: b
         print(f"[megatron-ucp] {len(params)} parameters, {source.reader.bytes_read / 2**20:.1f} MiB "
               f"read, written to {out} in {time.perf_counter() - t0:.2f}s")
     return out
+
+
+def _without_padding(spec: dict, true_vocab: int | None) -> dict:
+    """Vocab-row params keep only the true vocabulary rows; the loader re-pads for its target."""
+    if spec.get("vocab_rows") and true_vocab and spec["shape"][0] > true_vocab:
+        return {**spec, "shape": [true_vocab, *spec["shape"][1:]]}
+    return spec

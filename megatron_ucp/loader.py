@@ -36,13 +36,20 @@ class LoadResult:
 
 
 def read_rows(source, lp: LocalParam, state: str, r0: int, r1: int) -> torch.Tensor:
-    """Rows [r0, r1) of this rank's local tensor of `lp`, assembled from universal boxes."""
-    out = torch.empty((r1 - r0, *lp.local_shape[1:]), dtype=torch.float32)
+    """Rows [r0, r1) of this rank's local tensor of `lp`, assembled from universal boxes.
+
+    Vocab padding rows the checkpoint does not hold (the target pads more, or the universal form
+    dropped them) are zero in the weight and in both Adam moments: they start as unused rows.
+    """
+    out = torch.zeros((r1 - r0, *lp.local_shape[1:]), dtype=torch.float32)
+    saved_rows = source.manifest["params"][lp.spec.name]["shape"][0]
     for pc in lp.pieces:
         a, b = max(r0, pc.row), min(r1, pc.row + pc.shape[0])
+        g0 = pc.offset[0] + a - pc.row  # first global row
+        b = min(b, a + saved_rows - g0) if lp.spec.vocab_rows else b
         if b <= a:
             continue
-        offset = (pc.offset[0] + a - pc.row, *pc.offset[1:])
+        offset = (g0, *pc.offset[1:])
         out[a - r0:b - r0] = source.read(lp.spec.name, state, offset, (b - a, *pc.shape[1:]))
     return out
 
@@ -56,8 +63,12 @@ def _check_params(source, params: list[LocalParam], strict: bool) -> None:
             raise UCPError(f"{where}: the model's parameter {lp.spec.name} (local name "
                            f"{lp.local_name}) is not in the checkpoint; the model has a module the "
                            "saved run did not have")
+        true_vocab = source.manifest["model"].get("unpadded_vocab_size")
         for k in ("shape", "tp_axis", "tp_blocks"):
             mine = list(lp.spec.shape) if k == "shape" else getattr(lp.spec, k)
+            if (k == "shape" and lp.spec.vocab_rows and true_vocab and spec[k][1:] == mine[1:]
+                    and mine[0] >= true_vocab):
+                continue  # only the vocab padding differs; read_rows re-pads
             if spec[k] != mine:
                 raise UCPError(f"{where}: parameter {lp.spec.name}: checkpoint {k}={spec[k]}, "
                                f"model {k}={mine}; the model architecture differs")

@@ -19,6 +19,7 @@ from megatron.core.dist_checkpointing.mapping import (
     ShardedTensor,
     ShardedTensorFactory,
 )
+from megatron.core.tensor_parallel import VocabParallelEmbedding
 from megatron.core.utils import unwrap_model
 
 from megatron_ucp.errors import UCPError
@@ -113,6 +114,11 @@ def local_params(model_chunks: list) -> list[LocalParam]:
     for chunk_index, chunk in enumerate(model_chunks):
         model = unwrap_model(chunk)
         params = {id(p): (n, p) for n, p in model.named_parameters()}
+        # rows indexed by token id: the vocab-parallel embedding and the output (logit) layer
+        vocab = {id(m.weight) for m in model.modules() if isinstance(m, VocabParallelEmbedding)}
+        output_layer = getattr(model, "output_layer", None)
+        if output_layer is not None and getattr(output_layer, "weight", None) is not None:
+            vocab.add(id(output_layer.weight))
         seen: set[int] = set()
         for local_key, entry in model.sharded_state_dict().items():
             if isinstance(entry, ShardedObject):
@@ -141,6 +147,7 @@ def local_params(model_chunks: list) -> list[LocalParam]:
                 tp_blocks=len(subs),
                 # a pipeline-level copy (the tied output layer on the last stage) is an alias
                 aliases=[name_in_model] if _pipeline_copy(first.replica_id) else [],
+                vocab_rows=id(param) in vocab,
             )
             pieces = [_piece(local_key, param, s) for s in subs]
             if sum(math.prod(x.shape) for x in pieces) != param.numel():

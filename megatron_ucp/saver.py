@@ -26,11 +26,14 @@ from megatron_ucp.validation import model_config
 
 
 def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: int, *,
-         extra: dict | None = None, seed: int = 1234) -> Path:
+         extra: dict | None = None, seed: int = 1234, vocab_size: int | None = None) -> Path:
     """Save a fragment checkpoint of model + DistributedOptimizer + scheduler under `path`.
 
     extra: JSON-able training state (consumed samples, ...) returned by `load`.
     seed: the run's base seed, used to re-derive RNG streams when resuming at another layout.
+    vocab_size: the true (unpadded) vocabulary size. With it, a load may change the vocab padding
+        (Megatron-LM pads to a multiple of make_vocab_size_divisible_by x TP) and the universal
+        form keeps only the true rows. Without it the padded size must stay the same.
     Returns the committed directory `path/iter_XXXXXXX`. Collective: call on every rank.
     """
     t0 = time.perf_counter()
@@ -71,7 +74,8 @@ def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: 
         manifest = {
             "format": mf.FORMAT, "version": mf.VERSION, "kind": "fragments",
             "iteration": iteration, "layout": layout.to_json(), "layout_world_size": world,
-            "model": model_config(model_chunks), "params": _merge_specs(gathered),
+            "model": {**model_config(model_chunks), "unpadded_vocab_size": vocab_size},
+            "params": _merge_specs(gathered),
             "optimizer": {"param_groups": index.param_groups()},
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "extra": extra or {}, "seed": seed,

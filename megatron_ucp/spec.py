@@ -31,6 +31,7 @@ class ParamSpec:
     tp_axis: int | None  # dim that tensor parallelism splits; None = replicated over TP
     tp_blocks: int = 1  # equal blocks along tp_axis each split over TP (2: SwiGLU gate and up halves)
     aliases: list[str] = field(default_factory=list)  # other local names holding the same tensor
+    vocab_rows: bool = False  # dim 0 is the (padded) vocabulary: rows past the true vocab are padding
 
     def to_json(self) -> dict:
         d = asdict(self)

@@ -33,10 +33,18 @@ def model_config(model_chunks: list) -> dict:
 def check_model_config(saved: dict, current: dict, where: str) -> None:
     bad = [(k, saved.get(k), current.get(k)) for k in ARCH_FIELDS
            if k in saved and k in current and saved[k] != current[k]]
+    true_vocab = saved.get("unpadded_vocab_size")
+    if true_vocab and current.get("vocab_size", 0) >= true_vocab:  # only the padding differs
+        bad = [b for b in bad if b[0] != "vocab_size"]
     if bad:
         lines = "; ".join(f"{k}: checkpoint {a!r}, model {b!r}" for k, a, b in bad)
+        hint = ""
+        if any(k == "vocab_size" for k, _, _ in bad):
+            hint = (" If only the vocabulary padding differs, the checkpoint must record the true "
+                    "vocabulary: save with megatron_ucp.save(..., vocab_size=<unpadded size>).")
         raise UCPError(f"{where}: the model does not match the checkpoint ({lines}); build the "
-                       "model with the checkpoint's architecture (only the parallel layout may change)")
+                       "model with the checkpoint's architecture (only the parallel layout may "
+                       "change)." + hint)
 
 
 def check_layout(cfg: dict, layout: Layout, where: str = "checkpoint") -> None:
@@ -51,7 +59,7 @@ def check_layout(cfg: dict, layout: Layout, where: str = "checkpoint") -> None:
         problems.append(f"num_query_groups={groups} is not divisible by TP={tp}")
     if cfg.get("ffn_hidden_size") and cfg["ffn_hidden_size"] % tp:
         problems.append(f"ffn_hidden_size={cfg['ffn_hidden_size']} is not divisible by TP={tp}")
-    if cfg.get("vocab_size") and cfg["vocab_size"] % tp:
+    if cfg.get("vocab_size") and not cfg.get("unpadded_vocab_size") and cfg["vocab_size"] % tp:
         problems.append(f"vocab_size={cfg['vocab_size']} (padded) is not divisible by TP={tp}")
     stages = layout.pp * (layout.vpp or 1)
     layers = cfg.get("num_layers")

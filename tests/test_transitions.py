@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 import megatron_ucp as ucp
 from megatron_ucp import manifest as mf
-from megatron_ucp.testing.launch import launch
+from megatron_ucp.testing.launch import LaunchError, launch
 
 TRANSITIONS = [
     ("tp2", "tp1"), ("tp1", "tp2"), ("pp2", "pp1"), ("pp1", "pp2"), ("dp2", "dp1"), ("dp1", "dp2"),
@@ -29,6 +29,9 @@ TRANSITIONS = [
 RTOL = {"fp32": (1e-5, 1e-5), "bf16": (5e-5, 2e-4)}
 # Resuming in another precision changes the forward arithmetic itself (bf16 vs fp32 matmuls).
 RTOL_CROSS = (5e-3, 5e-3)
+# Megatron's cross-entropy runs over the padded vocabulary: another padding adds or removes
+# softmax classes (measured 2.5e-3 with 4 of 256 classes); the state itself is checked bitwise.
+RTOL_PAD = (1e-2, 1e-2)
 REDUCED = {("tp2pp2", "dp2"), ("tp2", "tp1"), ("dp2", "tp2"), ("pp2", "pp1")}
 
 
@@ -97,6 +100,8 @@ LLAMA = {"swiglu": True, "num_query_groups": 2, "normalization": "RMSNorm",
          "position_embedding_type": "rope", "untie_embeddings": True, "add_bias_linear": False,
          "qk_layernorm": True}
 SP = {"sequence_parallel": True}
+VOCAB_256 = {"vocab_size": 256, "unpadded_vocab_size": 250}
+VOCAB_252 = {"vocab_size": 252, "unpadded_vocab_size": 250}
 MOE = {"num_experts": 4, "add_bias_linear": False}  # top-2 router, SequentialMLP experts
 FEATURES = [
     # id, src, dst, source cfg, target cfg (None: same)
@@ -111,6 +116,9 @@ FEATURES = [
     ("moe", "dp2", "ep2dp2", MOE, None),
     ("moe", "dp2", "ep4dp4", MOE, None),
     ("bf16-to-fp32", "tp2", "tp1", {"dtype": "bf16"}, {"dtype": "fp32"}),
+    # true vocab 250; Megatron-LM pads to a multiple of make_vocab_size_divisible_by x TP
+    ("vocab-pad", "tp2", "tp1", VOCAB_256, VOCAB_252),
+    ("vocab-pad", "tp1", "tp2", VOCAB_252, VOCAB_256),
     ("fp32-to-bf16", "tp1", "tp2", {}, {"dtype": "bf16"}),
 ]
 
@@ -120,8 +128,19 @@ FEATURES = [
 def test_feature_transition(feature, src, dst, cfg, dst_cfg, source_runs, tmp_path):
     dtypes = {cfg.get("dtype", "fp32"), (dst_cfg or cfg).get("dtype", "fp32")}
     rtol = RTOL["bf16"] if dtypes == {"bf16"} else RTOL_CROSS if len(dtypes) == 2 else RTOL["fp32"]
+    if feature == "vocab-pad":
+        rtol = RTOL_PAD
     check_transition(source_runs, tmp_path, src, dst, cfg, dst_cfg, swiglu=cfg.get("swiglu", False),
                      rtol=rtol, name=f"{feature}:{src}->{dst}")
+
+
+def test_vocab_padding_change_needs_true_vocab(source_runs, tmp_path):
+    source = source_runs.get("tp1", {"dtype": "fp32"})  # saved without vocab_size=
+    with pytest.raises(LaunchError) as e:
+        launch(2, f"{SCENARIOS}:load_and_train",
+               {"layout": "tp2", "cfg": {"vocab_size": 252}, "load_dir": str(source["ckpt"]), "steps": 1})
+    assert "vocab_size: checkpoint 256, model 252" in str(e.value)
+    assert "vocab_size=<unpadded size>" in str(e.value)
 
 
 def test_negative_control_scheduler_not_restored(source_runs, tmp_path):

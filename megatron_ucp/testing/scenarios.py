@@ -60,7 +60,8 @@ def train_and_save(layout: str, cfg: dict, steps: int, save_dir: str, continue_s
     dist.barrier()
     t0 = time.perf_counter()
     ucp.save(st.model, st.optimizer, st.scheduler, save_dir, st.iteration,
-             extra={"consumed_samples": st.iteration * st.config.global_batch_size}, seed=st.config.seed)
+             extra={"consumed_samples": st.iteration * st.config.global_batch_size}, seed=st.config.seed,
+             vocab_size=st.config.unpadded_vocab_size)
     save_s = time.perf_counter() - t0
     continued = [tg.train_step(st) for _ in range(continue_steps)]
     tg.destroy()
@@ -85,7 +86,7 @@ def load_and_train(layout: str, cfg: dict, load_dir: str, steps: int, dump_dir: 
         dump_local_state(st, dump_dir)
     if resave_dir:
         ucp.save(st.model, st.optimizer, st.scheduler, resave_dir, st.iteration, extra=r.extra,
-                 seed=st.config.seed)
+                 seed=st.config.seed, vocab_size=st.config.unpadded_vocab_size)
     losses = [tg.train_step(st) for _ in range(steps)]
     tg.destroy()
     return {"losses": losses, "iteration": r.iteration, "extra": r.extra, "bytes_read": r.bytes_read,

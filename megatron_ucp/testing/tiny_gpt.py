@@ -72,7 +72,8 @@ class TinyGPTConfig:
     num_attention_heads: int = 4
     num_query_groups: int | None = None
     ffn_hidden_size: int = 128
-    vocab_size: int = 256
+    vocab_size: int = 256  # padded, as the model is built
+    unpadded_vocab_size: int | None = None  # true vocabulary (tokens drawn below it); None = vocab_size
     seq_length: int = 32
     swiglu: bool = False
     normalization: str = "LayerNorm"
@@ -243,9 +244,10 @@ def build(cfg: TinyGPTConfig, layout: Layout) -> TrainState:
 def sample_tokens(cfg: TinyGPTConfig, sample_index: int) -> torch.Tensor:
     """Sample `sample_index` of the synthetic stream: seq_length + 1 tokens with local structure."""
     g = torch.Generator().manual_seed(1_000_003 * (sample_index + 1))
-    start = torch.randint(0, cfg.vocab_size, (1,), generator=g)
+    vocab = cfg.unpadded_vocab_size or cfg.vocab_size
+    start = torch.randint(0, vocab, (1,), generator=g)
     steps = torch.randint(1, 4, (cfg.seq_length + 1,), generator=g)
-    return (start + torch.cumsum(steps, 0)) % cfg.vocab_size
+    return (start + torch.cumsum(steps, 0)) % vocab
 
 
 def _micro_batches(cfg: TinyGPTConfig, iteration: int) -> list[dict]:
