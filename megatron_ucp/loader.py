@@ -109,6 +109,7 @@ def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: 
         index.set(lp.param, tensors, source.step(lp.spec.name))
     index.copy_main_to_model(model_chunks)
     index.load_param_groups(manifest["optimizer"]["param_groups"])
+    index.load_grad_scaler(manifest["optimizer"].get("grad_scaler"))
     if scheduler is not None and manifest.get("scheduler"):
         scheduler.num_steps = 0  # load_state_dict advances by the saved count
         scheduler.load_state_dict(manifest["scheduler"])

@@ -94,6 +94,20 @@ class OptimizerIndex:
                     if k != "optimizer" and k in g:
                         g[k] = tuple(v) if isinstance(g[k], tuple) else v
 
+    def grad_scaler(self) -> dict | None:
+        """fp16 dynamic loss-scaler state (scale, growth and hysteresis trackers) as JSON."""
+        scaler = self.opts[0].grad_scaler
+        if scaler is None or not scaler.state_dict():
+            return None
+        return {k: _jsonable(v) for k, v in scaler.state_dict().items()}
+
+    def load_grad_scaler(self, saved: dict | None) -> None:
+        for o in self.opts:
+            if o.grad_scaler is not None and o.grad_scaler.state_dict():
+                if saved is None:
+                    continue  # trained without a loss scaler (bf16/fp32): keep the configured one
+                o.grad_scaler.load_state_dict({**saved, "scale": torch.tensor(saved["scale"])})
+
     def copy_main_to_model(self, model_chunks: list) -> None:
         """Write the loaded master weights into the model weights and all-gather them over DP."""
         for o in self.opts:

@@ -76,7 +76,7 @@ def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: 
             "iteration": iteration, "layout": layout.to_json(), "layout_world_size": world,
             "model": {**model_config(model_chunks), "unpadded_vocab_size": vocab_size},
             "params": _merge_specs(gathered),
-            "optimizer": {"param_groups": index.param_groups()},
+            "optimizer": {"param_groups": index.param_groups(), "grad_scaler": index.grad_scaler()},
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "extra": extra or {}, "seed": seed,
             "files": [rank_file_name(r) for r in range(world)],

@@ -38,8 +38,16 @@ def global_key(name: str, coords: dict, chunk: int) -> str:
     m = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
     if not m:
         return name
-    per_chunk = coords["num_layers"] // (coords["pp_size"] * coords["vpp"])
-    offset = chunk * coords["num_layers"] // coords["vpp"] + coords["pp"] * per_chunk
+    first, last = coords.get("first_stage_layers"), coords.get("last_stage_layers")
+    if first or last:  # uneven pipeline: given first/last stage sizes, the rest split evenly
+        pp, n = coords["pp_size"], coords["num_layers"]
+        middle = (n - (first or 0) - (last or 0)) // (pp - bool(first) - bool(last))
+        sizes = [middle] * pp
+        sizes[0], sizes[-1] = first or middle, last or middle
+        offset = sum(sizes[:coords["pp"]])
+    else:
+        per_chunk = coords["num_layers"] // (coords["pp_size"] * coords["vpp"])
+        offset = chunk * coords["num_layers"] // coords["vpp"] + coords["pp"] * per_chunk
     return f"decoder.layers.{offset + int(m.group(1))}.{m.group(2)}"
 
 

@@ -65,6 +65,7 @@ def check_transition(source_runs, tmp_path, src: str, dst: str, cfg: dict, dst_c
                   "load_dir": str(source["ckpt"]), "steps": STEPS,
                   "dump_dir": str(tmp_path / "dump"), "resave_dir": str(tmp_path / "resave")})
     r0 = res[0]
+    assert r0["grad_scaler"] == source["grad_scaler"]  # fp16 loss scale and trackers restored
     assert r0["iteration"] == STEPS
     assert r0["extra"] == {"consumed_samples": STEPS * 8}
     assert r0["rng_restored"] is (src == dst)
@@ -100,6 +101,7 @@ LLAMA = {"swiglu": True, "num_query_groups": 2, "normalization": "RMSNorm",
          "position_embedding_type": "rope", "untie_embeddings": True, "add_bias_linear": False,
          "qk_layernorm": True}
 SP = {"sequence_parallel": True}
+UNEVEN = {"extra": {"num_layers_in_first_pipeline_stage": 1}}
 VOCAB_256 = {"vocab_size": 256, "unpadded_vocab_size": 250}
 VOCAB_252 = {"vocab_size": 252, "unpadded_vocab_size": 250}
 MOE = {"num_experts": 4, "add_bias_linear": False}  # top-2 router, SequentialMLP experts
@@ -111,12 +113,16 @@ FEATURES = [
     ("sp", "tp1", "tp2", {}, SP),
     ("vpp", "pp2vpp2", "pp1", {}, None),
     ("vpp", "pp1", "pp2vpp2", {}, None),
+    ("uneven-pp", "pp2", "pp2", {}, UNEVEN),  # stages 2+2 -> 1+3
+    ("uneven-pp", "pp2", "tp2", UNEVEN, {}),
     ("llama-bf16", "tp2pp2", "dp2", {**LLAMA, "dtype": "bf16"}, None),
     ("moe", "ep2dp2", "dp1", MOE, None),
     ("moe", "dp2", "ep2dp2", MOE, None),
     ("moe", "dp2", "ep4dp4", MOE, None),
     ("bf16-to-fp32", "tp2", "tp1", {"dtype": "bf16"}, {"dtype": "fp32"}),
     # true vocab 250; Megatron-LM pads to a multiple of make_vocab_size_divisible_by x TP
+    # fp16: the target starts with another loss scale; the saved scaler state must win
+    ("fp16", "tp2", "tp1", {"dtype": "fp16"}, {"dtype": "fp16", "initial_loss_scale": 256.0}),
     ("vocab-pad", "tp2", "tp1", VOCAB_256, VOCAB_252),
     ("vocab-pad", "tp1", "tp2", VOCAB_252, VOCAB_256),
     ("fp32-to-bf16", "tp1", "tp2", {}, {"dtype": "bf16"}),
@@ -127,7 +133,7 @@ FEATURES = [
     pytest.param(*f, id=f"{f[0]}:{f[1]}->{f[2]}") for f in FEATURES])
 def test_feature_transition(feature, src, dst, cfg, dst_cfg, source_runs, tmp_path):
     dtypes = {cfg.get("dtype", "fp32"), (dst_cfg or cfg).get("dtype", "fp32")}
-    rtol = RTOL["bf16"] if dtypes == {"bf16"} else RTOL_CROSS if len(dtypes) == 2 else RTOL["fp32"]
+    rtol = {1: RTOL["bf16"] if dtypes & {"bf16", "fp16"} else RTOL["fp32"], 2: RTOL_CROSS}[len(dtypes)]
     if feature == "vocab-pad":
         rtol = RTOL_PAD
     check_transition(source_runs, tmp_path, src, dst, cfg, dst_cfg, swiglu=cfg.get("swiglu", False),

@@ -21,6 +21,12 @@ import megatron_ucp as ucp
 from megatron_ucp.layout import Layout
 
 
+def _scaler_state(st: tg.TrainState) -> dict | None:
+    opts = getattr(st.optimizer, "chained_optimizers", None) or [st.optimizer]
+    scaler = opts[0].grad_scaler
+    return {k: float(v) for k, v in scaler.state_dict().items()} if scaler is not None else None
+
+
 def _setup(layout: str, cfg: dict) -> tg.TrainState:
     lay = Layout.parse(layout)
     tg.init_distributed(lay)
@@ -45,7 +51,9 @@ def dump_local_state(state: tg.TrainState, dump_dir: str) -> None:
               "dp": ps.get_data_parallel_rank(), "layout": str(state.layout),
               "tp_size": state.layout.tp, "pp_size": state.layout.pp, "vpp": state.layout.vpp or 1,
               "num_layers": state.config.num_layers, "ep": ps.get_expert_model_parallel_rank(),
-              "ep_size": state.layout.ep, "num_experts": state.config.num_experts or 0}
+              "ep_size": state.layout.ep, "num_experts": state.config.num_experts or 0,
+              "first_stage_layers": state.config.extra.get("num_layers_in_first_pipeline_stage"),
+              "last_stage_layers": state.config.extra.get("num_layers_in_last_pipeline_stage")}
     Path(dump_dir).mkdir(parents=True, exist_ok=True)
     torch.save({"coords": coords, "params": entries}, Path(dump_dir) / f"rank{dist.get_rank()}.pt")
 
@@ -63,9 +71,10 @@ def train_and_save(layout: str, cfg: dict, steps: int, save_dir: str, continue_s
              extra={"consumed_samples": st.iteration * st.config.global_batch_size}, seed=st.config.seed,
              vocab_size=st.config.unpadded_vocab_size)
     save_s = time.perf_counter() - t0
+    scaler = _scaler_state(st)
     continued = [tg.train_step(st) for _ in range(continue_steps)]
     tg.destroy()
-    return {"losses": losses, "continued": continued, "save_seconds": save_s}
+    return {"losses": losses, "continued": continued, "save_seconds": save_s, "grad_scaler": scaler}
 
 
 def load_and_train(layout: str, cfg: dict, load_dir: str, steps: int, dump_dir: str | None = None,
@@ -82,6 +91,7 @@ def load_and_train(layout: str, cfg: dict, load_dir: str, steps: int, dump_dir: 
         st.scheduler.num_steps = 0
         st.scheduler.step(0)
     st.iteration = r.iteration
+    scaler = _scaler_state(st)
     if dump_dir:
         dump_local_state(st, dump_dir)
     if resave_dir:
@@ -90,7 +100,7 @@ def load_and_train(layout: str, cfg: dict, load_dir: str, steps: int, dump_dir: 
     losses = [tg.train_step(st) for _ in range(steps)]
     tg.destroy()
     return {"losses": losses, "iteration": r.iteration, "extra": r.extra, "bytes_read": r.bytes_read,
-            "rng_restored": r.rng_restored, "load_seconds": load_s,
+            "rng_restored": r.rng_restored, "load_seconds": load_s, "grad_scaler": scaler,
             "lr": [g["lr"] for g in st.optimizer.param_groups]}
 
 

@@ -81,7 +81,7 @@ class TinyGPTConfig:
     add_bias_linear: bool = True
     untie_embeddings: bool = False
     qk_layernorm: bool = False
-    dtype: str = "fp32"  # "fp32" or "bf16" model weights; main params and Adam state are fp32
+    dtype: str = "fp32"  # "fp32", "bf16" or "fp16" model weights; main params and Adam state fp32
     sequence_parallel: bool = False
     num_experts: int | None = None  # MoE in every layer (top-2 router, allgather dispatcher)
     moe_grouped_gemm: bool = False
@@ -91,6 +91,7 @@ class TinyGPTConfig:
     min_lr: float = 1e-4
     lr_warmup_steps: int = 2
     lr_decay_steps: int = 20
+    initial_loss_scale: float = 2.0**12  # fp16 dynamic loss scaling
     micro_batch_size: int = 2
     global_batch_size: int = 8
     extra: dict = field(default_factory=dict)  # extra TransformerConfig fields
@@ -122,7 +123,8 @@ def init_distributed(layout: Layout) -> None:
 
 
 def transformer_config(cfg: TinyGPTConfig, layout: Layout) -> TransformerConfig:
-    bf16 = cfg.dtype == "bf16"
+    bf16, fp16 = cfg.dtype == "bf16", cfg.dtype == "fp16"
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.dtype, torch.float32)
     return TransformerConfig(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -141,8 +143,9 @@ def transformer_config(cfg: TinyGPTConfig, layout: Layout) -> TransformerConfig:
         expert_model_parallel_size=layout.ep,
         sequence_parallel=cfg.sequence_parallel,
         bf16=bf16,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+        fp16=fp16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         use_cpu_initialization=True,  # full weights drawn on CPU then split: init independent of TP
@@ -196,7 +199,7 @@ def build(cfg: TinyGPTConfig, layout: Layout) -> TrainState:
             position_embedding_type=cfg.position_embedding_type,
             vp_stage=vp,
         )
-        if tf_config.bf16:
+        if tf_config.bf16 or tf_config.fp16:
             model = Float16Module(tf_config, model)
         chunks.append(model)
     ddp_config = DistributedDataParallelConfig(
@@ -219,6 +222,8 @@ def build(cfg: TinyGPTConfig, layout: Layout) -> TrainState:
         adam_beta2=0.95,
         clip_grad=1.0,
         bf16=tf_config.bf16,
+        fp16=tf_config.fp16,
+        initial_loss_scale=cfg.initial_loss_scale,
         params_dtype=tf_config.params_dtype,
         use_distributed_optimizer=True,
     )
@@ -237,6 +242,7 @@ def build(cfg: TinyGPTConfig, layout: Layout) -> TrainState:
         wd_incr_style="constant",
     )
     tf_config.finalize_model_grads_func = finalize_model_grads
+    tf_config.grad_scale_func = optimizer.scale_loss  # fp16: scale the loss by the loss scaler
     tf_config.no_sync_func = [m.no_sync for m in chunks] if len(chunks) > 1 else chunks[0].no_sync
     return TrainState(chunks, optimizer, scheduler, cfg, layout)
 
