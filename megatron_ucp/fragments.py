@@ -2,7 +2,8 @@
 
 `rank_XXXXX.safetensors` holds, for every parameter copy the rank owns canonically, the rank's
 distributed-optimizer range [start, end) of the flattened local (TP-sliced) tensor: tensors
-`<name>/param` (fp32 master weight), `<name>/exp_avg`, `<name>/exp_avg_sq`. Its safetensors
+`<name>/param` (fp32 master weight), `<name>/exp_avg`, `<name>/exp_avg_sq` (a persistent buffer:
+`<name>/param` only, the whole local tensor, from DP rank 0). Its safetensors
 `__metadata__` key `fragments` is JSON: for each fragment the local shape, the range, the Adam step,
 the crc32 of each tensor and the pieces (rows of the local tensor -> box of the universal tensor).
 `rng/*` tensors and the `rng` metadata key hold the rank's generator states.
@@ -23,8 +24,6 @@ import torch
 from megatron_ucp.errors import UCPError
 from megatron_ucp.spec import Piece
 from megatron_ucp.storage import Reader, SafetensorsWriter, crc32
-
-STATES = ("param", "exp_avg", "exp_avg_sq")
 
 
 def rank_file_name(rank: int) -> str:
@@ -57,16 +56,16 @@ class Fragment:
 def write_rank_file(path: Path, fragments: list[Fragment], rng_tensors: dict[str, torch.Tensor],
                     rng_meta: dict, coords: dict) -> int:
     """Write one rank's fragments; returns bytes written. The file is fsynced before returning."""
-    entries = [(f"{f.name}/{s}", torch.float32, (f.end - f.start,)) for f in fragments for s in STATES]
+    entries = [(f"{f.name}/{s}", torch.float32, (f.end - f.start,)) for f in fragments for s in f.tensors]
     entries += [(f"rng/{k}", v.dtype, tuple(v.shape)) for k, v in rng_tensors.items()]
     for f in fragments:
-        f.crc = {s: crc32(f.tensors[s]) for s in STATES}
+        f.crc = {s: crc32(t) for s, t in f.tensors.items()}
     meta = {"fragments": json.dumps([f.to_json() for f in fragments]),
             "rng": json.dumps(rng_meta), "coords": json.dumps(coords)}
     w = SafetensorsWriter(path, entries, meta)
     for f in fragments:
-        for s in STATES:
-            w.write(f"{f.name}/{s}", f.tensors[s])
+        for s, t in f.tensors.items():
+            w.write(f"{f.name}/{s}", t)
     for k, v in rng_tensors.items():
         w.write(f"rng/{k}", v)
     w.close()
@@ -165,7 +164,8 @@ class FragmentSource:
                 hi = [min(o + n, p + m) for o, n, p, m in zip(offset, shape, pc.offset, pc.shape)]
                 if any(h <= lo_ for lo_, h in zip(lo, hi)):
                     continue
-                region_start = [pc.row + lo[0] - pc.offset[0]] + [lo[d] - pc.offset[d] for d in range(1, len(lo))]
+                region_start = [pc.row + lo[0] - pc.offset[0],
+                                *(lo[d] - pc.offset[d] for d in range(1, len(lo)))]
                 region_shape = [h - lo_ for lo_, h in zip(lo, hi)]
                 first = sum(s * k for s, k in zip(region_start, strides))
                 last = sum((s + n - 1) * k for s, n, k in zip(region_start, region_shape, strides))

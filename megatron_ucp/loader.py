@@ -19,9 +19,10 @@ import torch.distributed as dist
 from megatron_ucp import rng
 from megatron_ucp.errors import UCPError
 from megatron_ucp.layout import Layout
-from megatron_ucp.optimizer_state import STATES, OptimizerIndex
+from megatron_ucp.optimizer_state import OptimizerIndex
 from megatron_ucp.param_spec import LocalParam, local_params
 from megatron_ucp.sources import open_source
+from megatron_ucp.spec import STATES
 from megatron_ucp.validation import check_layout, check_model_config, model_config
 
 
@@ -98,6 +99,10 @@ def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: 
     index = OptimizerIndex(optimizer)
     index.ensure_state()
     for lp in params:
+        if lp.spec.buffer:  # every holder reads its whole local slice; no optimizer state
+            with torch.no_grad():
+                lp.param.copy_(read_rows(source, lp, "param", 0, lp.local_shape[0]).view(lp.local_shape))
+            continue
         shard = index.shard_range(lp.param)
         if shard is None:
             continue

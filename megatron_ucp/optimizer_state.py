@@ -12,8 +12,8 @@ import torch
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from megatron_ucp.errors import UCPError
+from megatron_ucp.spec import STATES
 
-STATES = ("param", "exp_avg", "exp_avg_sq")  # "param" = fp32 master weight
 # is_expert_parallel is not part of the identity: at EP1 experts join the dense optimizer
 GROUP_KEYS = ("wd_mult", "lr_mult", "is_decoupled_lr")
 

@@ -29,7 +29,7 @@ from megatron_ucp.storage import DTYPE_NAMES
 
 @dataclass
 class LocalParam:
-    """One parameter on this rank: the model tensor and where its pieces go."""
+    """One parameter (or persistent buffer) on this rank: the model tensor and where its pieces go."""
 
     spec: ParamSpec
     param: torch.nn.Parameter
@@ -83,6 +83,10 @@ def _canonical(replica_id) -> bool:
     return all(r == 0 for r in replica_id[:-1])
 
 
+def _dp_copy(replica_id) -> bool:
+    return not isinstance(replica_id, int) and replica_id[-1] != 0
+
+
 def _pipeline_copy(replica_id) -> bool:
     return not isinstance(replica_id, int) and replica_id[0] != 0
 
@@ -114,6 +118,7 @@ def local_params(model_chunks: list) -> list[LocalParam]:
     for chunk_index, chunk in enumerate(model_chunks):
         model = unwrap_model(chunk)
         params = {id(p): (n, p) for n, p in model.named_parameters()}
+        buffers = {id(b): (n, b) for n, b in model.named_buffers()}
         # rows indexed by token id: the vocab-parallel embedding and the output (logit) layer
         vocab = {id(m.weight) for m in model.modules() if isinstance(m, VocabParallelEmbedding)}
         output_layer = getattr(model, "output_layer", None)
@@ -129,16 +134,21 @@ def local_params(model_chunks: list) -> list[LocalParam]:
                 continue
             if not isinstance(entry, (ShardedTensor, ShardedTensorFactory)):
                 raise UCPError(f"{local_key!r}: unsupported sharded entry {type(entry).__name__}")
-            if id(entry.data) not in params:
-                raise UCPError(f"{local_key!r} is in the model's sharded_state_dict but is not a "
-                               "parameter (a persistent buffer); megatron-ucp v1 cannot carry it")
-            name_in_model, param = params[id(entry.data)]
+            is_buffer = id(entry.data) in buffers
+            if not is_buffer and id(entry.data) not in params:
+                raise UCPError(f"{local_key!r} is in the model's sharded_state_dict but is neither a "
+                               "parameter nor a buffer of the model; no rule maps it")
+            name_in_model, param = (buffers if is_buffer else params)[id(entry.data)]
             seen.add(id(param))
             subs = _flatten(entry.build()) if isinstance(entry, ShardedTensorFactory) else [entry]
             first = subs[0]
             p = first.prepend_axis_num
             name = universal_name(local_key, first.key, tuple(first.global_offset[:p]))
             tp_axis = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
+            if is_buffer and (len(subs) > 1 or any(f > 1 for f in first.axis_fragmentations[p:])
+                              or not param.is_floating_point()):
+                raise UCPError(f"buffer {local_key!r} is split over TP or is not floating point; "
+                               "megatron-ucp v1 carries replicated floating-point buffers only")
             spec = ParamSpec(
                 name=name,
                 shape=tuple(first.global_shape[p:]),
@@ -148,12 +158,14 @@ def local_params(model_chunks: list) -> list[LocalParam]:
                 # a pipeline-level copy (the tied output layer on the last stage) is an alias
                 aliases=[name_in_model] if _pipeline_copy(first.replica_id) else [],
                 vocab_rows=id(param) in vocab,
+                buffer=is_buffer,
             )
             pieces = [_piece(local_key, param, s) for s in subs]
             if sum(math.prod(x.shape) for x in pieces) != param.numel():
                 raise UCPError(f"parameter {local_key!r}: its sharded pieces do not cover it")
-            out.append(LocalParam(spec, param, chunk_index, name_in_model, pieces,
-                                  _canonical(first.replica_id)))
+            # a buffer is not sharded by the optimizer: one DP replica writes it
+            canonical = _canonical(first.replica_id) and not (is_buffer and _dp_copy(first.replica_id))
+            out.append(LocalParam(spec, param, chunk_index, name_in_model, pieces, canonical))
         missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in seen]
         if missing:
             raise UCPError(f"parameters {missing} are not declared by the model's "

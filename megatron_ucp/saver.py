@@ -52,6 +52,10 @@ def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: 
     params = local_params(model_chunks)
     fragments = []
     for lp in params:
+        if lp.spec.buffer and lp.canonical:
+            fragments.append(Fragment(lp.spec.name, lp.local_shape, lp.pieces, 0, lp.param.numel(),
+                                      0.0, {"param": lp.param.detach().float().reshape(-1)}))
+            continue
         shard = index.shard_range(lp.param) if lp.canonical else None
         if shard is None:
             continue

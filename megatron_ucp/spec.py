@@ -4,6 +4,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+STATES = ("param", "exp_avg", "exp_avg_sq")  # fp32 master weight and Adam moments
+BUFFER_STATES = ("param",)  # a persistent buffer (e.g. MoE router expert_bias): its value only
+
+
+def states_of(spec: dict) -> tuple[str, ...]:
+    return BUFFER_STATES if spec.get("buffer") else STATES
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -32,6 +39,7 @@ class ParamSpec:
     tp_blocks: int = 1  # equal blocks along tp_axis each split over TP (2: SwiGLU gate and up halves)
     aliases: list[str] = field(default_factory=list)  # other local names holding the same tensor
     vocab_rows: bool = False  # dim 0 is the (padded) vocabulary: rows past the true vocab are padding
+    buffer: bool = False  # a persistent buffer, not trained: no optimizer state, stored as fp32
 
     def to_json(self) -> dict:
         d = asdict(self)

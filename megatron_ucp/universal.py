@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 from megatron_ucp.errors import UCPError
+from megatron_ucp.spec import states_of
 from megatron_ucp.storage import Reader, SafetensorsWriter, crc32, write_tensors
 
-STATES = ("param", "exp_avg", "exp_avg_sq")
 RNG_FILE = "rng.safetensors"
 
 
@@ -35,7 +35,7 @@ def write_params(out_dir: Path, params: dict[str, dict],
     files: list[list[str]] = [[]]
     size = 0
     for name, spec in params.items():
-        nbytes = 4 * math.prod(spec["shape"]) * len(STATES)
+        nbytes = 4 * math.prod(spec["shape"]) * len(states_of(spec))
         if files[-1] and size + nbytes > max_file_bytes:
             files.append([])
             size = 0
@@ -45,10 +45,10 @@ def write_params(out_dir: Path, params: dict[str, dict],
     for i, names in enumerate(files):
         fname = data_file_name(i)
         w = SafetensorsWriter(out_dir / fname, [(f"{n}/{s}", torch.float32, tuple(params[n]["shape"]))
-                                                for n in names for s in STATES])
+                                                for n in names for s in states_of(params[n])])
         for n in names:
             entries[n] = {}
-            for s in STATES:
+            for s in states_of(params[n]):
                 t = read_full(n, s)
                 w.write(f"{n}/{s}", t)
                 entries[n][s] = {"file": fname, "key": f"{n}/{s}", "crc32": crc32(t)}

@@ -105,6 +105,10 @@ UNEVEN = {"extra": {"num_layers_in_first_pipeline_stage": 1}}
 VOCAB_256 = {"vocab_size": 256, "unpadded_vocab_size": 250}
 VOCAB_252 = {"vocab_size": 252, "unpadded_vocab_size": 250}
 MOE = {"num_experts": 4, "add_bias_linear": False}  # top-2 router, SequentialMLP experts
+# DeepSeek-style: sigmoid router with aux-loss-free expert bias (a persistent buffer), shared expert
+MOE_BIAS_SHARED = {**MOE, "extra": {"moe_router_enable_expert_bias": True,
+                                    "moe_router_score_function": "sigmoid",
+                                    "moe_shared_expert_intermediate_size": 64}}
 FEATURES = [
     # id, src, dst, source cfg, target cfg (None: same)
     ("llama-gqa2", "tp2", "tp1", LLAMA, None),
@@ -119,6 +123,7 @@ FEATURES = [
     ("moe", "ep2dp2", "dp1", MOE, None),
     ("moe", "dp2", "ep2dp2", MOE, None),
     ("moe", "dp2", "ep4dp4", MOE, None),
+    ("moe-bias-shared", "ep2dp2", "tp2", MOE_BIAS_SHARED, {**MOE_BIAS_SHARED, **SP}),
     ("bf16-to-fp32", "tp2", "tp1", {"dtype": "bf16"}, {"dtype": "fp32"}),
     # true vocab 250; Megatron-LM pads to a multiple of make_vocab_size_divisible_by x TP
     # fp16: the target starts with another loss scale; the saved scaler state must win

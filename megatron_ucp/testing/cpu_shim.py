@@ -48,6 +48,7 @@ class _Props:
     major, minor = 9, 0
     total_memory = 24 * 2**30
     multi_processor_count = 1
+    gcnArchName = ""  # queried by some MoE code paths to detect ROCm
 
 
 class _Generators(tuple):

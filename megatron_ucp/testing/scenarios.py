@@ -10,8 +10,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from megatron_ucp.testing import tiny_gpt as tg  # installs the CPU shim first
-
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
@@ -19,6 +17,7 @@ from megatron.core.utils import unwrap_model
 
 import megatron_ucp as ucp
 from megatron_ucp.layout import Layout
+from megatron_ucp.testing import tiny_gpt as tg  # installs the CPU shim first
 
 
 def _scaler_state(st: tg.TrainState) -> dict | None:
@@ -47,6 +46,11 @@ def dump_local_state(state: tg.TrainState, dump_dir: str) -> None:
                     e.update(range=(r.start, r.end), step=float(s["step"]),
                              **{k: s[k].detach().clone() for k in ("param", "exp_avg", "exp_avg_sq")})
             entries.append(e)
+        persistent = unwrap_model(chunk).state_dict(keep_vars=True)
+        for name, b in unwrap_model(chunk).named_buffers():
+            if name in persistent and b.is_floating_point():
+                entries.append({"chunk": chunk_index, "name": name, "model": b.detach().clone(),
+                                "range": None})
     coords = {"tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
               "dp": ps.get_data_parallel_rank(), "layout": str(state.layout),
               "tp_size": state.layout.tp, "pp_size": state.layout.pp, "vpp": state.layout.vpp or 1,
