@@ -124,6 +124,7 @@ FEATURES = [
     ("moe", "dp2", "ep2dp2", MOE, None),
     ("moe", "dp2", "ep4dp4", MOE, None),
     ("moe-bias-shared", "ep2dp2", "tp2", MOE_BIAS_SHARED, {**MOE_BIAS_SHARED, **SP}),
+    ("moe-expert-tp", "tp2ep2dp2", "dp2", {**MOE, **SP}, MOE),  # experts split over TP2 and EP2
     ("bf16-to-fp32", "tp2", "tp1", {"dtype": "bf16"}, {"dtype": "fp32"}),
     # true vocab 250; Megatron-LM pads to a multiple of make_vocab_size_divisible_by x TP
     # fp16: the target starts with another loss scale; the saved scaler state must win
