@@ -1,4 +1,4 @@
-"""`megatron-ucp` command line: convert, inspect."""
+"""`megatron-ucp` command line: convert, inspect, import-legacy."""
 
 from __future__ import annotations
 
@@ -15,6 +15,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-progress", action="store_true")
     p = sub.add_parser("inspect", help="print layout, iteration, parameter table and sizes")
     p.add_argument("dir")
+    p = sub.add_parser("import-legacy", help="convert a Megatron-LM --ckpt-format torch checkpoint "
+                       "(distributed optimizer) into a universal directory")
+    p.add_argument("load_dir", help="Megatron-LM save root (with latest_checkpointed_iteration.txt) "
+                   "or an iter_XXXXXXX directory")
+    p.add_argument("universal_dir", help="new output directory")
+    p.add_argument("--no-progress", action="store_true")
+    p = sub.add_parser("import-torch-dist", help="convert a Megatron-LM --ckpt-format torch_dist "
+                       "checkpoint (distributed optimizer) into a universal directory")
+    p.add_argument("load_dir", help="Megatron-LM save root (with latest_checkpointed_iteration.txt) "
+                   "or an iter_XXXXXXX directory")
+    p.add_argument("universal_dir", help="new output directory")
+    p.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
 
     from megatron_ucp.errors import UCPError
@@ -28,6 +40,14 @@ def main(argv: list[str] | None = None) -> int:
             from megatron_ucp.inspector import inspect
 
             print(inspect(args.dir))
+        elif args.command == "import-legacy":
+            from megatron_ucp.megatron_legacy import convert_legacy
+
+            convert_legacy(args.load_dir, args.universal_dir, progress=not args.no_progress)
+        elif args.command == "import-torch-dist":
+            from megatron_ucp.megatron_dist import convert_torch_dist
+
+            convert_torch_dist(args.load_dir, args.universal_dir, progress=not args.no_progress)
     except UCPError as e:
         print(f"megatron-ucp: error: {e}", file=sys.stderr)
         return 2

@@ -224,8 +224,8 @@ def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg='load', 
     Adam step, the LR schedule and (at the saving layout) RNG state come from the checkpoint.
 
     With `--ckpt-format universal` and nothing to load under --load, it returns (0, 0) and training
-    starts fresh, as Megatron-LM does for an empty --load; with --universal-checkpoint a missing
-    checkpoint is an error.
+    starts fresh, as Megatron-LM does for an empty --load; with --universal-checkpoint (or
+    --exit-on-missing-checkpoint) a missing checkpoint is an error.
     """
     args = _get_args()
     if not wants_ucp_load(args):
@@ -245,7 +245,7 @@ def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg='load', 
                            "checkpoint; finetuning from one (weights only, fresh optimizer) is not "
                            "supported yet: resume it with --load")
     if ckpt is None:
-        if getattr(args, "universal_checkpoint", False):
+        if getattr(args, "universal_checkpoint", False) or getattr(args, "exit_on_missing_checkpoint", False):
             from megatron_ucp import manifest as mf
 
             mf.resolve(load_dir or "")  # raises the precise reason
@@ -344,4 +344,7 @@ def run_script(script: str, argv: list[str]) -> None:
 if __name__ == "__main__":
     if len(sys.argv) < 2:
         sys.exit("usage: python -m megatron_ucp.megatron_lm PATH/TO/pretrain_gpt.py [megatron args...]")
-    run_script(sys.argv[1], sys.argv[2:])
+    # the importable module, not this __main__ copy: one set of hooks and recorded originals
+    from megatron_ucp.megatron_lm import run_script as _run_script
+
+    _run_script(sys.argv[1], sys.argv[2:])

@@ -19,7 +19,11 @@ from megatron.core.dist_checkpointing.mapping import (
     ShardedTensor,
     ShardedTensorFactory,
 )
-from megatron.core.tensor_parallel import VocabParallelEmbedding
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from megatron.core.utils import unwrap_model
 
 from megatron_ucp.errors import UCPError
@@ -91,6 +95,26 @@ def _pipeline_copy(replica_id) -> bool:
     return not isinstance(replica_id, int) and replica_id[0] != 0
 
 
+def _tp_axis(param: torch.Tensor, owner, sh: ShardedTensor, local_key: str) -> int | None:
+    """The dim TP splits. megatron sets `tensor_model_parallel`/`partition_dim` on parameters in
+    its weight-init helpers, so a model built with perform_initialization=False (Megatron-LM's
+    --no-initialization) has them on biases only; then the layer type says it. The sharded
+    tensor's fragmentation (visible when TP > 1) must agree either way."""
+    if hasattr(param, "tensor_model_parallel"):
+        axis = param.partition_dim if param.tensor_model_parallel else None
+    elif isinstance(owner, (ColumnParallelLinear, VocabParallelEmbedding)) and param is owner.weight:
+        axis = 0
+    elif isinstance(owner, RowParallelLinear) and param is owner.weight:
+        axis = 1
+    else:
+        axis = None
+    split = [d for d, f in enumerate(sh.axis_fragmentations[sh.prepend_axis_num:]) if f > 1]
+    if split and split != [axis]:
+        raise UCPError(f"parameter {local_key!r}: its sharded_state_dict splits dim {split} but the "
+                       f"parameter says TP splits dim {axis}; no consistent rule")
+    return axis
+
+
 def _flatten(x) -> list:
     if isinstance(x, dict):
         return [y for v in x.values() for y in _flatten(v)]
@@ -119,6 +143,7 @@ def local_params(model_chunks: list) -> list[LocalParam]:
         model = unwrap_model(chunk)
         params = {id(p): (n, p) for n, p in model.named_parameters()}
         buffers = {id(b): (n, b) for n, b in model.named_buffers()}
+        owners = {id(p): m for m in model.modules() for p in m.parameters(recurse=False)}
         # rows indexed by token id: the vocab-parallel embedding and the output (logit) layer
         vocab = {id(m.weight) for m in model.modules() if isinstance(m, VocabParallelEmbedding)}
         output_layer = getattr(model, "output_layer", None)
@@ -144,7 +169,7 @@ def local_params(model_chunks: list) -> list[LocalParam]:
             first = subs[0]
             p = first.prepend_axis_num
             name = universal_name(local_key, first.key, tuple(first.global_offset[:p]))
-            tp_axis = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
+            tp_axis = _tp_axis(param, owners.get(id(param)), first, local_key)
             if is_buffer and (len(subs) > 1 or any(f > 1 for f in first.axis_fragmentations[p:])
                               or not param.is_floating_point()):
                 raise UCPError(f"buffer {local_key!r} is split over TP or is not floating point; "

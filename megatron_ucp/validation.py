@@ -27,6 +27,8 @@ def model_config(model_chunks: list) -> dict:
             cfg[k] = getattr(model, k)
     if cfg.get("num_query_groups") is None:
         cfg["num_query_groups"] = cfg.get("num_attention_heads")
+    # megatron gives linear_qkv a bias if either flag is set (Megatron-LM sets both)
+    cfg["add_qkv_bias"] = bool(cfg.get("add_bias_linear") or cfg.get("add_qkv_bias"))
     return cfg
 
 

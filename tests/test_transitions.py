@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 import megatron_ucp as ucp
 from megatron_ucp import manifest as mf
+from megatron_ucp.layout import Layout
 from megatron_ucp.testing.launch import LaunchError, launch
 
 TRANSITIONS = [
@@ -101,6 +102,7 @@ LLAMA = {"swiglu": True, "num_query_groups": 2, "normalization": "RMSNorm",
          "position_embedding_type": "rope", "untie_embeddings": True, "add_bias_linear": False,
          "qk_layernorm": True}
 SP = {"sequence_parallel": True}
+NO_INIT = {"extra": {"perform_initialization": False}}
 UNEVEN = {"extra": {"num_layers_in_first_pipeline_stage": 1}}
 VOCAB_256 = {"vocab_size": 256, "unpadded_vocab_size": 250}
 VOCAB_252 = {"vocab_size": 252, "unpadded_vocab_size": 250}
@@ -117,6 +119,9 @@ FEATURES = [
     ("sp", "tp1", "tp2", {}, SP),
     ("vpp", "pp2vpp2", "pp1", {}, None),
     ("vpp", "pp1", "pp2vpp2", {}, None),
+    # a resume built like Megatron-LM's --no-initialization: split axes from the layer types
+    ("no-init", "tp2", "tp1", {}, NO_INIT),
+    ("no-init", "tp1", "tp2", {}, NO_INIT),
     ("uneven-pp", "pp2", "pp2", {}, UNEVEN),  # stages 2+2 -> 1+3
     ("uneven-pp", "pp2", "tp2", UNEVEN, {}),
     ("llama-bf16", "tp2pp2", "dp2", {**LLAMA, "dtype": "bf16"}, None),
@@ -142,6 +147,11 @@ def test_feature_transition(feature, src, dst, cfg, dst_cfg, source_runs, tmp_pa
     rtol = {1: RTOL["bf16"] if dtypes & {"bf16", "fp16"} else RTOL["fp32"], 2: RTOL_CROSS}[len(dtypes)]
     if feature == "vocab-pad":
         rtol = RTOL_PAD
+    if feature == "no-init" and Layout.parse(dst).tp > 1:
+        # megatron-core 0.16.1 itself: without perform_initialization its linear weights lack the
+        # tensor_model_parallel attribute, so grad-norm clipping counts TP rank > 0 weights as
+        # duplicates and skips them; the step after the (bitwise) load differs from then on.
+        rtol = (1e-5, 1e-3)
     check_transition(source_runs, tmp_path, src, dst, cfg, dst_cfg, swiglu=cfg.get("swiglu", False),
                      rtol=rtol, name=f"{feature}:{src}->{dst}")
 

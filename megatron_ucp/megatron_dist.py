@@ -1,0 +1,563 @@
+"""Megatron-LM `--ckpt-format torch_dist` -> universal directory, offline, no real process group.
+
+Why this exists: a torch_dist checkpoint is readable only by a run with the same optimizer sharding
+machinery; its `dp_reshardable` optimizer state is a raw copy of each model-parallel rank's flat
+DistributedOptimizer buffer, so nothing outside megatron-core knows where a parameter lives in it.
+We therefore ask megatron-core itself rather than re-implementing its rules:
+
+* names, shapes, TP split axis, SwiGLU blocks and vocab rows come from
+  `param_spec.local_params` on a GPT model built from the checkpoint's `args` at TP1 (a one-rank
+  fake process group; parameters are allocated but never initialised);
+* for `dp_reshardable`, each parameter's offset in the flat buffer comes from megatron-core's own
+  `DistributedDataParallel` (`buffer.param_index_map`) built at the *source* layout for the source
+  model-parallel rank (fake process group of the source world size), and the TP-local slices are
+  put back together with that rank's `local_params` pieces;
+* `fully_reshardable` stores `optimizer.state.<state>.<model key>` at global shape: no layout math.
+
+Every master weight is checked against the stored model weight (bf16(master) == model tensor, bit
+for bit), so a wrong offset can never produce a silently wrong universal checkpoint.
+
+Only tensors that are needed are read (`torch.distributed.checkpoint.load(..., no_dist=True)`
+with a template of just those keys); at most a few stacked tensors / flat buckets are in memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import math
+import shutil
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from megatron_ucp.errors import UCPError
+
+TRACKER = "latest_checkpointed_iteration.txt"
+STATES = ("param", "exp_avg", "exp_avg_sq")
+
+
+# --------------------------------------------------------------------------------------------
+# Reading the torch_dist directory
+
+
+def resolve_iter_dir(load_dir: str | Path) -> Path:
+    """A torch_dist iteration directory, or a Megatron `--save` root whose tracker names one."""
+    path = Path(load_dir)
+    if (path / ".metadata").exists():
+        return path
+    tracker = path / TRACKER
+    if tracker.exists():
+        text = tracker.read_text().strip()
+        name = "release" if text == "release" else f"iter_{int(text):07d}"
+        target = path / name
+        if not (target / ".metadata").exists():
+            why = "does not exist" if not target.exists() else "has no .metadata (not torch_dist?)"
+            raise UCPError(f"{tracker} says {text!r} but {target} {why}; pass an iter_XXXXXXX "
+                           "directory of a --ckpt-format torch_dist save")
+        return target
+    if not path.exists():
+        raise UCPError(f"{path} does not exist; pass a Megatron --save directory (with {TRACKER}) "
+                       "or one of its iter_XXXXXXX directories")
+    raise UCPError(f"{path} is not a torch_dist checkpoint: no .metadata and no {TRACKER}; legacy "
+                   "--ckpt-format torch directories (mp_rank_XX) are not handled by this command")
+
+
+class DistReader:
+    """Loads single keys of a torch_dist checkpoint without a process group, with a small cache.
+
+    Why a cache: universal parameters are per layer, but torch_dist stores all layers in one
+    stacked tensor (and the dp_reshardable optimizer in one flat bucket per rank), so consecutive
+    parameters hit the same stored tensor.
+    """
+
+    def __init__(self, ckpt_dir: Path, cache_entries: int = 8):
+        from torch.distributed.checkpoint import FileSystemReader
+
+        self.dir = ckpt_dir
+        try:
+            self.metadata = FileSystemReader(str(ckpt_dir)).read_metadata()
+        except Exception as e:  # noqa: BLE001 - any unreadable .metadata is the same user error
+            raise UCPError(f"{ckpt_dir / '.metadata'}: cannot read torch_dist metadata ({e})") from e
+        self.meta = self.metadata.state_dict_metadata
+        files = sorted({s.relative_path for s in self.metadata.storage_data.values()})
+        missing = [f for f in files if not (ckpt_dir / f).exists()]
+        if missing:
+            raise UCPError(f"{ckpt_dir}: data file(s) {', '.join(missing)} listed in .metadata are "
+                           "missing; the checkpoint is incomplete (copy them back or use another "
+                           "iteration)")
+        self.cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.cache_entries = cache_entries
+        self.bytes_read = 0
+
+    def tensor_keys(self) -> list[str]:
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        return [k for k, v in self.meta.items() if isinstance(v, TensorStorageMetadata)]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.meta[key].size)
+
+    def tensor(self, key: str) -> torch.Tensor:
+        if key in self.cache:
+            self.cache.move_to_end(key)
+            return self.cache[key]
+        if key not in self.meta:
+            raise UCPError(f"{self.dir}: tensor {key!r} is not in the checkpoint")
+        m = self.meta[key]
+        t = torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        self._load({key: t})
+        self.bytes_read += t.numel() * t.element_size()
+        self.cache[key] = t
+        while len(self.cache) > self.cache_entries:
+            self.cache.popitem(last=False)
+        return t
+
+    def obj(self, key: str):
+        if key not in self.meta:
+            raise UCPError(f"{self.dir}: object {key!r} is not in the checkpoint")
+        sd = {key: io.BytesIO()}
+        self._load(sd)
+        return sd[key]
+
+    def _load(self, sd: dict) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        try:
+            dcp.load(sd, checkpoint_id=str(self.dir), no_dist=True)
+        except Exception as e:  # noqa: BLE001 - report which key and directory failed
+            raise UCPError(f"{self.dir}: cannot read {list(sd)} ({type(e).__name__}: {e}); the "
+                           "checkpoint files are damaged or incomplete") from e
+
+
+# --------------------------------------------------------------------------------------------
+# Building the model from args with a fake process group
+
+
+@contextlib.contextmanager
+def fake_parallel(args, world: int, rank: int, tp: int, pp: int) -> Iterator[None]:
+    """Process group of `world` fake ranks (no communication) plus megatron's parallel groups.
+
+    Why fake: megatron-core derives shapes, partition attributes and DDP buffer offsets from the
+    parallel state only; nothing needs to be exchanged, so the source layout can be reproduced in
+    one process.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise UCPError("convert_torch_dist builds megatron models on a private fake process group "
+                       "and must run in a process without torch.distributed initialised (use the "
+                       "`megatron-ucp import-torch-dist` command)")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                    create_gloo_process_groups=False)
+        tensor_parallel.model_parallel_cuda_manual_seed(int(getattr(args, "seed", 1234)))
+        yield
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _no_init(weight: torch.Tensor) -> None:
+    """Leave parameter memory as allocated: only shapes and partition attributes matter here."""
+
+
+def transformer_config_from_args(args, tp: int, pp: int):
+    """TransformerConfig from Megatron-LM args, as megatron.training does: same-named fields copied.
+
+    Parallel sizes are the requested layout; fusions, initialisation and sequence parallelism are
+    off because they change neither parameter shapes nor their order.
+    """
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(TransformerConfig)
+          if f.init and hasattr(args, f.name)}
+    renames = {"num_moe_experts": "num_experts", "num_layers_in_first_pipeline_stage":
+               "decoder_first_pipeline_num_layers", "num_layers_in_last_pipeline_stage":
+               "decoder_last_pipeline_num_layers", "gated_linear_unit": "swiglu"}
+    for field, arg in renames.items():
+        if hasattr(args, arg):
+            kw[field] = getattr(args, arg)
+    kw["activation_func"] = F.silu if getattr(args, "swiglu", False) else F.gelu
+    if getattr(args, "squared_relu", False):
+        from megatron.core.activations import squared_relu
+
+        kw["activation_func"] = squared_relu
+    if getattr(args, "norm_epsilon", None) is not None:
+        kw["layernorm_epsilon"] = args.norm_epsilon
+    kw.update(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=None, context_parallel_size=1,
+        expert_model_parallel_size=1, expert_tensor_parallel_size=None, sequence_parallel=False,
+        pipeline_dtype=kw.get("params_dtype", torch.float32),
+        # perform_initialization must stay on: megatron-core 0.16 sets `tensor_model_parallel` /
+        # `partition_dim` on Column/RowParallelLinear weights only inside its init functions. The
+        # init itself is a no-op (values are never used), so the cost is an allocation.
+        use_cpu_initialization=True, perform_initialization=True,
+        gradient_accumulation_fusion=False, masked_softmax_fusion=False,
+        bias_activation_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False,
+        apply_rope_fusion=False, tp_comm_overlap=False, cpu_offloading=False,
+        init_method=_no_init, output_layer_init_method=_no_init, embedding_init_method=_no_init,
+    )
+    if tp == 1 and pp == 1:
+        kw.update(num_layers_in_first_pipeline_stage=None, num_layers_in_last_pipeline_stage=None)
+    return TransformerConfig(**kw)
+
+
+def build_gpt(args, tp: int, pp: int):
+    """The GPT model chunk this (fake) rank would hold, built from args with megatron-core's local spec.
+
+    Why the local spec is enough: torch_dist keys are the canonical (TE-style) names for both the
+    local and the TE layer specs, so names, shapes and split axes agree. (Parameter *order* differs
+    with TE, which matters only for dp_reshardable offsets; that case is refused by the caller.)
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    cfg = transformer_config_from_args(args, tp, pp)
+    spec = get_gpt_layer_local_spec(
+        num_experts=getattr(args, "num_experts", None),
+        moe_grouped_gemm=getattr(args, "moe_grouped_gemm", False),
+        qk_layernorm=getattr(args, "qk_layernorm", False),
+        normalization=getattr(args, "normalization", "LayerNorm"),
+    )
+    model = GPTModel(
+        config=cfg,
+        transformer_layer_spec=spec,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(ignore_virtual=True),
+        post_process=ps.is_pipeline_last_stage(ignore_virtual=True),
+        share_embeddings_and_output_weights=not getattr(args, "untie_embeddings_and_output_weights", False),
+        position_embedding_type=getattr(args, "position_embedding_type", "learned_absolute"),
+        rotary_percent=getattr(args, "rotary_percent", 1.0),
+        rotary_base=getattr(args, "rotary_base", 10000),
+    )
+    if cfg.bf16 or cfg.fp16:  # as Megatron-LM does: every parameter (norms too) in the model dtype
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(cfg, model)
+    return model
+
+
+def _storage_keys(model) -> dict[int, tuple[str, tuple[int, ...]]]:
+    """id(param) -> (torch_dist key, indices along its stacked axes), from sharded_state_dict."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    from megatron.core.utils import unwrap_model
+
+    out = {}
+    for entry in unwrap_model(model).sharded_state_dict().values():
+        if isinstance(entry, ShardedTensorFactory):
+            first = entry.build()
+            while isinstance(first, (dict, list, tuple)):
+                first = next(iter(first.values())) if isinstance(first, dict) else first[0]
+        elif isinstance(entry, ShardedTensor):
+            first = entry
+        else:
+            continue
+        p = first.prepend_axis_num
+        out[id(entry.data)] = (first.key, tuple(first.global_offset[:p]))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Conversion
+
+
+@dataclasses.dataclass
+class _Param:
+    """Where one universal parameter lives in the torch_dist checkpoint."""
+
+    spec: dict
+    key: str  # torch_dist model key (stacked)
+    index: tuple[int, ...]  # position along the stacked axes
+    # dp_reshardable: (flat-bucket key prefix, start in that bucket, local shape, pieces)
+    slabs: list = dataclasses.field(default_factory=list)
+
+
+def _layout(args) -> dict:
+    """The saving run's parallel layout (manifest `layout`), from Megatron-LM args."""
+    return {"tp": int(args.tensor_model_parallel_size), "pp": int(args.pipeline_model_parallel_size),
+            "dp": int(getattr(args, "data_parallel_size", 1)),
+            "vpp": getattr(args, "virtual_pipeline_model_parallel_size", None),
+            "cp": int(getattr(args, "context_parallel_size", 1) or 1),
+            "ep": int(getattr(args, "expert_model_parallel_size", 1) or 1)}
+
+
+def _jsonable(v):
+    if isinstance(v, (bool, int, float, str)) or v is None:
+        return v
+    if isinstance(v, (tuple, list)) and all(isinstance(x, (bool, int, float, str)) for x in v):
+        return list(v)
+    if torch.is_tensor(v) and v.numel() == 1:
+        return v.item()
+    return None
+
+
+def _param_groups(groups: list[dict]) -> tuple[list[dict], float]:
+    """JSON hyper-parameters (manifest format) and the one Adam step they share."""
+    steps = {float(g["step"]) for g in groups if g.get("step") is not None}
+    if len(steps) != 1:
+        raise UCPError(f"optimizer param groups carry steps {sorted(steps)}; expected exactly one "
+                       "common Adam step (megatron's DistributedOptimizer keeps one per group)")
+    out = [{"optimizer": 0, **{k: _jsonable(v) for k, v in g.items()
+                               if k != "params" and _jsonable(v) is not None}} for g in groups]
+    return out, steps.pop()
+
+
+def _plan_model(args) -> tuple[dict[str, _Param], dict]:
+    """Universal params (in storage-key order) and the model config, from a TP1 build."""
+    from megatron_ucp.param_spec import local_params
+    from megatron_ucp.validation import model_config
+
+    with fake_parallel(args, 1, 0, 1, 1):
+        model = build_gpt(args, 1, 1)
+        keys = _storage_keys(model)
+        plan = {}
+        for lp in local_params([model]):
+            if id(lp.param) not in keys:
+                raise UCPError(f"parameter {lp.local_name!r} has no sharded_state_dict key")
+            key, index = keys[id(lp.param)]
+            plan[lp.spec.name] = _Param(lp.spec.to_json(), key, index)
+        cfg = {**model_config([model]), "unpadded_vocab_size": None}
+        del model
+    plan = dict(sorted(plan.items(), key=lambda kv: (kv[1].key, kv[1].index)))
+    return plan, cfg
+
+
+def _check_names(reader: DistReader, plan: dict[str, _Param], sharding: str) -> None:
+    """Every universal name has its tensor in the checkpoint and every checkpoint tensor is used."""
+    stored = {k: reader.shape(k) for k in reader.tensor_keys() if not k.startswith("optimizer.")}
+    used: dict[str, set] = {}
+    for name, p in plan.items():
+        if p.key not in stored:
+            raise UCPError(f"{reader.dir}: the model built from the checkpoint's args has parameter "
+                           f"{name!r} (torch_dist key {p.key!r}) but the checkpoint has no such "
+                           "tensor; the args do not describe this checkpoint")
+        want = (*[i + 1 for i in p.index], *p.spec["shape"])
+        have = stored[p.key]
+        if len(have) != len(want) or tuple(have[len(p.index):]) != tuple(p.spec["shape"]) or any(
+                i >= n for i, n in zip(p.index, have)):
+            raise UCPError(f"{reader.dir}: tensor {p.key!r} has shape {list(have)} but parameter "
+                           f"{name!r} needs index {list(p.index)} of shape {p.spec['shape']}")
+        used.setdefault(p.key, set()).add(p.index)
+        if sharding == "fully_reshardable":
+            for s in STATES:
+                k = f"optimizer.state.{s}.{p.key}"
+                if k not in reader.meta:
+                    raise UCPError(f"{reader.dir}: optimizer state {k!r} for parameter {name!r} "
+                                   "is missing")
+    for key, shape in stored.items():
+        if key not in used:
+            raise UCPError(f"{reader.dir}: checkpoint tensor {key!r} {list(shape)} is not a parameter "
+                           "of the model built from its args (an unsupported module or buffer?)")
+        stacked = len(next(iter(used[key])))
+        if len(used[key]) != math.prod(shape[:stacked]):
+            raise UCPError(f"{reader.dir}: checkpoint tensor {key!r} {list(shape)} has "
+                           f"{math.prod(shape[:stacked])} stacked entries but the model uses "
+                           f"{len(used[key])}; num_layers in args does not match the tensors")
+
+
+def _check_optimizer_keys(reader: DistReader, plan: dict[str, _Param], sharding: str) -> None:
+    """Every stored optimizer tensor is accounted for: no state is silently dropped."""
+    if sharding == "fully_reshardable":
+        wanted = {f"optimizer.state.{s}.{p.key}" for p in plan.values() for s in STATES}
+    else:
+        wanted = {f"{slab[0]}.{s}" for p in plan.values() for slab in p.slabs for s in STATES}
+    extra = sorted(k for k in reader.tensor_keys() if k.startswith("optimizer.") and k not in wanted)
+    if extra:
+        raise UCPError(f"{reader.dir}: optimizer tensor(s) {extra[:3]}{' ...' if len(extra) > 3 else ''}"
+                       f" ({len(extra)} in all) belong to no parameter of the model built from args")
+
+
+def _plan_dp_reshardable(args, reader: DistReader, plan: dict[str, _Param]) -> None:
+    """Attach each parameter's flat-buffer slabs, from megatron-core DDP at the source layout."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megatron_ucp.param_spec import local_params
+
+    lay = _layout(args)
+    if lay["vpp"] or lay["cp"] > 1 or lay["ep"] > 1 or getattr(args, "num_experts", None):
+        raise UCPError("dp_reshardable torch_dist import supports TP/PP/DP layouts of dense GPT "
+                       f"models only (got {lay}, num_experts={getattr(args, 'num_experts', None)})")
+    if getattr(args, "transformer_impl", "local") != "local":
+        raise UCPError(f"dp_reshardable flat buffers follow the parameter order of the layer spec; "
+                       f"this checkpoint used transformer_impl={args.transformer_impl!r}, which "
+                       "cannot be rebuilt here (TransformerEngine not installed)")
+    tp, pp, dp = lay["tp"], lay["pp"], lay["dp"]
+    world = tp * pp * dp
+    ddp_kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(DistributedDataParallelConfig)
+              if f.init and hasattr(args, f.name)}
+    def flag(name: str) -> bool:
+        return bool(getattr(args, name, False))
+
+    # the renames megatron.training applies when it builds DistributedDataParallelConfig
+    ddp_kw.update(grad_reduce_in_fp32=flag("accumulate_allreduce_grads_in_fp32"),
+                  bucket_size=getattr(args, "ddp_bucket_size", None),
+                  pad_buckets_for_high_nccl_busbw=flag("ddp_pad_buckets_for_high_nccl_busbw"),
+                  average_in_collective=flag("ddp_average_in_collective"),
+                  use_distributed_optimizer=True, overlap_param_gather=False, use_megatron_fsdp=False)
+    for pp_rank in range(pp):
+        for tp_rank in range(tp):
+            rank = tp_rank + tp * dp * pp_rank  # megatron's default order tp-cp-ep-dp-pp, dp rank 0
+            with fake_parallel(args, world, rank, tp, pp):
+                if (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                        ps.get_data_parallel_rank()) != (tp_rank, pp_rank, 0):
+                    raise UCPError(f"rank {rank} is not (tp {tp_rank}, pp {pp_rank}, dp 0) in "
+                                   "megatron's rank order; unsupported rank order")
+                mp_rank = ps.get_model_parallel_group().rank()
+                model = build_gpt(args, tp, pp)
+                ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(**ddp_kw),
+                                              model, disable_bucketing=False)
+                lps = {id(lp.param): lp for lp in local_params([ddp])}
+                for g, buf in enumerate(ddp.buffers):
+                    prefix = (f"optimizer.distributed.dp_group_idx_{mp_rank}.gbuf_idx_{g}."
+                              f"dtype_({buf.param_dtype}, {buf.grad_dtype})")
+                    for param, (start, _end, b) in buf.param_index_map.items():
+                        lp = lps[id(param)]
+                        if not lp.canonical:
+                            continue
+                        bucket_key = f"{prefix}.bucket_idx_{b}"
+                        local_start = start - buf.buckets[b].offset
+                        if f"{bucket_key}.param" not in reader.meta:
+                            raise UCPError(f"{reader.dir}: flat optimizer buffer "
+                                           f"{bucket_key + '.param'!r} (model-parallel rank {mp_rank}) "
+                                           "is missing")
+                        size = reader.shape(f"{bucket_key}.param")[0]
+                        if local_start + param.numel() > size:
+                            raise UCPError(f"{reader.dir}: {bucket_key!r} has {size} elements but "
+                                           f"{lp.spec.name!r} ends at {local_start + param.numel()}")
+                        if lp.spec.name not in plan:
+                            raise UCPError(f"parameter {lp.spec.name!r} at TP {tp_rank} PP {pp_rank} "
+                                           "is not in the TP1 model")
+                        plan[lp.spec.name].slabs.append(
+                            (bucket_key, local_start, tuple(param.shape), lp.pieces))
+                del ddp, model
+    for name, p in plan.items():
+        covered = sum(math.prod(pc.shape) for s in p.slabs for pc in s[3])
+        if covered != math.prod(p.spec["shape"]):
+            raise UCPError(f"parameter {name!r}: the flat buffers cover {covered} of "
+                           f"{math.prod(p.spec['shape'])} elements; layout not understood")
+
+
+def _read_full(reader: DistReader, p: _Param, state: str, sharding: str) -> torch.Tensor:
+    """One full fp32 universal tensor; master weights are verified against the stored bf16 model."""
+    if sharding == "fully_reshardable":
+        t = reader.tensor(f"optimizer.state.{state}.{p.key}")[p.index].clone()
+    else:
+        t = torch.empty(p.spec["shape"], dtype=torch.float32)
+        for bucket_key, start, local_shape, pieces in p.slabs:
+            flat = reader.tensor(f"{bucket_key}.{state}")
+            local = flat[start:start + math.prod(local_shape)].view(local_shape)
+            for pc in pieces:
+                box = tuple(slice(o, o + n) for o, n in zip(pc.offset, pc.shape))
+                t[box] = local[pc.row:pc.row + pc.shape[0]]
+    if t.dtype != torch.float32:
+        raise UCPError(f"optimizer state {state} of {p.spec['name']!r} is {t.dtype}, expected float32")
+    if state == "param":
+        model = reader.tensor(p.key)[p.index]
+        if not torch.equal(t.to(model.dtype), model):
+            raise UCPError(f"{reader.dir}: master weight of {p.spec['name']!r} cast to {model.dtype} "
+                           f"differs from the stored model tensor {p.key!r}{list(p.index)}; the "
+                           "optimizer layout was not understood (refusing to write wrong state)")
+    return t.contiguous()
+
+
+def convert_torch_dist(load_dir: str | Path, universal_dir: str | Path, progress: bool = True,
+                       max_file_bytes: int = 2**31) -> Path:
+    """Convert a Megatron-LM torch_dist checkpoint into a universal directory; returns its path.
+
+    `load_dir` is a `--save` root (with latest_checkpointed_iteration.txt) or an iter directory.
+    Must run in a process without torch.distributed initialised (models are built on a fake group).
+    """
+    from tqdm import tqdm
+
+    t0 = time.perf_counter()
+    ckpt = resolve_iter_dir(load_dir)
+    out = Path(universal_dir)
+    if out.exists() and any(out.iterdir()):
+        raise UCPError(f"{out} exists and is not empty; choose a new directory")
+    reader = DistReader(ckpt)
+
+    from megatron_ucp import manifest as mf
+    from megatron_ucp.storage import fsync_dir
+    from megatron_ucp.testing import cpu_shim  # noqa: F401  (must precede megatron.core)
+    from megatron_ucp.universal import write_params
+
+    common_path = ckpt / "common.pt"
+    if not common_path.exists():
+        raise UCPError(f"{ckpt}: common.pt is missing; the checkpoint is incomplete")
+    common = torch.load(common_path, map_location="cpu", weights_only=False)
+    args = common.get("args")
+    if args is None:
+        raise UCPError(f"{common_path} has no 'args'; only Megatron-LM training saves are supported")
+    opt = common.get("optimizer") or {}
+    sharding = opt.get("param_state_sharding_type") or (common.get("content_metadata") or {}).get(
+        "distrib_optim_sharding_type")
+    if sharding not in ("dp_reshardable", "fully_reshardable"):
+        raise UCPError(f"{ckpt}: optimizer sharding {sharding!r} is not supported (expected "
+                       "dp_reshardable or fully_reshardable from --use-distributed-optimizer)")
+
+    plan, model_cfg = _plan_model(args)
+    _check_names(reader, plan, sharding)
+    if sharding == "fully_reshardable":
+        groups = opt.get("optimizer", {}).get("param_groups")
+    else:
+        lay = _layout(args)
+        groups = None
+        for k in range(lay["tp"] * lay["pp"]):  # one optimizer per model-parallel rank
+            obj = reader.obj(f"optimizer.distributed.dp_group_idx_{k}.optimizer/shard_0_1")
+            g = (obj[0] if isinstance(obj, list) else obj)["param_groups"]
+            if groups is not None and _param_groups(g)[1] != _param_groups(groups)[1]:
+                raise UCPError(f"{ckpt}: model-parallel rank {k} is at Adam step "
+                               f"{_param_groups(g)[1]}, rank 0 at {_param_groups(groups)[1]}")
+            groups = groups or g
+        _plan_dp_reshardable(args, reader, plan)
+    _check_optimizer_keys(reader, plan, sharding)
+    if not groups:
+        raise UCPError(f"{ckpt}: no optimizer param groups found (was it saved without optimizer?)")
+    param_groups, step = _param_groups(groups)
+
+    partial = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    bar = tqdm(total=len(plan), desc="import torch_dist", unit="param", disable=not progress)
+    specs = {n: p.spec for n, p in plan.items()}
+    entries = write_params(partial, specs, lambda n, s: _read_full(reader, plan[n], s, sharding),
+                           max_file_bytes, bar)
+    bar.close()
+    lay = _layout(args)
+    iteration = int(common.get("iteration", getattr(args, "iteration", 0)))
+    manifest = {
+        "format": mf.FORMAT, "version": mf.VERSION, "kind": "universal",
+        "iteration": iteration, "layout": lay,
+        "layout_world_size": lay["tp"] * lay["pp"] * lay["dp"] * lay["cp"],
+        "model": model_cfg,
+        "params": {n: {**spec, "step": step, "tensors": entries[n]} for n, spec in specs.items()},
+        "optimizer": {"param_groups": param_groups, "grad_scaler": None},
+        "scheduler": common.get("opt_param_scheduler"),
+        "extra": {"consumed_samples": int(getattr(args, "consumed_train_samples", 0) or 0)},
+        "seed": int(getattr(args, "seed", 1234)),
+        "converted_from": {"kind": f"megatron-lm torch_dist ({sharding})", "path": str(ckpt)},
+    }
+    mf.write(partial, manifest)
+    fsync_dir(partial)
+    if out.exists():
+        out.rmdir()
+    partial.rename(out)
+    if progress:
+        print(f"[megatron-ucp] {len(plan)} parameters from {ckpt} ({sharding}), "
+              f"{reader.bytes_read / 2**20:.1f} MiB read, written to {out} in "
+              f"{time.perf_counter() - t0:.2f}s")
+    return out

@@ -1,0 +1,184 @@
+"""megatron_ucp.megatron_lm: Megatron-LM's save/load hooks, their flags and their delegation.
+
+CI has no Megatron-LM checkout (megatron.training), so the hooks run with real megatron-core (tiny
+GPT, DDP, DistributedOptimizer, scheduler) in launched gloo processes and get their arguments from
+`set_args_source`, the namespace Megatron-LM's `get_args()` would return. The real Megatron-LM
+pretrain_gpt.py route is recorded in patches/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+from megatron_ucp import megatron_lm
+from megatron_ucp.testing.launch import launch
+
+HERE = Path(__file__).resolve().parent
+THIS = f"{Path(__file__).stem}"
+# 2 layers keep both launches short; vocab 256 padded from 251 = NullTokenizer(--vocab-size 250) + EOD
+CFG = {"num_layers": 2, "hidden_size": 32, "ffn_hidden_size": 64, "vocab_size": 256,
+       "unpadded_vocab_size": 251, "global_batch_size": 8, "micro_batch_size": 2}
+STEPS = 2
+FLOPS = 12345.0
+
+
+def _megatron_args(**kw) -> argparse.Namespace:
+    """The fields of Megatron-LM's args the hooks read, as `pretrain_gpt.py` would set them."""
+    base = dict(ckpt_format="torch_dist", ucp_save=False, universal_checkpoint=False, save=None,
+                load=None, seed=1234, tokenizer_type="NullTokenizer", vocab_size=250,
+                padded_vocab_size=256, consumed_train_samples=0, skipped_train_samples=0,
+                consumed_valid_samples=0, finetune=False, no_load_optim=False, no_load_rng=False,
+                pretrained_checkpoint=None)
+    return argparse.Namespace(**{**base, **kw})
+
+
+# ------------------------------------------------------------------------- launched ranks
+
+def rank_train_and_save(save_dir: str) -> dict:
+    """TP2: train, save through the save hook (--ucp-save), then one more step (the reference)."""
+    from megatron_ucp.layout import Layout
+    from megatron_ucp.testing import tiny_gpt as tg
+
+    layout = Layout.parse("tp2")
+    tg.init_distributed(layout)
+    st = tg.build(tg.TinyGPTConfig(**CFG), layout)
+    for _ in range(STEPS):
+        tg.train_step(st)
+    args = _megatron_args(ucp_save=True, save=save_dir, seed=st.config.seed,
+                          consumed_train_samples=STEPS * CFG["global_batch_size"],
+                          skipped_train_samples=3, consumed_valid_samples=5)
+    megatron_lm.set_args_source(lambda: args)
+    megatron_lm.save_checkpoint(st.iteration, st.model, st.optimizer, st.scheduler, FLOPS)
+    continued = tg.train_step(st)
+    tg.destroy()
+    return {"continued": continued}
+
+
+def rank_load_and_train(load_dir: str, empty_dir: str) -> dict:
+    """TP1 DP2: the load hook's fresh-start, error and resume paths, then one training step."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_ucp.errors import UCPError
+    from megatron_ucp.layout import Layout
+    from megatron_ucp.optimizer_state import distributed_optimizers
+    from megatron_ucp.testing import tiny_gpt as tg
+
+    layout = Layout.parse("dp2")
+    tg.init_distributed(layout)
+    st = tg.build(tg.TinyGPTConfig(**CFG), layout)
+    out: dict = {}
+
+    # --ckpt-format universal with nothing under --load: a fresh start, as Megatron-LM does
+    args = _megatron_args(ckpt_format="universal", load=empty_dir)
+    megatron_lm.set_args_source(lambda: args)
+    out["fresh"] = list(megatron_lm.load_checkpoint(st.model, st.optimizer, st.scheduler))
+    # --universal-checkpoint names a checkpoint explicitly: a missing one is an error
+    args = _megatron_args(universal_checkpoint=True, load=empty_dir)
+    try:
+        megatron_lm.load_checkpoint(st.model, st.optimizer, st.scheduler)
+        out["missing_error"] = None
+    except UCPError as e:
+        out["missing_error"] = str(e)
+    args = _megatron_args(universal_checkpoint=True, load=load_dir, no_load_optim=True)
+    try:
+        megatron_lm.load_checkpoint(st.model, st.optimizer, st.scheduler)
+        out["no_load_optim_error"] = None
+    except UCPError as e:
+        out["no_load_optim_error"] = str(e)
+    dist.barrier()
+
+    args = _megatron_args(universal_checkpoint=True, load=load_dir)
+    iteration, flops = megatron_lm.load_checkpoint(st.model, st.optimizer, st.scheduler)
+    out.update(iteration=iteration, flops=flops,
+               counters=[args.consumed_train_samples, args.skipped_train_samples,
+                         args.consumed_valid_samples])
+    # every parameter has its own Adam step tensor, at the saved step
+    steps = [s["step"] for o in distributed_optimizers(st.optimizer)
+             for s in o.optimizer.state.values()]
+    out["steps"] = sorted({float(s) for s in steps})
+    out["distinct_step_tensors"] = len({id(s) for s in steps}) == len(steps) and all(
+        torch.is_tensor(s) for s in steps)
+    st.iteration = iteration
+    out["loss"] = tg.train_step(st)
+    tg.destroy()
+    return out
+
+
+# ------------------------------------------------------------------------------------ tests
+
+def test_extra_args_provider_adds_flags_and_universal_format():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ckpt-format", choices=("torch", "torch_dist"), default="torch_dist")
+    seen = []
+    provider = megatron_lm.chain_extra_args_providers(
+        None, lambda p: seen.append("theirs") or p, megatron_lm.extra_args_provider,
+        megatron_lm.extra_args_provider)  # twice: idempotent (as with the patch's own flags)
+    parser = provider(parser)
+    assert seen == ["theirs"]
+    args = parser.parse_args(["--ckpt-format", "universal", "--universal-checkpoint", "--ucp-save"])
+    assert (args.ckpt_format, args.universal_checkpoint, args.ucp_save) == ("universal", True, True)
+    args = parser.parse_args([])
+    assert not megatron_lm.wants_ucp_save(args) and not megatron_lm.wants_ucp_load(args)
+    assert megatron_lm.wants_ucp_save(argparse.Namespace(ckpt_format="universal"))
+    assert megatron_lm.wants_ucp_load(argparse.Namespace(ckpt_format="universal"))
+    assert megatron_lm.wants_ucp_load(argparse.Namespace(ckpt_format="torch", universal_checkpoint=True))
+
+
+def test_true_vocab_size():
+    assert megatron_lm.true_vocab_size(_megatron_args()) == 251  # NullTokenizer adds EOD
+    assert megatron_lm.true_vocab_size(_megatron_args(tokenizer_type="GPT2BPETokenizer")) is None
+    assert megatron_lm.true_vocab_size(_megatron_args(vocab_size=300)) is None  # > padded: unknown
+
+
+def test_hooks_delegate_to_megatron_lm_when_not_asked(monkeypatch):
+    calls = {}
+    monkeypatch.setitem(megatron_lm._ORIGINALS, "save_checkpoint",
+                        lambda *a: calls.setdefault("save", a))
+    monkeypatch.setitem(megatron_lm._ORIGINALS, "load_checkpoint",
+                        lambda *a: calls.setdefault("load", a) and (7, 8.0))
+    monkeypatch.setattr(megatron_lm, "_ARGS_SOURCE", lambda: _megatron_args())
+    megatron_lm.save_checkpoint(5, "model", "opt", "sched", 1.5, "ctx", non_persistent_ckpt=True,
+                                release=True, dp_cp_group="g")
+    assert calls["save"] == (5, "model", "opt", "sched", 1.5, "ctx", None, None, None, None, None,
+                             True, None, None, True, None, None, "g")
+    assert megatron_lm.load_checkpoint("model", "opt", "sched", "pretrained_checkpoint",
+                                       strict=False) == (7, 8.0)
+    assert calls["load"] == ("model", "opt", "sched", "pretrained_checkpoint", False, None, False,
+                             None, None, None)
+
+
+def test_save_hook_then_load_hook_at_another_layout(tmp_path):
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)}
+    save_dir, empty = tmp_path / "ckpt", tmp_path / "empty"
+    empty.mkdir()
+    src = launch(2, f"{THIS}:rank_train_and_save", {"save_dir": str(save_dir)}, env=env)
+    manifest = json.loads((save_dir / "iter_0000002" / "manifest.json").read_text())
+    assert (save_dir / "latest").read_text().strip() == "iter_0000002"
+    assert manifest["model"]["unpadded_vocab_size"] == 251
+    assert manifest["extra"] == {"consumed_train_samples": 16, "skipped_train_samples": 3,
+                                 "consumed_valid_samples": 5, "release": False,
+                                 "num_floating_point_operations_so_far": FLOPS}
+    assert manifest["seed"] == 1234 and manifest["layout"]["tp"] == 2
+
+    res = launch(2, f"{THIS}:rank_load_and_train",
+                 {"load_dir": str(save_dir), "empty_dir": str(empty)}, env=env)
+    for r in res:
+        assert r["fresh"] == [0, 0]
+        assert r["missing_error"] and "not a megatron-ucp checkpoint" in r["missing_error"]
+        assert r["no_load_optim_error"] and "--no-load-optim" in r["no_load_optim_error"]
+        assert (r["iteration"], r["flops"]) == (STEPS, FLOPS)
+        assert r["counters"] == [16, 3, 5]
+        assert r["steps"] == [float(STEPS)] and r["distinct_step_tensors"]
+    ref, got = src[0]["continued"], res[0]["loss"]
+    assert math.isclose(got, ref, rel_tol=1e-5), (ref, got)  # fp32, TP2 -> DP2: reduction order only
+
+
+if __name__ == "__main__":
+    pytest.main([__file__, "-q"])
