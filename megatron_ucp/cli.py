@@ -1,4 +1,4 @@
-"""`megatron-ucp` command line: convert, inspect, import-legacy."""
+"""`megatron-ucp` command line: convert, inspect, verify, diff, import-legacy, import-torch-dist."""
 
 from __future__ import annotations
 
@@ -15,6 +15,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-progress", action="store_true")
     p = sub.add_parser("inspect", help="print layout, iteration, parameter table and sizes")
     p.add_argument("dir")
+    p = sub.add_parser("verify", help="checksums of every tensor and exact coverage of every parameter")
+    p.add_argument("dir")
+    p = sub.add_parser("diff", help="max abs/rel difference per tensor between two checkpoints "
+                       "(any supported format and layout)")
+    p.add_argument("a")
+    p.add_argument("b")
     p = sub.add_parser("import-legacy", help="convert a Megatron-LM --ckpt-format torch checkpoint "
                        "(distributed optimizer) into a universal directory")
     p.add_argument("load_dir", help="Megatron-LM save root (with latest_checkpointed_iteration.txt) "
@@ -40,6 +46,14 @@ def main(argv: list[str] | None = None) -> int:
             from megatron_ucp.inspector import inspect
 
             print(inspect(args.dir))
+        elif args.command == "verify":
+            from megatron_ucp.checks import verify
+
+            print(verify(args.dir))
+        elif args.command == "diff":
+            from megatron_ucp.checks import diff, format_diff
+
+            print(format_diff(diff(args.a, args.b)))
         elif args.command == "import-legacy":
             from megatron_ucp.megatron_legacy import convert_legacy
 

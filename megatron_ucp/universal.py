@@ -72,7 +72,7 @@ class UniversalSource:
         self.dir = Path(ckpt_dir)
         self.manifest = manifest
         self.reader = reader or Reader()
-        self.verify = verify_checksums
+        self.verify_checksums = verify_checksums
 
     def step(self, name: str) -> float:
         return self.manifest["params"][name]["step"]
@@ -83,11 +83,23 @@ class UniversalSource:
         whole = tuple(offset) == (0,) * len(offset) and tuple(shape) == tuple(self.manifest["params"][name]["shape"])
         if whole:
             t = self.reader.read(path, entry["key"])
-            if self.verify and crc32(t) != entry["crc32"]:
+            if self.verify_checksums and crc32(t) != entry["crc32"]:
                 raise UCPError(f"{path}: checksum mismatch in tensor {entry['key']!r}; the file is "
                                "corrupt: restore it or re-run `megatron-ucp convert`")
             return t
         return self.reader.read(path, entry["key"], tuple(slice(o, o + n) for o, n in zip(offset, shape)))
+
+    def verify(self) -> int:
+        """Read every tensor whole and check its crc32 and shape. Returns tensors checked."""
+        n = 0
+        for name, p in self.manifest["params"].items():
+            for state in p["tensors"]:
+                t = self.read(name, state, (0,) * len(p["shape"]), tuple(p["shape"]))
+                if list(t.shape) != list(p["shape"]):
+                    raise UCPError(f"{self.dir}: {name}/{state} has shape {list(t.shape)}, the "
+                                   f"manifest says {p['shape']}; re-run `megatron-ucp convert`")
+                n += 1
+        return n
 
     def rng(self, rank: int) -> tuple[dict[str, torch.Tensor], dict]:
         path = self.dir / RNG_FILE

@@ -155,9 +155,9 @@ def test_missing_parameter_is_named(ckpt):
 
 
 def test_extra_parameters_are_named(ckpt):
-    # A checkpoint with linear biases, a model without (add_bias_linear dropped from the saved
+    # A checkpoint with linear biases, a model without (the bias flags dropped from the saved
     # config so that the parameter-set check, not the config check, decides).
-    edit_manifest(ckpt, lambda m: m["model"].pop("add_bias_linear"))
+    edit_manifest(ckpt, lambda m: [m["model"].pop(k) for k in ("add_bias_linear", "add_qkv_bias")])
     log = failed_load(ckpt, {"add_bias_linear": False})
     assert "the checkpoint has parameters the model lacks" in log, log
     assert "'decoder.layers.0.mlp.linear_fc1.bias'" in log

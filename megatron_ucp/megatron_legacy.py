@@ -1,0 +1,728 @@
+"""Megatron-LM legacy checkpoints (`--ckpt-format torch`, distributed optimizer) -> universal form.
+
+A legacy save holds, per (TP, PP, EP) rank, `model_optim_rng.pt` (model weights in the training dtype
+with local layer numbers, optimizer hyper-parameters and the Adam step, scheduler, args) and
+`distrib_optim.pt` (fp32 master weights and Adam moments as flat per-buffer tensors gathered from all
+DP ranks). Neither file says where a parameter sits in the flat tensors or in the global model: that
+is decided by megatron-core's code at the saving layout (DDP's parameter/gradient buffers, the
+pipeline layer offsets, the TP split of each layer).
+
+So we do not re-implement those rules. For each rank directory we rebuild that rank's model inside
+this process, at the SOURCE layout, on a fake process group (no real communication, meta tensors, no
+memory for weights), wrap it in megatron-core's DistributedDataParallel with the distributed
+optimizer's buffer settings, and read
+
+* each parameter's offset in the flat tensors from DDP's own `param_index_map` and bucket list, and
+* its universal name and the box of the universal tensor its TP slice fills from
+  `megatron_ucp.param_spec.local_params` (the model's own `sharded_state_dict()`).
+
+The full tensors are assembled from the rank files (memory-mapped), replicated and tied copies are
+checked bitwise, and the result is written through `megatron_ucp.universal`, so `megatron_ucp.load`
+resumes it at any layout. Only this file knows the legacy format.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import re
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from megatron_ucp import manifest as mf
+from megatron_ucp.errors import UCPError
+from megatron_ucp.layout import Layout
+from megatron_ucp.spec import STATES, ParamSpec, Piece
+from megatron_ucp.storage import fsync_dir
+from megatron_ucp.universal import write_params
+
+TRACKER = "latest_checkpointed_iteration.txt"
+MODEL_FILE = "model_optim_rng.pt"
+OPTIM_FILE = "distrib_optim.pt"
+_RANK_DIR = re.compile(r"mp_rank_\d{2}(_\d{3}){0,2}")
+
+# TransformerConfig settings for the rebuild. The fusions change nothing about parameter names,
+# shapes or order but would need CUDA extensions or TransformerEngine. Initialisation stays on (on
+# the meta device it costs nothing): megatron-core sets a weight's `tensor_model_parallel` and
+# `partition_dim` attributes, which the param specs read, only while initialising it; the CPU path
+# needs no CUDA RNG tracker.
+_REBUILD_SETTINGS = {
+    "use_cpu_initialization": True,
+    "perform_initialization": True,
+    "gradient_accumulation_fusion": False,
+    "masked_softmax_fusion": False,
+    "bias_activation_fusion": False,
+    "bias_dropout_fusion": False,
+    "persist_layer_norm": False,
+    "apply_rope_fusion": False,
+    "cross_entropy_loss_fusion": False,
+    "tp_comm_overlap": False,
+    "use_te_rng_tracker": False,
+    "config_logger_dir": "",
+}
+
+
+@dataclass
+class _Copy:
+    """One rank's local copy of (part of) a universal tensor, with where its rows go."""
+
+    source: Path  # the rank directory
+    local_name: str
+    pieces: list[Piece]
+    canonical: bool
+    weight: torch.Tensor  # model weight from model_optim_rng.pt (training dtype), local shape
+    states: dict[str, torch.Tensor] | None  # fp32 views into distrib_optim.pt; None: not saved here
+    step: float | None
+
+
+@dataclass
+class _RankFiles:
+    path: Path
+    model: dict
+    optim: list  # distrib_optim.pt entries, one per chained optimizer (None: not DP rank 0 there)
+
+
+# ----------------------------------------------------------------------------------------------
+# entry point
+
+
+def convert_legacy(load_dir: str | Path, universal_dir: str | Path, progress: bool = True) -> Path:
+    """Convert a Megatron-LM `--ckpt-format torch` checkpoint into a universal directory.
+
+    load_dir: the save root (with latest_checkpointed_iteration.txt) or one iter_XXXXXXX directory.
+    Runs on a CPU-only box without a process group (it creates and destroys a fake one per source
+    rank). Returns the universal directory, which `megatron_ucp.load` reads at any layout.
+    """
+    t0 = time.perf_counter()
+    if dist.is_available() and dist.is_initialized():
+        raise UCPError("convert_legacy rebuilds the source layout on its own fake process group and "
+                       "cannot run inside a job that already has one; run it in a separate process "
+                       "(`megatron-ucp import-legacy LOAD_DIR UNIVERSAL_DIR`)")
+    iter_dir, iteration = _resolve(Path(load_dir))
+    out = Path(universal_dir)
+    if out.exists() and any(out.iterdir()):
+        raise UCPError(f"{out} exists and is not empty; choose a new directory")
+
+    found = sorted(p for p in iter_dir.iterdir() if p.is_dir() and _RANK_DIR.fullmatch(p.name))
+    if not found:
+        raise UCPError(f"{iter_dir} holds no mp_rank_* directories: it is not a Megatron-LM "
+                       "`--ckpt-format torch` checkpoint (torch_dist checkpoints hold *.distcp files "
+                       "and are not read by import-legacy)")
+    args = _read_args(found[0] / MODEL_FILE, found)
+    _check_supported(args, found[0] / MODEL_FILE)
+    writers = _writer_ranks(args)
+    missing = sorted(set(writers) - {p.name for p in found})
+    if missing:
+        raise UCPError(f"{iter_dir}: rank directories {missing} are missing (the saved layout "
+                       f"{_layout(args)} needs {sorted(writers)}); the checkpoint is incomplete: "
+                       "copy the missing directories or convert another iteration")
+    extra = sorted({p.name for p in found} - set(writers))
+    if extra:
+        raise UCPError(f"{iter_dir}: rank directories {extra} do not belong to the layout "
+                       f"{_layout(args)} recorded in {found[0] / MODEL_FILE} args (expected "
+                       f"{sorted(writers)}); remove them or convert the directories of one save only")
+
+    copies: dict[str, list[_Copy]] = {}
+    specs: dict[str, ParamSpec] = {}
+    model_cfg: dict = {}
+    head: dict = {}  # model_optim_rng.pt of the first writer (global rank 0): scheduler, groups
+    ranks = tqdm(sorted(writers.items(), key=lambda kv: kv[1]), desc="rebuild source ranks",
+                 unit="rank", disable=not progress)
+    for name, rank in ranks:
+        files = _load_rank(iter_dir / name, iteration)
+        _check_same_run(files, args, found[0] / MODEL_FILE)
+        head = head or files.model
+        with _source_rank(args, rank, name):
+            chunks = _build(args)
+            if not model_cfg:
+                model_cfg = _model_config(chunks, args)
+            _collect(chunks, files, args, copies, specs)
+
+    params = {n: specs[n].to_json() for n in sorted(specs)}
+    steps = {n: _step(n, copies[n]) for n in params}
+    partial = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    bar = tqdm(total=len(params), desc="import-legacy", unit="param", disable=not progress)
+    try:
+        entries = write_params(partial, params,
+                               lambda n, s: _assemble(n, s, specs[n], copies[n]), progress=bar)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)  # an inconsistency found half-way: leave nothing
+        raise
+    finally:
+        bar.close()
+    m = head
+    manifest = {
+        "format": mf.FORMAT, "version": mf.VERSION, "kind": "universal",
+        "iteration": iteration, "layout": _layout(args).to_json(), "layout_world_size": _world(args),
+        "model": model_cfg,
+        "params": {n: {**spec, "step": steps[n], "tensors": entries[n]} for n, spec in params.items()},
+        "optimizer": _optimizer_json(m["optimizer"]),
+        "scheduler": _jsonable_tree(m.get("opt_param_scheduler")),
+        "extra": ({"consumed_samples": int(args.consumed_train_samples)}
+                  if getattr(args, "consumed_train_samples", None) is not None else {}),
+        "seed": int(getattr(args, "seed", 1234)),
+        "converted_from": {"kind": "megatron-lm-torch", "path": str(iter_dir),
+                           "checkpoint_version": m.get("checkpoint_version")},
+    }
+    mf.write(partial, manifest)
+    fsync_dir(partial)
+    if out.exists():
+        out.rmdir()
+    partial.rename(out)
+    if progress:
+        print(f"[megatron-ucp] imported Megatron-LM iteration {iteration} ({_layout(args)}, "
+              f"{len(writers)} rank dirs, {len(params)} parameters) into {out} in "
+              f"{time.perf_counter() - t0:.2f}s")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# files
+
+
+def _resolve(path: Path) -> tuple[Path, int]:
+    """(iteration directory, iteration) from a save root or an iter_* directory."""
+    if not path.exists():
+        raise UCPError(f"{path} does not exist; pass a Megatron-LM save root (with {TRACKER}) or one "
+                       "of its iter_XXXXXXX directories")
+    if (path / TRACKER).exists():
+        text = (path / TRACKER).read_text().strip()
+        if text == "release":
+            return path / "release", 0
+        if not text.isdigit():
+            raise UCPError(f"{path / TRACKER} says {text!r}, not an iteration number; pass the "
+                           "iter_XXXXXXX directory to convert instead")
+        iter_dir = path / f"iter_{int(text):07d}"
+        if not iter_dir.is_dir():
+            raise UCPError(f"{path / TRACKER} names iteration {int(text)}, but {iter_dir} does not "
+                           f"exist; pass an existing iter_XXXXXXX directory instead")
+        return iter_dir, int(text)
+    match = re.fullmatch(r"iter_(\d{7})", path.name)
+    if match:
+        return path, int(match.group(1))
+    if path.name == "release":
+        return path, 0
+    raise UCPError(f"{path} is neither a Megatron-LM save root (no {TRACKER}) nor an iter_XXXXXXX "
+                   "directory; pass one of those")
+
+
+def _torch_load(path: Path) -> Any:
+    """torch.load on CPU, memory-mapped so a large checkpoint is not read into RAM at once."""
+    if not path.exists():
+        raise UCPError(f"{path} is missing; every rank directory needs {MODEL_FILE} and "
+                       f"{OPTIM_FILE} (saved with --use-distributed-optimizer); restore the file")
+    try:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            return torch.load(path, map_location="cpu", weights_only=False)  # old non-zip format
+    except ModuleNotFoundError as e:
+        raise UCPError(f"{path}: cannot unpickle it, it references module {e.name!r} which is not "
+                       "installed here; install it (the checkpoint's args refer to it)") from e
+    except Exception as e:
+        raise UCPError(f"{path} cannot be read ({type(e).__name__}: {e}); the file is truncated or "
+                       "corrupt: restore it from the source or convert another iteration") from e
+
+
+def _read_args(path: Path, found: list[Path]):
+    m = _torch_load(path)
+    args = m.get("args") if isinstance(m, dict) else None
+    sizes = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers")
+    if args is None or not all(hasattr(args, k) for k in sizes):
+        two_part = [p.name for p in found if p.name.count("_") == 3]
+        why = (f"the directory names {two_part} are ambiguous without it (mp_rank_TT_XXX is a "
+               "pipeline rank with PP>1 but an expert rank with EP>1) and " if two_part else "")
+        raise UCPError(f"{path} has no Megatron-LM 'args' (argparse namespace with the parallel "
+                       f"sizes and the model architecture); {why}the model cannot be rebuilt. Every "
+                       "Megatron-LM save stores args: restore this file from the original save")
+    return args
+
+
+def _load_rank(rank_dir: Path, iteration: int) -> _RankFiles:
+    model = _torch_load(rank_dir / MODEL_FILE)
+    if not isinstance(model, dict) or "optimizer" not in model:
+        raise UCPError(f"{rank_dir / MODEL_FILE} has no optimizer state; it was saved with "
+                       "--no-save-optim and cannot be resumed")
+    if model.get("iteration") != iteration:
+        raise UCPError(f"{rank_dir / MODEL_FILE} is from iteration {model.get('iteration')}, but the "
+                       f"checkpoint is iteration {iteration}; the rank directories mix different "
+                       "saves: restore this directory from the same save")
+    if float(model.get("checkpoint_version", 0)) < 3.0:
+        raise UCPError(f"{rank_dir / MODEL_FILE}: checkpoint_version {model.get('checkpoint_version')}"
+                       " predates 3.0 (older QKV layout); load and re-save it with Megatron-LM first")
+    optim = _torch_load(rank_dir / OPTIM_FILE)
+    optim = optim if isinstance(optim, list) else [optim]
+    for entry in optim:
+        if entry is not None and not (isinstance(entry, dict) and entry.get("buckets_coalesced")):
+            raise UCPError(f"{rank_dir / OPTIM_FILE} is not in the coalesced-bucket format of "
+                           "megatron-core >= 0.7; load and re-save it with a newer Megatron-LM")
+    return _RankFiles(rank_dir, model, optim)
+
+
+_LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                "virtual_pipeline_model_parallel_size", "expert_model_parallel_size",
+                "context_parallel_size", "world_size", "num_layers", "hidden_size", "num_experts")
+
+
+def _check_same_run(files: _RankFiles, args, first: Path) -> None:
+    """Every rank file must come from the run whose args we rebuild (same sizes)."""
+    other = files.model.get("args")
+    diff = [k for k in _LAYOUT_ARGS if getattr(other, k, None) != getattr(args, k, None)]
+    if other is None or diff:
+        raise UCPError(f"{files.path / MODEL_FILE}: its args differ from {first} in "
+                       f"{diff or ['(no args)']}; the rank directories come from different runs: "
+                       "restore this directory from the same save")
+
+
+# ----------------------------------------------------------------------------------------------
+# the source layout, rebuilt with megatron-core's own code
+
+
+def _world(args) -> int:
+    return getattr(args, "world_size", None) or (
+        args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+        * getattr(args, "context_parallel_size", 1) * getattr(args, "data_parallel_size", 1))
+
+
+def _layout(args) -> Layout:
+    tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                  getattr(args, "context_parallel_size", 1))
+    dp = getattr(args, "data_parallel_size", None) or _world(args) // (tp * pp * cp)
+    return Layout(tp=tp, pp=pp, dp=dp,
+                  vpp=getattr(args, "virtual_pipeline_model_parallel_size", None), cp=cp,
+                  ep=getattr(args, "expert_model_parallel_size", 1))
+
+
+def _order(args) -> str:
+    # as megatron.training.initialize passes it to initialize_model_parallel
+    return "tp-cp-ep-pp-dp" if getattr(args, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-dp-pp"
+
+
+def _check_supported(args, where: Path) -> None:
+    problems = []
+    if getattr(args, "use_legacy_models", False):
+        problems.append("--use-legacy-models (megatron.legacy GPT) is not a megatron-core model")
+    if getattr(args, "transformer_impl", "local") != "local":
+        problems.append(f"--transformer-impl {args.transformer_impl}: rebuilding TransformerEngine "
+                        "layers needs TransformerEngine, which megatron-ucp does not use")
+    for flag in ("spec", "yaml_cfg", "heterogeneous_layers_config_path", "mtp_num_layers",
+                 "experimental_attention_variant"):
+        if getattr(args, flag, None):
+            problems.append(f"--{flag.replace('_', '-')} is set")
+    if not getattr(args, "use_distributed_optimizer", False):
+        problems.append("the run did not use --use-distributed-optimizer (no distrib_optim.pt)")
+    if getattr(args, "num_distributed_optimizer_instances", 1) != 1:
+        problems.append("--num-distributed-optimizer-instances > 1")
+    if getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False):
+        problems.append("FSDP runs are not DDP + distributed optimizer")
+    if _world(args) != _layout(args).world_size:
+        problems.append(f"world_size {_world(args)} != TPxPPxDPxCP {_layout(args).world_size}")
+    if problems:
+        raise UCPError(f"{where}: cannot import this Megatron-LM checkpoint: " + "; ".join(problems))
+
+
+def _dir_name(tp: int, pp: int, ep: int, args) -> str:
+    """Megatron-LM's get_checkpoint_name: mp_rank_TT, then _PPP if PP > 1, then _EEE if EP > 1."""
+    name = f"mp_rank_{tp:02d}"
+    if args.pipeline_model_parallel_size > 1:
+        name += f"_{pp:03d}"
+    if getattr(args, "expert_model_parallel_size", 1) > 1:
+        name += f"_{ep:03d}"
+    return name
+
+
+def _writer_ranks(args) -> dict[str, int]:
+    """Rank directory -> the global rank that wrote it (expert-data-parallel rank 0).
+
+    Uses megatron-core's RankGenerator with the sizes initialize_model_parallel derives, so rank
+    orders other than the default are handled the way the saving run handled them.
+    """
+    from megatron.core.parallel_state import RankGenerator
+
+    lay, world = _layout(args), _world(args)
+    etp = getattr(args, "expert_tensor_parallel_size", None) or lay.tp
+    dense = RankGenerator(tp=lay.tp, ep=1, dp=lay.dp, pp=lay.pp, cp=lay.cp, order=_order(args))
+    expert = RankGenerator(tp=etp, ep=lay.ep, dp=world // (etp * lay.ep * lay.pp), pp=lay.pp, cp=1,
+                           order=_order(args))
+
+    def position(gen, token: str) -> dict[int, int]:
+        return {r: i for group in gen.get_ranks(token) for i, r in enumerate(group)}
+
+    tp, pp = position(dense, "tp"), position(dense, "pp")
+    ep, edp = position(expert, "ep"), position(expert, "dp")
+    out: dict[str, int] = {}
+    for r in range(world):
+        if edp[r] == 0:
+            out.setdefault(_dir_name(tp[r], pp[r], ep[r], args), r)
+    return out
+
+
+@contextlib.contextmanager
+def _source_rank(args, rank: int, name: str) -> Iterator[None]:
+    """megatron-core's parallel state as global rank `rank` of the saving run (the writer of rank
+    directory `name`), on a fake process group, with CUDA placement pointed at the meta device:
+    structure only, no weight memory, no GPU."""
+    from megatron.core import parallel_state as ps
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers backend "fake"
+
+    saved = (torch.cuda.current_device, torch.Tensor.cuda)
+    try:
+        torch.cuda.current_device = lambda: torch.device("meta")
+        torch.Tensor.cuda = lambda self, *a, **k: self
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=_world(args))
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=args.tensor_model_parallel_size,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=_layout(args).vpp,
+            context_parallel_size=getattr(args, "context_parallel_size", 1),
+            hierarchical_context_parallel_sizes=getattr(args, "hierarchical_context_parallel_sizes", None),
+            expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
+            expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
+            order=_order(args),
+            create_gloo_process_groups=False,
+        )
+        here = _dir_name(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                         ps.get_expert_model_parallel_rank(), args)
+        if here != name or ps.get_expert_data_parallel_rank() != 0:
+            raise UCPError(f"internal: global rank {rank} is {here}, not the writer of {name}")
+        with torch.device("meta"):
+            yield
+    finally:
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        torch.cuda.current_device, torch.Tensor.cuda = saved
+
+
+def _transformer_config(args):
+    """megatron.training.arguments.core_transformer_config_from_args (core_v0.16.1), plus the
+    structure-neutral switches above."""
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+
+    cls = MLATransformerConfig if getattr(args, "multi_latent_attention", False) else TransformerConfig
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kw = {k: getattr(args, k) for k in fields if hasattr(args, k)}
+    kw.update(
+        deallocate_pipeline_outputs=True,
+        pipeline_dtype=args.params_dtype,
+        num_moe_experts=getattr(args, "num_experts", None),
+        num_layers_in_first_pipeline_stage=getattr(args, "decoder_first_pipeline_num_layers", None),
+        num_layers_in_last_pipeline_stage=getattr(args, "decoder_last_pipeline_num_layers", None),
+        num_query_groups=args.num_query_groups if getattr(args, "group_query_attention", False) else None,
+    )
+    if getattr(args, "swiglu", False):
+        kw.update(activation_func=F.silu, gated_linear_unit=True)
+    elif getattr(args, "squared_relu", False):
+        from megatron.core.activations import squared_relu
+
+        kw["activation_func"] = squared_relu
+    elif getattr(args, "quick_geglu", False):
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+        kw.update(activation_func=quick_gelu, gated_linear_unit=True)
+    if getattr(args, "rope_type", None) is None:
+        kw.pop("rope_type", None)
+    cp_comm = getattr(args, "cp_comm_type", None)
+    if isinstance(cp_comm, list) and len(cp_comm) == 1:
+        kw["cp_comm_type"] = cp_comm[0]
+    kw.update({k: v for k, v in _REBUILD_SETTINGS.items() if k in fields})
+    try:
+        return cls(**kw)
+    except Exception as e:
+        raise UCPError(f"cannot rebuild the model's TransformerConfig from the checkpoint args "
+                       f"({type(e).__name__}: {e})") from e
+
+
+def _build(args) -> list:
+    """This rank's model chunks as Megatron-LM's get_model builds them (gpt_builders, local spec),
+    Float16Module-wrapped and inside megatron-core DDP with the run's buffer settings."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+    )
+    from megatron.core.transformer.module import Float16Module
+
+    config = _transformer_config(args)
+    vpp = _layout(args).vpp
+    chunks = []
+    for i in range(vpp or 1):
+        vp = i if vpp else None
+        if getattr(args, "num_experts", None):
+            spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                              normalization=args.normalization,
+                                              qk_l2_norm=getattr(args, "qk_l2_norm", False), vp_stage=vp)
+        else:
+            spec = get_gpt_layer_local_spec(
+                num_experts=None, moe_grouped_gemm=getattr(args, "moe_grouped_gemm", False),
+                qk_layernorm=getattr(args, "qk_layernorm", False),
+                multi_latent_attention=getattr(args, "multi_latent_attention", False),
+                moe_use_legacy_grouped_gemm=getattr(args, "moe_use_legacy_grouped_gemm", False),
+                normalization=args.normalization, qk_l2_norm=getattr(args, "qk_l2_norm", False))
+        model = GPTModel(
+            config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+            max_sequence_length=args.max_position_embeddings,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            position_embedding_type=args.position_embedding_type,
+            rotary_percent=getattr(args, "rotary_percent", 1.0),
+            rotary_base=getattr(args, "rotary_base", 10000),
+            rope_scaling=getattr(args, "use_rope_scaling", False),
+            vp_stage=vp,
+        )
+        for p in model.parameters():
+            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
+        chunks.append(model)
+    num_parameters = sum(p.nelement() for c in chunks for p in c.parameters())
+    if args.fp16 or args.bf16:
+        chunks = [Float16Module(config, c) for c in chunks]
+    # as megatron.training.training.get_model builds the DDP config (only buffer layout matters)
+    fields = {f.name for f in dataclasses.fields(DistributedDataParallelConfig)}
+    kw = {k: getattr(args, k) for k in fields if hasattr(args, k)}
+    kw.update(grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+              use_distributed_optimizer=True, check_for_nan_in_grad=False,
+              check_for_large_grads=False, nccl_ub=False,
+              pad_buckets_for_high_nccl_busbw=getattr(args, "ddp_pad_buckets_for_high_nccl_busbw", False),
+              average_in_collective=getattr(args, "ddp_average_in_collective", False))
+    num_buckets = getattr(args, "ddp_num_buckets", None)
+    kw["bucket_size"] = (num_parameters // num_buckets if num_buckets
+                         else getattr(args, "ddp_bucket_size", None))
+    kw = {k: v for k, v in kw.items() if k in fields}
+    disable = getattr(args, "overlap_param_gather_with_optimizer_step", False)
+    return [DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(**kw),
+                                    module=c, disable_bucketing=(i > 0) or disable)
+            for i, c in enumerate(chunks)]
+
+
+def _optimizer_buffers(chunks: list, args) -> list[list]:
+    """The buffers of each chained optimizer in the order the legacy save lists them
+    (megatron.core.optimizer.get_megatron_optimizer: dense optimizer(s) over all chunks, the first
+    chunk alone when overlapping param gather with the optimizer step, then the expert optimizer)."""
+    if getattr(args, "overlap_param_gather_with_optimizer_step", False):
+        groups = [chunks[:1], chunks[1:]]
+    else:
+        groups = [chunks]
+    out = [[b for c in group for b in c.buffers] for group in groups]
+    expert = [b for c in chunks for b in c.expert_parallel_buffers]
+    if expert:
+        out.append(expert)
+    return out
+
+
+def _flat_offsets(buffer) -> dict:
+    """param -> start in the legacy flat tensor of `buffer`. get_parameter_state_dp_zero writes
+    bucket after bucket, each without its end padding: bucket b starts at the sum of the earlier
+    buckets' numel_unpadded; inside it a param keeps its DDP offset from the bucket start."""
+    starts = [0]
+    for bucket in buffer.buckets:
+        starts.append(starts[-1] + bucket.numel_unpadded)
+    return {p: start - buffer.buckets[b].offset + starts[b]
+            for p, (start, _end, b) in buffer.param_index_map.items()}
+
+
+def _collect(chunks: list, files: _RankFiles, args, copies: dict[str, list[_Copy]],
+             specs: dict[str, ParamSpec]) -> None:
+    """Every parameter of this rank: its spec, pieces, model weight and optimizer slices."""
+    from megatron.core.utils import unwrap_model
+
+    from megatron_ucp.param_spec import local_params
+
+    model_file, optim_file = files.path / MODEL_FILE, files.path / OPTIM_FILE
+    keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+    state_dicts = []
+    for key, chunk in zip(keys, chunks):
+        saved = files.model.get(key)
+        if saved is None:
+            raise UCPError(f"{model_file} has no {key!r} entry; expected {keys} for {len(chunks)} "
+                           f"model chunk(s) per rank (VPP {_layout(args).vpp})")
+        ours = set(unwrap_model(chunk).state_dict())
+        if ours != set(saved):
+            raise UCPError(f"{model_file} [{key}]: the model rebuilt from its args does not have "
+                           f"the saved modules (saved only: {sorted(set(saved) - ours)[:5]}, rebuilt "
+                           f"only: {sorted(ours - set(saved))[:5]}); the args do not describe this "
+                           "checkpoint or it uses a layer spec megatron-ucp cannot rebuild")
+        state_dicts.append(saved)
+
+    buffers = _optimizer_buffers(chunks, args)
+    if len(buffers) != len(files.optim):
+        raise UCPError(f"{optim_file} holds {len(files.optim)} optimizer entries, but the model "
+                       f"rebuilt from args has {len(buffers)} (dense/expert); the args do not match")
+    where: dict = {}  # param -> (entry index, flat tensors, start)
+    for i, (bufs, entry) in enumerate(zip(buffers, files.optim)):
+        if entry is None:
+            continue  # this rank was not DP rank 0 of that optimizer; another rank dir holds it
+        for b, buf in enumerate(bufs):
+            key = (buf.param_dtype, buf.grad_dtype)
+            flat = entry.get(b, {}).get(key)
+            if flat is None or flat["numel_unpadded"] != buf.numel_unpadded:
+                got = {k: {d: t.get("numel_unpadded") for d, t in v.items()}
+                       for k, v in entry.items() if isinstance(k, int)}
+                raise UCPError(f"{optim_file}: optimizer {i} buffer {b} {key}: expected "
+                               f"{buf.numel_unpadded} elements from the model rebuilt from args, file "
+                               f"has {got}; the args do not describe this checkpoint")
+            for p, start in _flat_offsets(buf).items():
+                where[p] = (i, flat, start)
+
+    steps = [_group_step(opt, files.path / MODEL_FILE, i)
+             for i, opt in enumerate(_as_list(files.model["optimizer"]))]
+    for lp in local_params(chunks):
+        weight = state_dicts[lp.chunk].get(lp.local_name)
+        if not torch.is_tensor(weight) or tuple(weight.shape) != lp.local_shape:
+            raise UCPError(f"{model_file} [{keys[lp.chunk]}] {lp.local_name}: saved "
+                           f"{tuple(weight.shape) if torch.is_tensor(weight) else weight}, rebuilt "
+                           f"model has shape {lp.local_shape}; the args do not describe this checkpoint")
+        states, step = None, None
+        if lp.spec.buffer:  # a persistent buffer (MoE expert_bias): its value, no optimizer state
+            states, step = {"param": weight.float()}, 0.0
+        elif lp.param in where:
+            i, flat, start = where[lp.param]
+            n = math.prod(lp.local_shape)
+            if start + n > flat["param"].numel():
+                raise UCPError(f"{optim_file}: {lp.local_name} would end at element {start + n} of "
+                               f"{flat['param'].numel()}; the args do not describe this checkpoint")
+            states = {s: flat[s][start:start + n].view(lp.local_shape) for s in STATES}
+            step = steps[i] if i < len(steps) else None
+            if step is None:
+                raise UCPError(f"{model_file}: no Adam step for optimizer {i}; the optimizer state "
+                               "was saved before the first step")
+        prev = specs.setdefault(lp.spec.name, dataclasses.replace(lp.spec, aliases=[]))
+        if dataclasses.replace(prev, aliases=[]) != dataclasses.replace(lp.spec, aliases=[]):
+            raise UCPError(f"{model_file}: parameter {lp.spec.name} ({lp.local_name}) has spec "
+                           f"{lp.spec} here but {prev} on another rank")
+        prev.aliases = sorted(set(prev.aliases) | set(lp.spec.aliases))
+        copies.setdefault(lp.spec.name, []).append(
+            _Copy(files.path, lp.local_name, lp.pieces, lp.canonical, weight, states, step))
+
+
+def _as_list(x) -> list:
+    return x if isinstance(x, list) else [x]
+
+
+def _group_step(opt: dict | None, where: Path, i: int) -> float | None:
+    """The Adam step of one chained optimizer: its param groups' 'step' (one value for all)."""
+    if opt is None:
+        return None
+    groups = opt.get("optimizer", {}).get("param_groups", [])
+    steps = {float(g["step"]) for g in groups if "step" in g}
+    if len(steps) > 1:
+        raise UCPError(f"{where}: optimizer {i} param groups have different Adam steps {sorted(steps)}"
+                       "; megatron-ucp keeps one step per parameter and cannot tell which is whose")
+    return steps.pop() if steps else None
+
+
+def _model_config(chunks: list, args) -> dict:
+    from megatron_ucp.validation import model_config
+
+    cfg = model_config(chunks)
+    for k in _REBUILD_SETTINGS:  # record the run's values, not the rebuild switches
+        if k in cfg and hasattr(args, k):
+            cfg[k] = getattr(args, k)
+    cfg["unpadded_vocab_size"] = None  # Megatron-LM trains the padding rows; keep them
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------
+# assembly
+
+
+def _step(name: str, copies: list[_Copy]) -> float:
+    steps = {c.step for c in copies if c.states is not None}
+    if not steps:
+        raise UCPError(f"parameter {name}: no {OPTIM_FILE} holds its optimizer state (copies in "
+                       f"{sorted({str(c.source) for c in copies})}); the checkpoint is incomplete")
+    if len(steps) != 1:
+        raise UCPError(f"parameter {name}: rank files disagree on its Adam step ({sorted(steps)} in "
+                       f"{sorted({str(c.source) for c in copies})}); the checkpoint mixes iterations")
+    return steps.pop()
+
+
+def _box(piece: Piece) -> tuple[slice, ...]:
+    return tuple(slice(o, o + n) for o, n in zip(piece.offset, piece.shape))
+
+
+def _assemble(name: str, state: str, spec: ParamSpec, copies: list[_Copy]) -> torch.Tensor:
+    """Full fp32 tensor of one state from the copies that hold optimizer state (canonical copies
+    first); every other copy of the same box must be bitwise equal. For `param`, every saved model
+    weight must equal the master weight cast to its dtype."""
+    full = torch.empty(spec.shape, dtype=torch.float32)
+    filled = torch.zeros(spec.shape, dtype=torch.bool)
+    for c in sorted((c for c in copies if c.states is not None), key=lambda c: not c.canonical):
+        local = c.states[state]
+        for pc in c.pieces:
+            rows, box = local[pc.row:pc.row + pc.shape[0]], _box(pc)
+            if filled[box].any():
+                if not filled[box].all() or not torch.equal(full[box], rows):
+                    raise UCPError(f"{c.source / OPTIM_FILE}: {state} of {c.local_name} (universal "
+                                   f"{name}) differs from another rank's copy of the same elements; "
+                                   "replicated or tied copies must be identical, the checkpoint is "
+                                   "inconsistent (mixed saves?)")
+                continue
+            full[box] = rows
+            filled[box] = True
+    if not bool(filled.all()):
+        held = sorted({str(c.source) for c in copies if c.states is not None})
+        raise UCPError(f"parameter {name}: {int((~filled).sum())} of {filled.numel()} elements of "
+                       f"{state} are in no {OPTIM_FILE} (held by {held}); the checkpoint is "
+                       "incomplete: a rank directory's optimizer file is missing its part")
+    if state == "param":
+        for c in copies:
+            for pc in c.pieces:
+                if not torch.equal(c.weight[pc.row:pc.row + pc.shape[0]], full[_box(pc)].to(c.weight.dtype)):
+                    raise UCPError(f"{c.source / MODEL_FILE}: model weight {c.local_name} (universal "
+                                   f"{name}) is not the master weight from {OPTIM_FILE} cast to "
+                                   f"{c.weight.dtype}; the two files are from different saves or a "
+                                   "replica diverged")
+    return full
+
+
+# ----------------------------------------------------------------------------------------------
+# JSON
+
+
+def _jsonable_tree(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable_tree(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable_tree(v) for v in x]
+    if torch.is_tensor(x):
+        return x.item() if x.numel() == 1 else x.tolist()
+    if isinstance(x, (bool, int, float, str)) or x is None:
+        return x
+    return str(x)
+
+
+def _optimizer_json(saved) -> dict:
+    """Hyper-parameters of every param group of every chained optimizer (the step is per param)."""
+    groups, scaler = [], None
+    for i, opt in enumerate(_as_list(saved)):
+        if opt is None:
+            continue
+        for g in opt.get("optimizer", {}).get("param_groups", []):
+            entry = {"optimizer": i}
+            for k, v in g.items():
+                v = _jsonable_tree(v)
+                if k not in ("params", "step") and v is not None:
+                    entry[k] = v
+            groups.append(entry)
+        if scaler is None and opt.get("grad_scaler"):
+            scaler = _jsonable_tree(opt["grad_scaler"])
+    return {"param_groups": groups, "grad_scaler": scaler}

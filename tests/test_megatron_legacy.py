@@ -1,0 +1,337 @@
+"""Megatron-LM `--ckpt-format torch` checkpoints -> universal directory (megatron_ucp.megatron_legacy).
+
+The fixtures in tests/fixtures/megatron_lm/<set>/ckpt are real saves of Megatron-LM core_v0.16.1
+(CPU, gloo; /work/shared/fixtures/megatron_lm/README.md describes them), iteration 6 only.
+
+(1) Every universal tensor equals a reference assembled here INDEPENDENTLY of megatron-core and of
+    megatron_ucp: plain torch.load, the documented flat-buffer rule of distrib_optim.pt (parameters in
+    reverse state-dict order, starts aligned to 64 elements, a tied embedding in a bucket of its own,
+    bucket end padding dropped), layer offsets per pipeline stage / virtual chunk, expert offsets per
+    EP rank, and concatenation along the known TP dims (SwiGLU: gate halves, then up halves).
+(2) A converted checkpoint resumes at another layout in a real megatron-core run.
+(3) Damaged or ambiguous inputs raise UCPError naming the file and what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from megatron_ucp import UCPError, convert
+from megatron_ucp.cli import main as cli_main
+from megatron_ucp.megatron_legacy import convert_legacy
+from megatron_ucp.testing.launch import launch
+
+FIXTURES = Path(__file__).parent / "fixtures" / "megatron_lm"
+SETS = ["torch_tp2_pp2", "torch_dp2", "torch_tp2_fp32", "torch_llama_tp2", "torch_vpp", "torch_moe_ep2"]
+ITER = "iter_0000006"
+STATES = ("param", "exp_avg", "exp_avg_sq")
+# lm loss at iteration 6 in each run's log (README losses table)
+FINAL_LOSS = {"torch_tp2_pp2": 5.520222, "torch_dp2": 5.525421, "torch_tp2_fp32": 5.513841,
+              "torch_llama_tp2": 5.435615, "torch_vpp": 5.522317, "torch_moe_ep2": 5.529915}
+COLUMN = ("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias",
+          "linear_fc1.weight", "linear_fc1.bias")  # split on dim 0 over TP
+ROW = ("linear_proj.weight", "linear_fc2.weight")  # split on dim 1
+
+
+def load(path: Path):
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+# ------------------------------------------------------------------------- independent reference
+
+
+def flat_layout(names_numels: list[tuple[str, int]], own_bucket: set[str]) -> tuple[dict, int]:
+    """name -> start in a coalesced distrib_optim.pt tensor, and its length (README rule)."""
+    starts, base, rel = {}, 0, 0
+    for name, numel in reversed(names_numels):
+        if name in own_bucket and rel:  # the tied weight opens a bucket of its own
+            base, rel = base + rel, 0
+        rel = -(-rel // 64) * 64
+        starts[name] = base + rel
+        rel += numel
+        if name in own_bucket:
+            base, rel = base + rel, 0
+    return starts, base + rel
+
+
+def universal_name(local: str, layer_offset: int, expert_offset: int) -> str:
+    m = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", local)
+    if not m:
+        return local
+    layer, rest = int(m.group(1)) + layer_offset, m.group(2)
+    rest = re.sub(r"^input_layernorm\.(weight|bias)$", r"self_attention.linear_qkv.layer_norm_\1", rest)
+    rest = re.sub(r"^pre_mlp_layernorm\.(weight|bias)$", r"mlp.linear_fc1.layer_norm_\1", rest)
+    e = re.fullmatch(r"mlp\.experts\.local_experts\.(\d+)\.(.+)", rest)
+    if e:
+        rest = f"mlp.experts.experts.{int(e.group(1)) + expert_offset}.{e.group(2)}"
+    return f"decoder.layers.{layer}.{rest}"
+
+
+def layer_offset(args, pp: int, chunk: int) -> int:
+    """Global index of the first layer of pipeline stage `pp`, virtual chunk `chunk`."""
+    if args.virtual_pipeline_model_parallel_size:
+        per_virtual = args.num_layers // (args.pipeline_model_parallel_size
+                                          * args.virtual_pipeline_model_parallel_size)
+        return chunk * args.num_layers // args.virtual_pipeline_model_parallel_size + pp * per_virtual
+    first = args.decoder_first_pipeline_num_layers
+    if first:
+        rest = (args.num_layers - first) // max(args.pipeline_model_parallel_size - 1, 1)
+        return 0 if pp == 0 else first + (pp - 1) * rest
+    return pp * args.num_layers // args.pipeline_model_parallel_size
+
+
+def reference(ckpt: Path) -> dict[str, dict]:
+    """Universal name -> {"weight": [(tp, model tensor)...], state: [(tp, fp32 tensor)...]}."""
+    out: dict[str, dict] = {}
+    for rank_dir in sorted((ckpt / ITER).iterdir()):
+        m, optim = load(rank_dir / "model_optim_rng.pt"), load(rank_dir / "distrib_optim.pt")
+        args = m["args"]
+        pp_size, ep_size = args.pipeline_model_parallel_size, args.expert_model_parallel_size
+        parts = [int(x) for x in rank_dir.name.split("_")[2:]]
+        tp = parts[0]
+        pp = parts[1] if pp_size > 1 else 0
+        ep = parts[-1] if ep_size > 1 else 0
+        entries = optim if isinstance(optim, list) else [optim]
+        chunk_keys = sorted(k for k in m if re.fullmatch(r"model\d*", k))
+        tied = not args.untie_embeddings_and_output_weights
+        for c, key in enumerate(chunk_keys):
+            sd = {k: v for k, v in m[key].items() if torch.is_tensor(v)}
+            own = ({"embedding.word_embeddings.weight", "output_layer.weight"} & set(sd)
+                   if tied and pp_size > 1 else set())
+            slices: dict[str, dict] = {}
+            for e, entry in enumerate(entries):
+                if entry is None:
+                    continue
+                names = [(k, v.numel()) for k, v in sd.items() if ("experts" in k) == (e == 1)]
+                starts, total = flat_layout(names, own)
+                (flat,) = entry[c].values()  # one (param dtype, grad dtype) buffer per chunk
+                assert flat["numel_unpadded"] == total == flat["param"].numel()
+                for name, numel in names:
+                    s = starts[name]
+                    slices[name] = {st: flat[st][s:s + numel].view(sd[name].shape) for st in STATES}
+            experts_per_rank = (args.num_experts or 0) // ep_size
+            for local, weight in sd.items():
+                if local == "output_layer.weight" and tied:
+                    name = "embedding.word_embeddings.weight"  # the same tensor (checked below)
+                else:
+                    name = universal_name(local, layer_offset(args, pp, c), ep * experts_per_rank)
+                d = out.setdefault(name, {"weight": []})
+                d["weight"].append((tp, weight))
+                for st, t in slices.get(local, {}).items():
+                    d.setdefault(st, []).append((tp, t))
+    return out
+
+
+def full_tensor(name: str, copies: list[tuple[int, torch.Tensor]], swiglu: bool) -> torch.Tensor:
+    """Concatenate TP shards along the known dim; replicated copies must all be equal."""
+    by_tp: dict[int, torch.Tensor] = {}
+    for tp, t in copies:
+        if tp in by_tp:
+            assert torch.equal(by_tp[tp], t), f"{name}: replicated copies differ"
+        by_tp[tp] = t
+    shards = [by_tp[r] for r in sorted(by_tp)]
+    if len(shards) == 1:
+        return shards[0]
+    if name.endswith(ROW):
+        return torch.cat(shards, dim=1)
+    if name.endswith(COLUMN):
+        if swiglu and "linear_fc1" in name:
+            halves = [s.chunk(2, dim=0) for s in shards]
+            return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+        return torch.cat(shards, dim=0)
+    for s in shards[1:]:
+        assert torch.equal(s, shards[0]), f"{name}: TP-replicated copies differ"
+    return shards[0]
+
+
+def universal_tensors(udir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    manifest = json.loads((udir / "manifest.json").read_text())
+    tensors = {}
+    for name, p in manifest["params"].items():
+        for state, e in p["tensors"].items():
+            with safe_open(str(udir / e["file"]), "pt") as f:
+                tensors[f"{name}/{state}"] = f.get_tensor(e["key"])
+    return manifest, tensors
+
+
+# ------------------------------------------------------------------------------------------ tests
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("legacy")
+    return {s: convert_legacy(FIXTURES / s / "ckpt", root / s, progress=False) for s in SETS}
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_universal_tensors_match_independent_assembly(converted, name):
+    udir = converted[name]
+    manifest, tensors = universal_tensors(udir)
+    args = load(next((FIXTURES / name / "ckpt" / ITER).iterdir()) / "model_optim_rng.pt")["args"]
+    ref = reference(FIXTURES / name / "ckpt")
+    assert set(manifest["params"]) == set(ref)
+    for pname, copies in ref.items():
+        spec = manifest["params"][pname]
+        weight = full_tensor(pname, copies["weight"], args.swiglu)
+        assert tuple(spec["shape"]) == tuple(weight.shape), pname
+        assert spec["step"] == 6.0, pname
+        for state in STATES:
+            expected = full_tensor(pname, copies[state], args.swiglu)
+            got = tensors[f"{pname}/{state}"]
+            assert got.dtype == torch.float32 and torch.equal(got, expected), f"{pname}/{state}"
+        # the model weights in model_optim_rng.pt are the fp32 master cast to the training dtype
+        assert torch.equal(tensors[f"{pname}/param"].to(weight.dtype), weight), pname
+    assert manifest["kind"] == "universal" and manifest["iteration"] == 6
+    assert manifest["extra"] == {"consumed_samples": 24}
+    assert manifest["scheduler"]["num_steps"] == 24  # Megatron-LM counts samples; kept as-is
+    lay = manifest["layout"]
+    assert (lay["tp"], lay["pp"], lay["dp"], lay["vpp"], lay["ep"]) == (
+        args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size,
+        args.virtual_pipeline_model_parallel_size, args.expert_model_parallel_size)
+    groups = manifest["optimizer"]["param_groups"]
+    assert {g["wd_mult"] for g in groups} == {0.0, 1.0} and all("step" not in g for g in groups)
+    assert {g["weight_decay"] for g in groups} == {0.0, 0.01}
+    if args.pipeline_model_parallel_size > 1 and not args.untie_embeddings_and_output_weights:
+        assert manifest["params"]["embedding.word_embeddings.weight"]["aliases"] == ["output_layer.weight"]
+
+
+def test_resume_converted_checkpoint_at_another_layout(converted, tmp_path):
+    """TP2xPP2 (uneven stages, tied embeddings on both ends) -> TP1 DP2 in a real megatron-core run:
+    the loaded model weights, master weights, Adam moments and step are the converted ones, and
+    training goes on from them."""
+    cfg = {"num_layers": 3, "hidden_size": 32, "num_attention_heads": 4, "ffn_hidden_size": 128,
+           "seq_length": 32, "vocab_size": 256, "dtype": "bf16", "micro_batch_size": 2,
+           "global_batch_size": 4, "extra": {"add_qkv_bias": True}}  # Megatron-LM's --add-qkv-bias
+    udir = converted["torch_tp2_pp2"]
+    res = launch(2, "megatron_ucp.testing.scenarios:load_and_train",
+                 {"layout": "dp2", "cfg": cfg, "load_dir": str(udir), "steps": 2,
+                  "dump_dir": str(tmp_path / "dump"), "resave_dir": str(tmp_path / "resave")},
+                 timeout=300)
+    r = res[0]
+    assert r["iteration"] == 6 and r["extra"] == {"consumed_samples": 24}
+    assert r["rng_restored"] is False
+    assert r["lr"] == [1e-3] * len(r["lr"])  # constant schedule restored from opt_param_scheduler
+    # other data than Megatron's mock stream, so only the scale can be compared with the log
+    assert all(math.isfinite(x) and x < 6.0 for x in r["losses"]), r["losses"]
+    assert abs(r["losses"][0] - FINAL_LOSS["torch_tp2_pp2"]) < 0.5, r["losses"]
+
+    manifest, tensors = universal_tensors(udir)
+    covered = dict.fromkeys(manifest["params"], 0)
+    for rank in range(2):
+        for e in load(tmp_path / "dump" / f"rank{rank}.pt")["params"]:
+            name = universal_name(e["name"], 0, 0)  # TP1 PP1: local names are global
+            assert torch.equal(e["model"], tensors[f"{name}/param"].to(torch.bfloat16)), name
+            if e["range"] is not None:
+                a, b = e["range"]
+                assert e["step"] == 6.0
+                for state in STATES:
+                    assert torch.equal(e[state], tensors[f"{name}/{state}"].reshape(-1)[a:b]), name
+                covered[name] += b - a
+    # the two DP ranks' distributed-optimizer shards together hold every element of every param
+    assert covered == {n: math.prod(p["shape"]) for n, p in manifest["params"].items()}
+
+    # same schema as megatron_ucp.convert: re-saved at DP2 and consolidated, nothing changes
+    again, tensors2 = universal_tensors(convert(tmp_path / "resave", tmp_path / "u2", progress=False))
+    assert set(again) == set(manifest)
+    assert again["params"].keys() == manifest["params"].keys()
+    for n, p in manifest["params"].items():  # aliases are layout-bound (no output copy at PP1)
+        assert ({k: v for k, v in again["params"][n].items() if k not in ("tensors", "aliases")}
+                == {k: v for k, v in p.items() if k not in ("tensors", "aliases")}), n
+    assert tensors2.keys() == tensors.keys()
+    assert all(torch.equal(tensors2[k], t) for k, t in tensors.items())
+
+
+def test_cli_import_legacy(tmp_path, capsys):
+    out = tmp_path / "u"
+    assert cli_main(["import-legacy", str(FIXTURES / "torch_dp2" / "ckpt" / ITER), str(out),
+                     "--no-progress"]) == 0
+    assert json.loads((out / "manifest.json").read_text())["kind"] == "universal"
+    assert cli_main(["import-legacy", str(tmp_path / "nope"), str(tmp_path / "u2")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------- bad inputs
+
+
+def copy_set(name: str, tmp_path: Path) -> Path:
+    dst = Path(shutil.copytree(FIXTURES / name / "ckpt", tmp_path / name))
+    for p in dst.rglob("*"):
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    return dst
+
+
+def edit(path: Path, fn) -> None:
+    obj = load(path)
+    fn(obj)
+    torch.save(obj, path)
+
+
+def test_missing_rank_dir(tmp_path):
+    ckpt = copy_set("torch_tp2_pp2", tmp_path)
+    shutil.rmtree(ckpt / ITER / "mp_rank_01_001")
+    with pytest.raises(UCPError, match=r"mp_rank_01_001.*missing.*incomplete"):
+        convert_legacy(ckpt, tmp_path / "u", progress=False)
+    assert not (tmp_path / "u").exists()
+
+
+def test_rank_files_from_different_iterations(tmp_path):
+    ckpt = copy_set("torch_tp2_pp2", tmp_path)
+    bad = ckpt / ITER / "mp_rank_01_000" / "model_optim_rng.pt"
+    edit(bad, lambda m: m.update(iteration=3))
+    with pytest.raises(UCPError, match=re.escape(str(bad)) + r" is from iteration 3.*mix"):
+        convert_legacy(ckpt, tmp_path / "u", progress=False)
+
+
+def test_truncated_file(tmp_path):
+    ckpt = copy_set("torch_tp2_pp2", tmp_path)
+    bad = ckpt / ITER / "mp_rank_00_001" / "distrib_optim.pt"
+    bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
+    with pytest.raises(UCPError, match=re.escape(str(bad)) + r" cannot be read.*truncated or corrupt"):
+        convert_legacy(ckpt, tmp_path / "u", progress=False)
+
+
+def test_moe_pp_ambiguity_without_args(tmp_path):
+    ckpt = copy_set("torch_moe_ep2", tmp_path)
+    for d in (ckpt / ITER).iterdir():
+        edit(d / "model_optim_rng.pt", lambda m: m.pop("args"))
+    with pytest.raises(UCPError, match=r"no Megatron-LM 'args'.*mp_rank_00_000.*ambiguous.*expert rank"):
+        convert_legacy(ckpt, tmp_path / "u", progress=False)
+
+
+def test_model_weight_not_master(tmp_path):
+    ckpt = copy_set("torch_dp2", tmp_path)
+    bad = ckpt / ITER / "mp_rank_00" / "model_optim_rng.pt"
+    edit(bad, lambda m: m["model"]["decoder.layers.1.mlp.linear_fc2.weight"].add_(1.0))
+    with pytest.raises(UCPError, match=re.escape(str(bad)) + r": model weight decoder\.layers\.1\.mlp"
+                       r"\.linear_fc2\.weight .*not the master weight"):
+        convert_legacy(ckpt, tmp_path / "u", progress=False)
+
+
+def test_tied_copies_must_agree(tmp_path):
+    """The last stage's output_layer.weight has its own optimizer state; it must equal the
+    embedding's on the first stage (bitwise), or the conversion stops."""
+    ckpt = copy_set("torch_tp2_pp2", tmp_path)
+    bad = ckpt / ITER / "mp_rank_00_001" / "distrib_optim.pt"
+    edit(bad, lambda o: o[0][(torch.bfloat16, torch.float32)]["exp_avg"][:4096].add_(1.0))
+    with pytest.raises(UCPError, match=r"exp_avg of output_layer\.weight \(universal embedding\.word_"
+                       r"embeddings\.weight\) differs from another rank's copy"):
+        convert_legacy(ckpt, tmp_path / "u", progress=False)
+
+
+def test_tracker_and_output_dir(tmp_path):
+    ckpt = copy_set("torch_dp2", tmp_path)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("9\n")
+    with pytest.raises(UCPError, match=r"names iteration 9.*iter_0000009 does not exist"):
+        convert_legacy(ckpt, tmp_path / "u", progress=False)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    with pytest.raises(UCPError, match="not empty"):
+        convert_legacy(ckpt / ITER, tmp_path / "full", progress=False)
