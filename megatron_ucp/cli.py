@@ -1,4 +1,4 @@
-"""`megatron-ucp` command line: convert, inspect, verify, diff, import-legacy, import-torch-dist."""
+"""`megatron-ucp` command line: convert, inspect, reshard, verify, diff, import-legacy, import-torch-dist."""
 
 from __future__ import annotations
 
@@ -15,6 +15,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-progress", action="store_true")
     p = sub.add_parser("inspect", help="print layout, iteration, parameter table and sizes")
     p.add_argument("dir")
+    p = sub.add_parser("reshard", help="any checkpoint (megatron-ucp, Megatron-LM torch or torch_dist) "
+                       "-> universal directory, checked against a target layout")
+    p.add_argument("--load", required=True, help="source checkpoint (format detected)")
+    p.add_argument("--save", required=True, help="new output directory")
+    for dim in ("tp", "pp", "dp", "ep", "vpp", "cp"):
+        p.add_argument(f"--target-{dim}", type=int, default=None)
+    p.add_argument("--target-format", choices=["universal", "torch", "torch_dist"], default="universal")
+    p.add_argument("--no-progress", action="store_true")
     p = sub.add_parser("verify", help="checksums of every tensor and exact coverage of every parameter")
     p.add_argument("dir")
     p = sub.add_parser("diff", help="max abs/rel difference per tensor between two checkpoints "
@@ -46,6 +54,15 @@ def main(argv: list[str] | None = None) -> int:
             from megatron_ucp.inspector import inspect
 
             print(inspect(args.dir))
+        elif args.command == "reshard":
+            from megatron_ucp.layout import Layout
+            from megatron_ucp.reshard import reshard
+
+            sizes = {d: getattr(args, f"target_{d}") for d in ("tp", "pp", "dp", "ep", "vpp", "cp")}
+            target = (Layout(**{d: v for d, v in sizes.items() if v is not None})
+                      if any(v is not None for v in sizes.values()) else None)
+            print(reshard(args.load, args.save, target, args.target_format,
+                          progress=not args.no_progress))
         elif args.command == "verify":
             from megatron_ucp.checks import verify
 
