@@ -113,6 +113,12 @@ def test_tp_not_dividing_query_groups_only():
     assert "num_attention_heads" not in msg
 
 
+def test_layout_with_experts_not_dividing_ep_is_rejected():
+    cfg = {"num_attention_heads": 4, "num_layers": 4, "num_moe_experts": 4}
+    msg = raises_ucp(lambda: check_layout(cfg, Layout(ep=3)))
+    assert "num_moe_experts=4 is not divisible by EP=3" in msg, msg
+
+
 def test_load_rejects_layout_not_dividing_saved_query_groups(ckpt):
     # megatron-core 0.16 builds a TP2 model with 1 query group (groups may divide TP), so the
     # check must come from load, from the checkpoint's own model description.
