@@ -58,13 +58,13 @@ def read_rows(source, lp: LocalParam, state: str, r0: int, r1: int) -> torch.Ten
 def _check_params(source, params: list[LocalParam], strict: bool) -> None:
     saved = source.manifest["params"]
     where = source.dir
+    true_vocab = source.manifest["model"].get("unpadded_vocab_size")
     for lp in params:
         spec = saved.get(lp.spec.name)
         if spec is None:
             raise UCPError(f"{where}: the model's parameter {lp.spec.name} (local name "
                            f"{lp.local_name}) is not in the checkpoint; the model has a module the "
-                           "saved run did not have")
-        true_vocab = source.manifest["model"].get("unpadded_vocab_size")
+                           "saved run did not have: build the checkpoint's architecture")
         for k in ("shape", "tp_axis", "tp_blocks"):
             mine = list(lp.spec.shape) if k == "shape" else getattr(lp.spec, k)
             if (k == "shape" and lp.spec.vocab_rows and true_vocab and spec[k][1:] == mine[1:]
