@@ -6,8 +6,8 @@ DistributedOptimizer buffer, so nothing outside megatron-core knows where a para
 We therefore ask megatron-core itself rather than re-implementing its rules:
 
 * names, shapes, TP split axis, SwiGLU blocks and vocab rows come from
-  `param_spec.local_params` on a GPT model built from the checkpoint's `args` at TP1 (a one-rank
-  fake process group; parameters are allocated but never initialised);
+  `param_spec.local_params` on a GPT model rebuilt from the checkpoint's `args` at TP1 (a one-rank
+  fake process group, meta tensors; see `megatron_ucp.megatron_rebuild`);
 * for `dp_reshardable`, each parameter's offset in the flat buffer comes from megatron-core's own
   `DistributedDataParallel` (`buffer.param_index_map`) built at the *source* layout for the source
   model-parallel rank (fake process group of the source world size), and the TP-local slices are
@@ -23,19 +23,25 @@ with a template of just those keys); at most a few stacked tensors / flat bucket
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import io
 import math
 import shutil
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from megatron_ucp.errors import UCPError
+from megatron_ucp.megatron_rebuild import (
+    build_chunks,
+    model_config,
+    single_rank_args,
+    source_rank,
+    wrap_ddp,
+)
+from megatron_ucp.optimizer_state import _jsonable
 
 TRACKER = "latest_checkpointed_iteration.txt"
 STATES = ("param", "exp_avg", "exp_avg_sq")
@@ -135,119 +141,7 @@ class DistReader:
 
 
 # --------------------------------------------------------------------------------------------
-# Building the model from args with a fake process group
-
-
-@contextlib.contextmanager
-def fake_parallel(args, world: int, rank: int, tp: int, pp: int) -> Iterator[None]:
-    """Process group of `world` fake ranks (no communication) plus megatron's parallel groups.
-
-    Why fake: megatron-core derives shapes, partition attributes and DDP buffer offsets from the
-    parallel state only; nothing needs to be exchanged, so the source layout can be reproduced in
-    one process.
-    """
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        raise UCPError("convert_torch_dist builds megatron models on a private fake process group "
-                       "and must run in a process without torch.distributed initialised (use the "
-                       "`megatron-ucp import-torch-dist` command)")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    try:
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                    create_gloo_process_groups=False)
-        tensor_parallel.model_parallel_cuda_manual_seed(int(getattr(args, "seed", 1234)))
-        yield
-    finally:
-        ps.destroy_model_parallel()
-        dist.destroy_process_group()
-
-
-def _no_init(weight: torch.Tensor) -> None:
-    """Leave parameter memory as allocated: only shapes and partition attributes matter here."""
-
-
-def transformer_config_from_args(args, tp: int, pp: int):
-    """TransformerConfig from Megatron-LM args, as megatron.training does: same-named fields copied.
-
-    Parallel sizes are the requested layout; fusions, initialisation and sequence parallelism are
-    off because they change neither parameter shapes nor their order.
-    """
-    import torch.nn.functional as F
-    from megatron.core.transformer import TransformerConfig
-
-    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(TransformerConfig)
-          if f.init and hasattr(args, f.name)}
-    renames = {"num_moe_experts": "num_experts", "num_layers_in_first_pipeline_stage":
-               "decoder_first_pipeline_num_layers", "num_layers_in_last_pipeline_stage":
-               "decoder_last_pipeline_num_layers", "gated_linear_unit": "swiglu"}
-    for field, arg in renames.items():
-        if hasattr(args, arg):
-            kw[field] = getattr(args, arg)
-    kw["activation_func"] = F.silu if getattr(args, "swiglu", False) else F.gelu
-    if getattr(args, "squared_relu", False):
-        from megatron.core.activations import squared_relu
-
-        kw["activation_func"] = squared_relu
-    if getattr(args, "norm_epsilon", None) is not None:
-        kw["layernorm_epsilon"] = args.norm_epsilon
-    kw.update(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=None, context_parallel_size=1,
-        expert_model_parallel_size=1, expert_tensor_parallel_size=None, sequence_parallel=False,
-        pipeline_dtype=kw.get("params_dtype", torch.float32),
-        # perform_initialization must stay on: megatron-core 0.16 sets `tensor_model_parallel` /
-        # `partition_dim` on Column/RowParallelLinear weights only inside its init functions. The
-        # init itself is a no-op (values are never used), so the cost is an allocation.
-        use_cpu_initialization=True, perform_initialization=True,
-        gradient_accumulation_fusion=False, masked_softmax_fusion=False,
-        bias_activation_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False,
-        apply_rope_fusion=False, tp_comm_overlap=False, cpu_offloading=False,
-        init_method=_no_init, output_layer_init_method=_no_init, embedding_init_method=_no_init,
-    )
-    if tp == 1 and pp == 1:
-        kw.update(num_layers_in_first_pipeline_stage=None, num_layers_in_last_pipeline_stage=None)
-    return TransformerConfig(**kw)
-
-
-def build_gpt(args, tp: int, pp: int):
-    """The GPT model chunk this (fake) rank would hold, built from args with megatron-core's local spec.
-
-    Why the local spec is enough: torch_dist keys are the canonical (TE-style) names for both the
-    local and the TE layer specs, so names, shapes and split axes agree. (Parameter *order* differs
-    with TE, which matters only for dp_reshardable offsets; that case is refused by the caller.)
-    """
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    cfg = transformer_config_from_args(args, tp, pp)
-    spec = get_gpt_layer_local_spec(
-        num_experts=getattr(args, "num_experts", None),
-        moe_grouped_gemm=getattr(args, "moe_grouped_gemm", False),
-        qk_layernorm=getattr(args, "qk_layernorm", False),
-        normalization=getattr(args, "normalization", "LayerNorm"),
-    )
-    model = GPTModel(
-        config=cfg,
-        transformer_layer_spec=spec,
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        pre_process=ps.is_pipeline_first_stage(ignore_virtual=True),
-        post_process=ps.is_pipeline_last_stage(ignore_virtual=True),
-        share_embeddings_and_output_weights=not getattr(args, "untie_embeddings_and_output_weights", False),
-        position_embedding_type=getattr(args, "position_embedding_type", "learned_absolute"),
-        rotary_percent=getattr(args, "rotary_percent", 1.0),
-        rotary_base=getattr(args, "rotary_base", 10000),
-    )
-    if cfg.bf16 or cfg.fp16:  # as Megatron-LM does: every parameter (norms too) in the model dtype
-        from megatron.core.transformer.module import Float16Module
-
-        model = Float16Module(cfg, model)
-    return model
+# Matching the model rebuilt from args (megatron_ucp.megatron_rebuild) to torch_dist keys
 
 
 def _storage_keys(model) -> dict[int, tuple[str, tuple[int, ...]]]:
@@ -294,16 +188,6 @@ def _layout(args) -> dict:
             "ep": int(getattr(args, "expert_model_parallel_size", 1) or 1)}
 
 
-def _jsonable(v):
-    if isinstance(v, (bool, int, float, str)) or v is None:
-        return v
-    if isinstance(v, (tuple, list)) and all(isinstance(x, (bool, int, float, str)) for x in v):
-        return list(v)
-    if torch.is_tensor(v) and v.numel() == 1:
-        return v.item()
-    return None
-
-
 def _param_groups(groups: list[dict]) -> tuple[list[dict], float]:
     """JSON hyper-parameters (manifest format) and the one Adam step they share."""
     steps = {float(g["step"]) for g in groups if g.get("step") is not None}
@@ -316,12 +200,13 @@ def _param_groups(groups: list[dict]) -> tuple[list[dict], float]:
 
 
 def _plan_model(args) -> tuple[dict[str, _Param], dict]:
-    """Universal params (in storage-key order) and the model config, from a TP1 build."""
+    """Universal params (in storage-key order) and the model config, from the run's model rebuilt
+    whole on one rank (TP1/PP1, world 1, rank 0)."""
     from megatron_ucp.param_spec import local_params
-    from megatron_ucp.validation import model_config
 
-    with fake_parallel(args, 1, 0, 1, 1):
-        model = build_gpt(args, 1, 1)
+    one = single_rank_args(args)
+    with source_rank(one, 0):
+        model = build_chunks(one)[0]
         keys = _storage_keys(model)
         plan = {}
         for lp in local_params([model]):
@@ -329,7 +214,7 @@ def _plan_model(args) -> tuple[dict[str, _Param], dict]:
                 raise UCPError(f"parameter {lp.local_name!r} has no sharded_state_dict key")
             key, index = keys[id(lp.param)]
             plan[lp.spec.name] = _Param(lp.spec.to_json(), key, index)
-        cfg = {**model_config([model]), "unpadded_vocab_size": None}
+        cfg = model_config([model], args)
         del model
     plan = dict(sorted(plan.items(), key=lambda kv: (kv[1].key, kv[1].index)))
     return plan, cfg
@@ -383,7 +268,6 @@ def _check_optimizer_keys(reader: DistReader, plan: dict[str, _Param], sharding:
 def _plan_dp_reshardable(args, reader: DistReader, plan: dict[str, _Param]) -> None:
     """Attach each parameter's flat-buffer slabs, from megatron-core DDP at the source layout."""
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from megatron_ucp.param_spec import local_params
 
@@ -396,30 +280,16 @@ def _plan_dp_reshardable(args, reader: DistReader, plan: dict[str, _Param]) -> N
                        f"this checkpoint used transformer_impl={args.transformer_impl!r}, which "
                        "cannot be rebuilt here (TransformerEngine not installed)")
     tp, pp, dp = lay["tp"], lay["pp"], lay["dp"]
-    world = tp * pp * dp
-    ddp_kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(DistributedDataParallelConfig)
-              if f.init and hasattr(args, f.name)}
-    def flag(name: str) -> bool:
-        return bool(getattr(args, name, False))
-
-    # the renames megatron.training applies when it builds DistributedDataParallelConfig
-    ddp_kw.update(grad_reduce_in_fp32=flag("accumulate_allreduce_grads_in_fp32"),
-                  bucket_size=getattr(args, "ddp_bucket_size", None),
-                  pad_buckets_for_high_nccl_busbw=flag("ddp_pad_buckets_for_high_nccl_busbw"),
-                  average_in_collective=flag("ddp_average_in_collective"),
-                  use_distributed_optimizer=True, overlap_param_gather=False, use_megatron_fsdp=False)
     for pp_rank in range(pp):
         for tp_rank in range(tp):
             rank = tp_rank + tp * dp * pp_rank  # megatron's default order tp-cp-ep-dp-pp, dp rank 0
-            with fake_parallel(args, world, rank, tp, pp):
+            with source_rank(args, rank):
                 if (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
                         ps.get_data_parallel_rank()) != (tp_rank, pp_rank, 0):
                     raise UCPError(f"rank {rank} is not (tp {tp_rank}, pp {pp_rank}, dp 0) in "
                                    "megatron's rank order; unsupported rank order")
                 mp_rank = ps.get_model_parallel_group().rank()
-                model = build_gpt(args, tp, pp)
-                ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(**ddp_kw),
-                                              model, disable_bucketing=False)
+                ddp = wrap_ddp(build_chunks(args), args)[0]
                 lps = {id(lp.param): lp for lp in local_params([ddp])}
                 for g, buf in enumerate(ddp.buffers):
                     prefix = (f"optimizer.distributed.dp_group_idx_{mp_rank}.gbuf_idx_{g}."
@@ -443,7 +313,7 @@ def _plan_dp_reshardable(args, reader: DistReader, plan: dict[str, _Param]) -> N
                                            "is not in the TP1 model")
                         plan[lp.spec.name].slabs.append(
                             (bucket_key, local_start, tuple(param.shape), lp.pieces))
-                del ddp, model
+                del ddp
     for name, p in plan.items():
         covered = sum(math.prod(pc.shape) for s in p.slabs for pc in s[3])
         if covered != math.prod(p.spec["shape"]):

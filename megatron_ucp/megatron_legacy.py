@@ -36,12 +36,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from megatron_ucp import manifest as mf
 from megatron_ucp.errors import UCPError
-from megatron_ucp.layout import Layout
+from megatron_ucp.megatron_rebuild import build_chunks, model_config, source_rank, wrap_ddp
+from megatron_ucp.megatron_rebuild import layout as _layout
+from megatron_ucp.megatron_rebuild import rank_order as _order
+from megatron_ucp.megatron_rebuild import world as _world
 from megatron_ucp.spec import STATES, ParamSpec, Piece
 from megatron_ucp.storage import fsync_dir
 from megatron_ucp.universal import write_params
@@ -50,27 +52,6 @@ TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
 OPTIM_FILE = "distrib_optim.pt"
 _RANK_DIR = re.compile(r"mp_rank_\d{2}(_\d{3}){0,2}")
-
-# TransformerConfig settings for the rebuild. The fusions change nothing about parameter names,
-# shapes or order but would need CUDA extensions or TransformerEngine. Initialisation stays on (on
-# the meta device it costs nothing): megatron-core sets a weight's `tensor_model_parallel` and
-# `partition_dim` attributes, which the param specs read, only while initialising it; the CPU path
-# needs no CUDA RNG tracker.
-_REBUILD_SETTINGS = {
-    "use_cpu_initialization": True,
-    "perform_initialization": True,
-    "gradient_accumulation_fusion": False,
-    "masked_softmax_fusion": False,
-    "bias_activation_fusion": False,
-    "bias_dropout_fusion": False,
-    "persist_layer_norm": False,
-    "apply_rope_fusion": False,
-    "cross_entropy_loss_fusion": False,
-    "tp_comm_overlap": False,
-    "use_te_rng_tracker": False,
-    "config_logger_dir": "",
-}
-
 
 @dataclass
 class _Copy:
@@ -143,9 +124,9 @@ def convert_legacy(load_dir: str | Path, universal_dir: str | Path, progress: bo
         _check_same_run(files, args, found[0] / MODEL_FILE)
         head = head or files.model
         with _source_rank(args, rank, name):
-            chunks = _build(args)
+            chunks = wrap_ddp(build_chunks(args), args)
             if not model_cfg:
-                model_cfg = _model_config(chunks, args)
+                model_cfg = model_config(chunks, args)
             _collect(chunks, files, args, copies, specs)
 
     params = {n: specs[n].to_json() for n in sorted(specs)}
@@ -292,26 +273,6 @@ def _check_same_run(files: _RankFiles, args, first: Path) -> None:
 # the source layout, rebuilt with megatron-core's own code
 
 
-def _world(args) -> int:
-    return getattr(args, "world_size", None) or (
-        args.tensor_model_parallel_size * args.pipeline_model_parallel_size
-        * getattr(args, "context_parallel_size", 1) * getattr(args, "data_parallel_size", 1))
-
-
-def _layout(args) -> Layout:
-    tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                  getattr(args, "context_parallel_size", 1))
-    dp = getattr(args, "data_parallel_size", None) or _world(args) // (tp * pp * cp)
-    return Layout(tp=tp, pp=pp, dp=dp,
-                  vpp=getattr(args, "virtual_pipeline_model_parallel_size", None), cp=cp,
-                  ep=getattr(args, "expert_model_parallel_size", 1))
-
-
-def _order(args) -> str:
-    # as megatron.training.initialize passes it to initialize_model_parallel
-    return "tp-cp-ep-pp-dp" if getattr(args, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-dp-pp"
-
-
 def _check_supported(args, where: Path) -> None:
     problems = []
     if getattr(args, "use_legacy_models", False):
@@ -373,144 +334,16 @@ def _writer_ranks(args) -> dict[str, int]:
 
 @contextlib.contextmanager
 def _source_rank(args, rank: int, name: str) -> Iterator[None]:
-    """megatron-core's parallel state as global rank `rank` of the saving run (the writer of rank
-    directory `name`), on a fake process group, with CUDA placement pointed at the meta device:
-    structure only, no weight memory, no GPU."""
+    """`megatron_rebuild.source_rank`, checking that global rank `rank` is the writer of rank
+    directory `name` (its expert-data-parallel rank 0), so the files read match the rebuilt rank."""
     from megatron.core import parallel_state as ps
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers backend "fake"
 
-    saved = (torch.cuda.current_device, torch.Tensor.cuda)
-    try:
-        torch.cuda.current_device = lambda: torch.device("meta")
-        torch.Tensor.cuda = lambda self, *a, **k: self
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=_world(args))
-        ps.initialize_model_parallel(
-            tensor_model_parallel_size=args.tensor_model_parallel_size,
-            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-            virtual_pipeline_model_parallel_size=_layout(args).vpp,
-            context_parallel_size=getattr(args, "context_parallel_size", 1),
-            hierarchical_context_parallel_sizes=getattr(args, "hierarchical_context_parallel_sizes", None),
-            expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
-            expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
-            order=_order(args),
-            create_gloo_process_groups=False,
-        )
+    with source_rank(args, rank):
         here = _dir_name(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
                          ps.get_expert_model_parallel_rank(), args)
         if here != name or ps.get_expert_data_parallel_rank() != 0:
             raise UCPError(f"internal: global rank {rank} is {here}, not the writer of {name}")
-        with torch.device("meta"):
-            yield
-    finally:
-        if ps.model_parallel_is_initialized():
-            ps.destroy_model_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        torch.cuda.current_device, torch.Tensor.cuda = saved
-
-
-def _transformer_config(args):
-    """megatron.training.arguments.core_transformer_config_from_args (core_v0.16.1), plus the
-    structure-neutral switches above."""
-    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
-
-    cls = MLATransformerConfig if getattr(args, "multi_latent_attention", False) else TransformerConfig
-    fields = {f.name for f in dataclasses.fields(cls)}
-    kw = {k: getattr(args, k) for k in fields if hasattr(args, k)}
-    kw.update(
-        deallocate_pipeline_outputs=True,
-        pipeline_dtype=args.params_dtype,
-        num_moe_experts=getattr(args, "num_experts", None),
-        num_layers_in_first_pipeline_stage=getattr(args, "decoder_first_pipeline_num_layers", None),
-        num_layers_in_last_pipeline_stage=getattr(args, "decoder_last_pipeline_num_layers", None),
-        num_query_groups=args.num_query_groups if getattr(args, "group_query_attention", False) else None,
-    )
-    if getattr(args, "swiglu", False):
-        kw.update(activation_func=F.silu, gated_linear_unit=True)
-    elif getattr(args, "squared_relu", False):
-        from megatron.core.activations import squared_relu
-
-        kw["activation_func"] = squared_relu
-    elif getattr(args, "quick_geglu", False):
-        from megatron.core.fusions.fused_bias_geglu import quick_gelu
-
-        kw.update(activation_func=quick_gelu, gated_linear_unit=True)
-    if getattr(args, "rope_type", None) is None:
-        kw.pop("rope_type", None)
-    cp_comm = getattr(args, "cp_comm_type", None)
-    if isinstance(cp_comm, list) and len(cp_comm) == 1:
-        kw["cp_comm_type"] = cp_comm[0]
-    kw.update({k: v for k, v in _REBUILD_SETTINGS.items() if k in fields})
-    try:
-        return cls(**kw)
-    except Exception as e:
-        raise UCPError(f"cannot rebuild the model's TransformerConfig from the checkpoint args "
-                       f"({type(e).__name__}: {e})") from e
-
-
-def _build(args) -> list:
-    """This rank's model chunks as Megatron-LM's get_model builds them (gpt_builders, local spec),
-    Float16Module-wrapped and inside megatron-core DDP with the run's buffer settings."""
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_decoder_block_spec,
-        get_gpt_layer_local_spec,
-    )
-    from megatron.core.transformer.module import Float16Module
-
-    config = _transformer_config(args)
-    vpp = _layout(args).vpp
-    chunks = []
-    for i in range(vpp or 1):
-        vp = i if vpp else None
-        if getattr(args, "num_experts", None):
-            spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
-                                              normalization=args.normalization,
-                                              qk_l2_norm=getattr(args, "qk_l2_norm", False), vp_stage=vp)
-        else:
-            spec = get_gpt_layer_local_spec(
-                num_experts=None, moe_grouped_gemm=getattr(args, "moe_grouped_gemm", False),
-                qk_layernorm=getattr(args, "qk_layernorm", False),
-                multi_latent_attention=getattr(args, "multi_latent_attention", False),
-                moe_use_legacy_grouped_gemm=getattr(args, "moe_use_legacy_grouped_gemm", False),
-                normalization=args.normalization, qk_l2_norm=getattr(args, "qk_l2_norm", False))
-        model = GPTModel(
-            config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
-            max_sequence_length=args.max_position_embeddings,
-            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
-            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
-            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            position_embedding_type=args.position_embedding_type,
-            rotary_percent=getattr(args, "rotary_percent", 1.0),
-            rotary_base=getattr(args, "rotary_base", 10000),
-            rope_scaling=getattr(args, "use_rope_scaling", False),
-            vp_stage=vp,
-        )
-        for p in model.parameters():
-            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
-        chunks.append(model)
-    num_parameters = sum(p.nelement() for c in chunks for p in c.parameters())
-    if args.fp16 or args.bf16:
-        chunks = [Float16Module(config, c) for c in chunks]
-    # as megatron.training.training.get_model builds the DDP config (only buffer layout matters)
-    fields = {f.name for f in dataclasses.fields(DistributedDataParallelConfig)}
-    kw = {k: getattr(args, k) for k in fields if hasattr(args, k)}
-    kw.update(grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
-              use_distributed_optimizer=True, check_for_nan_in_grad=False,
-              check_for_large_grads=False, nccl_ub=False,
-              pad_buckets_for_high_nccl_busbw=getattr(args, "ddp_pad_buckets_for_high_nccl_busbw", False),
-              average_in_collective=getattr(args, "ddp_average_in_collective", False))
-    num_buckets = getattr(args, "ddp_num_buckets", None)
-    kw["bucket_size"] = (num_parameters // num_buckets if num_buckets
-                         else getattr(args, "ddp_bucket_size", None))
-    kw = {k: v for k, v in kw.items() if k in fields}
-    disable = getattr(args, "overlap_param_gather_with_optimizer_step", False)
-    return [DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(**kw),
-                                    module=c, disable_bucketing=(i > 0) or disable)
-            for i, c in enumerate(chunks)]
+        yield
 
 
 def _optimizer_buffers(chunks: list, args) -> list[list]:
@@ -627,17 +460,6 @@ def _group_step(opt: dict | None, where: Path, i: int) -> float | None:
         raise UCPError(f"{where}: optimizer {i} param groups have different Adam steps {sorted(steps)}"
                        "; megatron-ucp keeps one step per parameter and cannot tell which is whose")
     return steps.pop() if steps else None
-
-
-def _model_config(chunks: list, args) -> dict:
-    from megatron_ucp.validation import model_config
-
-    cfg = model_config(chunks)
-    for k in _REBUILD_SETTINGS:  # record the run's values, not the rebuild switches
-        if k in cfg and hasattr(args, k):
-            cfg[k] = getattr(args, k)
-    cfg["unpadded_vocab_size"] = None  # Megatron-LM trains the padding rows; keep them
-    return cfg
 
 
 # ----------------------------------------------------------------------------------------------

@@ -70,7 +70,8 @@ class SafetensorsWriter:
 
     def write(self, name: str, t: torch.Tensor) -> None:
         if self.next >= len(self.order) or name != self.order[self.next]:
-            raise ValueError(f"{self.path}: expected tensor {self.order[self.next:self.next + 1]}, got {name}")
+            expected = self.order[self.next:self.next + 1]
+            raise ValueError(f"{self.path}: expected tensor {expected}, got {name}")
         dtype, shape = self.expected[name]
         if t.dtype != dtype or tuple(t.shape) != shape:
             raise ValueError(f"{self.path}: {name} is {t.dtype}{tuple(t.shape)}, header says {dtype}{shape}")
@@ -86,7 +87,8 @@ class SafetensorsWriter:
         self.file.close()
 
 
-def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor],
+                  metadata: dict[str, str] | None = None) -> None:
     w = SafetensorsWriter(path, [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()], metadata)
     for k, v in tensors.items():
         w.write(k, v)

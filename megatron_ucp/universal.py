@@ -80,7 +80,8 @@ class UniversalSource:
     def read(self, name: str, state: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
         entry = self.manifest["params"][name]["tensors"][state]
         path = self.dir / entry["file"]
-        whole = tuple(offset) == (0,) * len(offset) and tuple(shape) == tuple(self.manifest["params"][name]["shape"])
+        full_shape = tuple(self.manifest["params"][name]["shape"])
+        whole = tuple(offset) == (0,) * len(offset) and tuple(shape) == full_shape
         if whole:
             t = self.reader.read(path, entry["key"])
             if self.verify_checksums and crc32(t) != entry["crc32"]:

@@ -145,6 +145,7 @@ def compare_to_reference(dump_dir: Path, expected: dict[str, dict], swiglu: bool
             s0, s1 = e["range"]
             for s in STATES:
                 want = tp_slice(key, exp[s], c["tp"], c["tp_size"], swiglu).reshape(-1)[s0:s1]
-                assert torch.equal(e[s], want), f"{c['layout']} tp{c['tp']} pp{c['pp']} dp{c['dp']}: {s} {key}"
+                where = f"{c['layout']} tp{c['tp']} pp{c['pp']} dp{c['dp']}"
+                assert torch.equal(e[s], want), f"{where}: {s} {key}"
                 n += 1
     return n

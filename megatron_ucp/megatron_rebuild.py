@@ -1,0 +1,272 @@
+"""Rebuild a Megatron-LM run's GPT model chunks (and DDP buffers) from its checkpoint `args`.
+
+Why this exists: Megatron-LM checkpoints do not say where a parameter sits in the global model or
+in the distributed optimizer's flat buffers; megatron-core's code decides that at the saving
+layout. Both importers (`megatron_legacy`, `megatron_dist`) therefore ask megatron-core itself: they
+rebuild the model as one global rank of the source run would, inside this process, on a fake
+process group (no communication), with weights on the meta device (no memory, no GPU), and read
+names, TP splits and buffer offsets from the rebuilt modules.
+
+Usage:
+
+    with source_rank(args, rank):
+        chunks = wrap_ddp(build_chunks(args), args)   # or build_chunks(args) for specs only
+
+`single_rank_args(args)` gives the same run at TP1/PP1 on one rank (for universal parameter specs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_ucp.errors import UCPError
+from megatron_ucp.layout import Layout
+
+# TransformerConfig settings for the rebuild. The fusions change nothing about parameter names,
+# shapes or order but would need CUDA extensions or TransformerEngine. Initialisation stays on (on
+# the meta device it costs nothing): megatron-core 0.16 sets a weight's `tensor_model_parallel` and
+# `partition_dim` attributes, which the param specs read, only inside its init helpers; the CPU
+# path needs no CUDA RNG tracker.
+REBUILD_SETTINGS = {
+    "use_cpu_initialization": True,
+    "perform_initialization": True,
+    "gradient_accumulation_fusion": False,
+    "masked_softmax_fusion": False,
+    "bias_activation_fusion": False,
+    "bias_dropout_fusion": False,
+    "persist_layer_norm": False,
+    "apply_rope_fusion": False,
+    "cross_entropy_loss_fusion": False,
+    "tp_comm_overlap": False,
+    "use_te_rng_tracker": False,
+    "config_logger_dir": "",
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# the saving run's layout, from args
+
+
+def world(args) -> int:
+    """The saving run's world size (args.world_size, else the product of the parallel sizes)."""
+    return getattr(args, "world_size", None) or (
+        args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+        * getattr(args, "context_parallel_size", 1) * getattr(args, "data_parallel_size", 1))
+
+
+def layout(args) -> Layout:
+    """The saving run's parallel layout; DP is derived from the world size when args lack it."""
+    tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                  getattr(args, "context_parallel_size", 1))
+    dp = getattr(args, "data_parallel_size", None) or world(args) // (tp * pp * cp)
+    return Layout(tp=tp, pp=pp, dp=dp,
+                  vpp=getattr(args, "virtual_pipeline_model_parallel_size", None), cp=cp,
+                  ep=getattr(args, "expert_model_parallel_size", 1))
+
+
+def rank_order(args) -> str:
+    """The rank order megatron.training.initialize passes to initialize_model_parallel."""
+    return "tp-cp-ep-pp-dp" if getattr(args, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-dp-pp"
+
+
+def single_rank_args(args):
+    """A copy of `args` describing the same model trained on one rank (TP1, PP1, no VPP/CP/EP).
+
+    Why: the universal parameter specs (names, global shapes, split axes) come from the whole
+    model on one rank; every layout-only setting is reset so the TransformerConfig stays valid.
+    """
+    one = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+           "virtual_pipeline_model_parallel_size": None, "context_parallel_size": 1,
+           "hierarchical_context_parallel_sizes": None, "expert_model_parallel_size": 1,
+           "expert_tensor_parallel_size": 1, "data_parallel_size": 1, "world_size": 1,
+           "sequence_parallel": False, "decoder_first_pipeline_num_layers": None,
+           "decoder_last_pipeline_num_layers": None, "pipeline_model_parallel_layout": None,
+           "num_layers_per_virtual_pipeline_stage": None,
+           "num_virtual_stages_per_pipeline_rank": None,
+           "account_for_embedding_in_pipeline_split": False,
+           "account_for_loss_in_pipeline_split": False,
+           "overlap_param_gather_with_optimizer_step": False}
+    return argparse.Namespace(**{**vars(args), **one})
+
+
+# ----------------------------------------------------------------------------------------------
+# parallel state of one source rank
+
+
+@contextlib.contextmanager
+def source_rank(args, rank: int) -> Iterator[None]:
+    """megatron-core's parallel state as global rank `rank` of the saving run, on a fake process
+    group, with CUDA placement pointed at the meta device: structure only, no weight memory, no GPU.
+
+    Refuses to run when torch.distributed is already initialised (the fake group would replace the
+    job's own); the patched torch.cuda attributes are restored and all groups destroyed on exit.
+    """
+    from megatron.core import parallel_state as ps
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers backend "fake"
+
+    if dist.is_available() and dist.is_initialized():
+        raise UCPError("rebuilding a Megatron-LM model from its args needs a private fake process "
+                       "group and cannot run inside a job that already has one; run the import in "
+                       "a separate process (`megatron-ucp import-legacy` / `import-torch-dist`)")
+    saved = (torch.cuda.current_device, torch.Tensor.cuda)
+    try:
+        torch.cuda.current_device = lambda: torch.device("meta")
+        torch.Tensor.cuda = lambda self, *a, **k: self
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world(args))
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=args.tensor_model_parallel_size,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=layout(args).vpp,
+            context_parallel_size=getattr(args, "context_parallel_size", 1),
+            hierarchical_context_parallel_sizes=getattr(args, "hierarchical_context_parallel_sizes", None),
+            expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
+            expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
+            order=rank_order(args),
+            create_gloo_process_groups=False,
+        )
+        with torch.device("meta"):
+            yield
+    finally:
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        torch.cuda.current_device, torch.Tensor.cuda = saved
+
+
+# ----------------------------------------------------------------------------------------------
+# the model, as megatron.training builds it
+
+
+def transformer_config(args):
+    """megatron.training.arguments.core_transformer_config_from_args (core_v0.16.1), plus the
+    structure-neutral REBUILD_SETTINGS."""
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+
+    cls = MLATransformerConfig if getattr(args, "multi_latent_attention", False) else TransformerConfig
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kw = {k: getattr(args, k) for k in fields if hasattr(args, k)}
+    kw.update(
+        deallocate_pipeline_outputs=True,
+        pipeline_dtype=args.params_dtype,
+        num_moe_experts=getattr(args, "num_experts", None),
+        num_layers_in_first_pipeline_stage=getattr(args, "decoder_first_pipeline_num_layers", None),
+        num_layers_in_last_pipeline_stage=getattr(args, "decoder_last_pipeline_num_layers", None),
+        num_query_groups=args.num_query_groups if getattr(args, "group_query_attention", False) else None,
+    )
+    if getattr(args, "swiglu", False):
+        kw.update(activation_func=F.silu, gated_linear_unit=True)
+    elif getattr(args, "squared_relu", False):
+        from megatron.core.activations import squared_relu
+
+        kw["activation_func"] = squared_relu
+    elif getattr(args, "quick_geglu", False):
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+        kw.update(activation_func=quick_gelu, gated_linear_unit=True)
+    if getattr(args, "rope_type", None) is None:
+        kw.pop("rope_type", None)
+    cp_comm = getattr(args, "cp_comm_type", None)
+    if isinstance(cp_comm, list) and len(cp_comm) == 1:
+        kw["cp_comm_type"] = cp_comm[0]
+    kw.update({k: v for k, v in REBUILD_SETTINGS.items() if k in fields})
+    try:
+        return cls(**kw)
+    except Exception as e:
+        raise UCPError(f"cannot rebuild the model's TransformerConfig from the checkpoint args "
+                       f"({type(e).__name__}: {e})") from e
+
+
+def build_chunks(args) -> list:
+    """This rank's model chunks (one per VPP stage) as Megatron-LM's get_model builds them
+    (gpt_builders, local spec; MoE through the decoder block spec), Float16Module-wrapped when the
+    run trained in fp16/bf16. Call inside `source_rank`."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+    )
+    from megatron.core.transformer.module import Float16Module
+
+    config = transformer_config(args)
+    vpp = layout(args).vpp
+    chunks = []
+    for i in range(vpp or 1):
+        vp = i if vpp else None
+        if getattr(args, "num_experts", None):
+            spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                              normalization=args.normalization,
+                                              qk_l2_norm=getattr(args, "qk_l2_norm", False), vp_stage=vp)
+        else:
+            spec = get_gpt_layer_local_spec(
+                num_experts=None, moe_grouped_gemm=getattr(args, "moe_grouped_gemm", False),
+                qk_layernorm=getattr(args, "qk_layernorm", False),
+                multi_latent_attention=getattr(args, "multi_latent_attention", False),
+                moe_use_legacy_grouped_gemm=getattr(args, "moe_use_legacy_grouped_gemm", False),
+                normalization=args.normalization, qk_l2_norm=getattr(args, "qk_l2_norm", False))
+        model = GPTModel(
+            config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+            max_sequence_length=args.max_position_embeddings,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            position_embedding_type=args.position_embedding_type,
+            rotary_percent=getattr(args, "rotary_percent", 1.0),
+            rotary_base=getattr(args, "rotary_base", 10000),
+            rope_scaling=getattr(args, "use_rope_scaling", False),
+            vp_stage=vp,
+        )
+        for p in model.parameters():
+            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
+        chunks.append(model)
+    if args.fp16 or args.bf16:
+        chunks = [Float16Module(config, c) for c in chunks]
+    return chunks
+
+
+def wrap_ddp(chunks: list, args) -> list:
+    """The chunks inside megatron-core DistributedDataParallel with the run's buffer settings, as
+    megatron.training.training.get_model builds the DDP config (only the buffer layout matters:
+    `buffers[i].param_index_map` and bucket offsets are what the importers read)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.utils import unwrap_model
+
+    config = unwrap_model(chunks[0]).config
+    num_parameters = sum(p.nelement() for c in chunks for p in c.parameters())
+    fields = {f.name for f in dataclasses.fields(DistributedDataParallelConfig)}
+    kw = {k: getattr(args, k) for k in fields if hasattr(args, k)}
+    kw.update(grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+              use_distributed_optimizer=True, check_for_nan_in_grad=False,
+              check_for_large_grads=False, nccl_ub=False,
+              pad_buckets_for_high_nccl_busbw=getattr(args, "ddp_pad_buckets_for_high_nccl_busbw", False),
+              average_in_collective=getattr(args, "ddp_average_in_collective", False))
+    num_buckets = getattr(args, "ddp_num_buckets", None)
+    kw["bucket_size"] = (num_parameters // num_buckets if num_buckets
+                         else getattr(args, "ddp_bucket_size", None))
+    kw = {k: v for k, v in kw.items() if k in fields}
+    disable = getattr(args, "overlap_param_gather_with_optimizer_step", False)
+    return [DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(**kw),
+                                    module=c, disable_bucketing=(i > 0) or disable)
+            for i, c in enumerate(chunks)]
+
+
+def model_config(chunks: list, args) -> dict:
+    """The manifest's model config of the rebuilt chunks, recording the run's own values for the
+    rebuild switches (not ours) and keeping the padded vocabulary (Megatron-LM trains its rows)."""
+    from megatron_ucp.validation import model_config as config_of
+
+    cfg = config_of(chunks)
+    for k in REBUILD_SETTINGS:
+        if k in cfg and hasattr(args, k):
+            cfg[k] = getattr(args, k)
+    cfg["unpadded_vocab_size"] = None
+    return cfg
