@@ -22,6 +22,10 @@ def main(argv: list[str] | None = None) -> int:
     for dim in ("tp", "pp", "dp", "ep", "vpp", "cp"):
         p.add_argument(f"--target-{dim}", type=int, default=None)
     p.add_argument("--target-format", choices=["universal", "torch", "torch_dist"], default="universal")
+    p.add_argument("--target-first-stage-layers", type=int, default=None,
+                   help="uneven pipeline: layers on the first stage (Megatron-LM targets)")
+    p.add_argument("--target-last-stage-layers", type=int, default=None,
+                   help="uneven pipeline: layers on the last stage (Megatron-LM targets)")
     p.add_argument("--no-progress", action="store_true")
     p = sub.add_parser("verify", help="checksums of every tensor and exact coverage of every parameter")
     p.add_argument("dir")
@@ -62,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
             target = (Layout(**{d: v for d, v in sizes.items() if v is not None})
                       if any(v is not None for v in sizes.values()) else None)
             print(reshard(args.load, args.save, target, args.target_format,
-                          progress=not args.no_progress))
+                          progress=not args.no_progress,
+                          first_stage_layers=args.target_first_stage_layers,
+                          last_stage_layers=args.target_last_stage_layers))
         elif args.command == "verify":
             from megatron_ucp.checks import verify
 

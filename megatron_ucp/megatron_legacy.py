@@ -23,6 +23,8 @@ resumes it at any layout. Only this file knows the legacy format.
 
 from __future__ import annotations
 
+import argparse
+import collections
 import contextlib
 import dataclasses
 import math
@@ -40,6 +42,7 @@ from tqdm import tqdm
 
 from megatron_ucp import manifest as mf
 from megatron_ucp.errors import UCPError
+from megatron_ucp.layout import Layout
 from megatron_ucp.megatron_rebuild import build_chunks, model_config, source_rank, wrap_ddp
 from megatron_ucp.megatron_rebuild import layout as _layout
 from megatron_ucp.megatron_rebuild import rank_order as _order
@@ -548,3 +551,307 @@ def _optimizer_json(saved) -> dict:
         if scaler is None and opt.get("grad_scaler"):
             scaler = _jsonable_tree(opt["grad_scaler"])
     return {"param_groups": groups, "grad_scaler": scaler}
+
+
+# ----------------------------------------------------------------------------------------------
+# universal -> legacy (the writer)
+
+
+def target_args(template, target: Layout, first_stage_layers: int | None = None,
+                last_stage_layers: int | None = None, consumed_samples: int | None = None):
+    """A copy of the template `args` (e.g. the source legacy checkpoint's) describing the same
+    model trained at `target`: every layout-dependent setting is set to the target, the uneven
+    pipeline split is reset unless given, the padded vocabulary is rounded up to the target's
+    multiple (make_vocab_size_divisible_by x TP) as Megatron-LM pads it at start-up."""
+    a = argparse.Namespace(**vars(template))
+    vpp = target.vpp or None
+    a.tensor_model_parallel_size = target.tp
+    a.pipeline_model_parallel_size = target.pp
+    a.transformer_pipeline_model_parallel_size = target.pp
+    a.context_parallel_size = target.cp
+    a.expert_model_parallel_size = target.ep
+    if getattr(template, "expert_tensor_parallel_size", None) in (None, template.tensor_model_parallel_size):
+        a.expert_tensor_parallel_size = target.tp
+    a.data_parallel_size = target.dp
+    a.world_size = target.world_size
+    a.virtual_pipeline_model_parallel_size = vpp
+    if getattr(template, "num_virtual_stages_per_pipeline_rank", None):
+        a.num_virtual_stages_per_pipeline_rank, a.num_layers_per_virtual_pipeline_stage = vpp, None
+    else:
+        a.num_virtual_stages_per_pipeline_rank = None
+        a.num_layers_per_virtual_pipeline_stage = a.num_layers // (target.pp * vpp) if vpp else None
+    a.decoder_first_pipeline_num_layers = first_stage_layers
+    a.decoder_last_pipeline_num_layers = last_stage_layers
+    pp_layout = getattr(a, "pipeline_model_parallel_layout", None)
+    if pp_layout and target.pp != template.pipeline_model_parallel_size:
+        raise UCPError("the template args set --pipeline-model-parallel-layout for PP "
+                       f"{template.pipeline_model_parallel_size}; it cannot describe PP {target.pp}: "
+                       "pass args without it")
+    if target.tp == 1:
+        a.sequence_parallel = False
+    multiple = getattr(a, "make_vocab_size_divisible_by", 128) * target.tp
+    a.padded_vocab_size = -(-a.padded_vocab_size // multiple) * multiple
+    if consumed_samples is not None:
+        a.consumed_train_samples = consumed_samples
+    return a
+
+
+@dataclass
+class _TargetRank:
+    """What one target rank directory needs, read off the model rebuilt at the target layout."""
+
+    name: str
+    keys: list[list[tuple[str, Any]]]  # per chunk: (state-dict key, non-tensor value or _TENSOR)
+    params: list  # LocalParam
+    flat: list[dict[int, tuple[tuple, int]] | None]  # per optimizer: buffer -> (dtypes, numel)
+    where: dict[int, tuple[int, int, int]]  # id(param) -> (optimizer, buffer, start)
+
+
+_TENSOR = object()
+
+
+def _inspect_target(chunks: list, args, name: str) -> _TargetRank:
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import unwrap_model
+
+    from megatron_ucp.param_spec import local_params
+
+    keys = [[(k, _TENSOR if torch.is_tensor(v) else v)
+             for k, v in unwrap_model(c).state_dict(keep_vars=True).items()] for c in chunks]
+    buffers = _optimizer_buffers(chunks, args)
+    expert = any(c.expert_parallel_buffers for c in chunks)
+    flat, where = [], {}
+    for i, bufs in enumerate(buffers):
+        is_expert = expert and i == len(buffers) - 1
+        dp0 = (ps.get_expert_data_parallel_rank() if is_expert else ps.get_data_parallel_rank()) == 0
+        flat.append({b: ((buf.param_dtype, buf.grad_dtype), buf.numel_unpadded)
+                     for b, buf in enumerate(bufs)} if dp0 else None)
+        for b, buf in enumerate(bufs):
+            for p, start in _flat_offsets(buf).items():
+                where[id(p)] = (i, b, start)
+    return _TargetRank(name, keys, local_params(chunks), flat, where)
+
+
+def _target_files(t: _TargetRank, source, model_keys: list[str]) -> tuple[list[dict], Any]:
+    """(model state dict per chunk, distrib_optim.pt object) of one target rank directory."""
+    from megatron_ucp.loader import read_rows
+
+    saved = source.manifest["params"]
+    by_name: dict[tuple[int, str], Any] = {}
+    flats: list[dict | None] = [
+        None if f is None else {b: {**{s: torch.zeros(n, dtype=torch.float32) for s in STATES},
+                                    "numel_unpadded": n} for b, (_, n) in f.items()}
+        for f in t.flat]
+    for lp in t.params:
+        if lp.spec.name not in saved:
+            raise UCPError(f"{source.dir}: the model rebuilt at the target layout has parameter "
+                           f"{lp.spec.name} ({lp.local_name}) that the checkpoint lacks; the args "
+                           "template does not describe this checkpoint's model")
+        rows = lp.local_shape[0]
+        master = read_rows(source, lp, "param", 0, rows).view(lp.local_shape)
+        by_name[(lp.chunk, lp.local_name)] = master.to(lp.param.dtype)
+        if lp.spec.buffer:
+            continue
+        if id(lp.param) not in t.where:
+            raise UCPError(f"internal: {lp.local_name} is in no DDP buffer of the target model")
+        i, b, start = t.where[id(lp.param)]
+        if flats[i] is None:
+            continue  # another rank directory (that optimizer's DP rank 0) holds its state
+        n = master.numel()
+        entry = flats[i][b]
+        entry["param"][start:start + n] = master.reshape(-1)
+        for s in STATES[1:]:
+            entry[s][start:start + n] = read_rows(source, lp, s, 0, rows).reshape(-1)
+    models = []
+    for c, keys in enumerate(t.keys):
+        sd = collections.OrderedDict()
+        for k, v in keys:
+            if v is _TENSOR:
+                if (c, k) not in by_name:
+                    raise UCPError(f"{model_keys[c]} {k}: a tensor of the model rebuilt at the "
+                                   "target that is neither a parameter nor a declared buffer; "
+                                   "megatron-ucp cannot fill it")
+                v = by_name[(c, k)]
+            sd[k] = v
+        models.append(sd)
+    optim = []
+    for f, entries in zip(t.flat, flats):
+        optim.append(None if entries is None else {"buckets_coalesced": True, **{
+            b: {f[b][0]: e} for b, e in entries.items()}})
+    return models, (optim[0] if len(optim) == 1 else optim)
+
+
+def _param_groups(source, n_optimizers: int) -> Any:
+    """`model_optim_rng.pt['optimizer']`: per chained optimizer {'optimizer': {'param_groups'}}
+    with the manifest's hyper-parameters and the Adam step (a float) in every group."""
+    manifest = source.manifest
+    steps = {source.step(n) for n, p in manifest["params"].items() if not p.get("buffer")}
+    if len(steps) != 1:
+        raise UCPError(f"the universal checkpoint has parameters at different Adam steps "
+                       f"{sorted(steps)}; a Megatron-LM legacy checkpoint keeps one step per "
+                       "param group and cannot hold them")
+    step = float(steps.pop())
+    opt = manifest.get("optimizer", {})
+    out = []
+    for i in range(n_optimizers):
+        groups = []
+        for g in opt.get("param_groups", []):
+            if g.get("optimizer", 0) != i:
+                continue
+            groups.append(_torch_group(g, step))
+        if not groups:
+            raise UCPError(f"the universal manifest has no param groups for optimizer {i} (the "
+                           f"target model has {n_optimizers} chained optimizers: dense/expert); "
+                           "it was not converted from a Megatron-LM run with the same optimizer")
+        entry: dict = {"optimizer": {"param_groups": groups}}
+        if opt.get("grad_scaler"):  # fp16 DynamicGradScaler.state_dict(): 'scale' is a tensor
+            entry["grad_scaler"] = {k: (torch.tensor(v, dtype=torch.float32) if k == "scale" else v)
+                                    for k, v in opt["grad_scaler"].items()}
+        out.append(entry)
+    return out[0] if n_optimizers == 1 else out
+
+
+# Megatron's param-group keys (megatron.core.optimizer._get_param_groups), in its order
+_MEGATRON_GROUP_KEYS = ("is_expert_parallel", "default_config", "wd_mult", "lr_mult",
+                        "is_decoupled_lr", "max_lr", "min_lr")
+
+
+def _torch_group(g: dict, step: float) -> dict:
+    """A param group as DistributedOptimizer.state_dict() writes it from a manifest entry: the
+    manifest (JSON) drops None values and turns tuples into lists; torch AdamW's defaults that
+    the import dropped (foreach=None, fused=None) come back; keys in Megatron's then torch's order,
+    the step (a float) last."""
+    g = {k: (tuple(v) if k == "betas" and isinstance(v, list) else v)
+         for k, v in g.items() if k != "optimizer"}
+    defaults: dict = {}
+    if "decoupled_weight_decay" in g or "amsgrad" in g:  # torch.optim.Adam/AdamW
+        defaults = torch.optim.AdamW([torch.zeros(1, device="cpu")]).defaults
+        g = {**{k: v for k, v in defaults.items() if v is None and k not in g}, **g}
+    order = [k for k in _MEGATRON_GROUP_KEYS if k in g] + [k for k in defaults if k in g]
+    order += [k for k in g if k not in order]
+    return {**{k: g[k] for k in order}, "step": step}
+
+
+# OptimizerParamScheduler.state_dict() key order (megatron-core 0.16)
+_SCHEDULER_KEYS = ("max_lr", "lr_warmup_steps", "num_steps", "lr_decay_style", "lr_decay_steps",
+                   "min_lr", "start_wd", "end_wd", "wd_incr_style", "wd_incr_steps")
+
+
+def _scheduler(saved: dict | None) -> dict | None:
+    if not saved:
+        return saved
+    order = [k for k in _SCHEDULER_KEYS if k in saved] + [k for k in saved if k not in _SCHEDULER_KEYS]
+    return {k: saved[k] for k in order}
+
+
+def write_legacy(universal_dir: str | Path, save_dir: str | Path, target: Layout, args_template,
+                 *, rng_state: dict[str, list] | list | None = None,
+                 num_floating_point_operations_so_far: float | None = None,
+                 first_stage_layers: int | None = None, last_stage_layers: int | None = None,
+                 progress: bool = True) -> Path:
+    """Write a stock Megatron-LM `--ckpt-format torch` checkpoint (distributed optimizer) at
+    `target` from a universal (or fragment) directory. Returns `save_dir` (the save root).
+
+    args_template: a Megatron-LM args Namespace of the same model (e.g. the source legacy
+    checkpoint's `args`); its parallel sizes are replaced by the target's (`target_args`).
+    rng_state: the `rng_state` list written in every rank directory, or rank directory name ->
+    list (a name not in it gets the first entry); None: no `rng_state` key (resume with
+    --no-load-rng). num_floating_point_operations_so_far: None writes 0.0.
+    The target model, its DDP buffers and their rank directories are rebuilt with megatron-core's
+    own code (fake process group, meta tensors), so flat offsets are the ones the target run uses.
+    """
+    from megatron_ucp.sources import open_source
+    from megatron_ucp.validation import check_layout
+
+    t0 = time.perf_counter()
+    if dist.is_available() and dist.is_initialized():
+        raise UCPError("write_legacy rebuilds the target layout on its own fake process group and "
+                       "cannot run inside a job that already has one; run it in a separate process")
+    if args_template is None:
+        raise UCPError("writing a Megatron-LM legacy checkpoint needs Megatron-LM args (model "
+                       "architecture, optimizer and run settings); pass the args of a Megatron-LM "
+                       "checkpoint of this model")
+    out = Path(save_dir)
+    if out.exists() and any(out.iterdir()):
+        raise UCPError(f"{out} exists and is not empty; choose a new directory")
+    source = open_source(universal_dir)
+    manifest = source.manifest
+    args = target_args(args_template, target, first_stage_layers, last_stage_layers,
+                       manifest.get("extra", {}).get("consumed_samples"))
+    _check_supported(args, Path("args template"))
+    check_layout({**manifest["model"], "num_layers_in_first_pipeline_stage": first_stage_layers,
+                  "num_layers_in_last_pipeline_stage": last_stage_layers}, target, str(source.dir))
+    iteration = int(manifest["iteration"])
+    writers = _writer_ranks(args)
+
+    partial = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    iter_dir = partial / f"iter_{iteration:07d}"
+    iter_dir.mkdir(parents=True)
+    bar = tqdm(sorted(writers.items(), key=lambda kv: kv[1]), desc="export-legacy", unit="rank",
+               disable=not progress)
+    try:
+        for name, rank in bar:
+            with _source_rank(args, rank, name):
+                try:
+                    chunks = wrap_ddp(build_chunks(args), args)
+                except UCPError:
+                    raise
+                except Exception as e:
+                    raise UCPError(f"cannot build the model at {target} from the args template "
+                                   f"({type(e).__name__}: {e}); an uneven pipeline split needs "
+                                   "first_stage_layers / last_stage_layers") from e
+                t = _inspect_target(chunks, args, name)
+            model_keys = ["model"] if len(t.keys) == 1 else [f"model{i}" for i in range(len(t.keys))]
+            models, optim = _target_files(t, source, model_keys)
+            rank_args = argparse.Namespace(**{**vars(args), "rank": rank, "local_rank": rank})
+            state: dict = {"args": rank_args, "checkpoint_version": 3.0, "iteration": iteration}
+            state.update(zip(model_keys, models))
+            state["optimizer"] = _param_groups(source, len(t.flat))
+            state["opt_param_scheduler"] = _scheduler(manifest.get("scheduler"))
+            if rng_state is not None:
+                rs = rng_state if isinstance(rng_state, list) else rng_state.get(
+                    name, next(iter(rng_state.values())))
+                state["rng_state"] = rs
+            state["num_floating_point_operations_so_far"] = float(
+                num_floating_point_operations_so_far or 0.0)
+            rank_dir = iter_dir / name
+            rank_dir.mkdir()
+            torch.save(state, rank_dir / MODEL_FILE)
+            torch.save(optim, rank_dir / OPTIM_FILE)
+            fsync_dir(rank_dir)
+        (partial / TRACKER).write_text(str(iteration))
+        fsync_dir(partial)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    finally:
+        bar.close()
+    if out.exists():
+        out.rmdir()
+    partial.rename(out)
+    if progress:
+        print(f"[megatron-ucp] wrote Megatron-LM legacy iteration {iteration} at {target} "
+              f"({len(writers)} rank dirs) into {out} in {time.perf_counter() - t0:.2f}s")
+    return out
+
+
+def legacy_source_fields(load_dir: str | Path) -> dict:
+    """From a legacy checkpoint: its args, every rank directory's rng_state, its layout and flops
+    (what `write_legacy` takes from the source when resharding legacy -> legacy)."""
+    iter_dir, _ = _resolve(Path(load_dir))
+    found = sorted(p for p in iter_dir.iterdir() if p.is_dir() and _RANK_DIR.fullmatch(p.name))
+    if not found:
+        raise UCPError(f"{iter_dir} holds no mp_rank_* directories")
+    args = _read_args(found[0] / MODEL_FILE, found)
+    rng, flops = {}, None
+    writers = _writer_ranks(args)
+    for name in sorted(writers, key=writers.get):
+        if (iter_dir / name / MODEL_FILE).exists():
+            m = _torch_load(iter_dir / name / MODEL_FILE)
+            if "rng_state" in m:
+                rng[name] = m["rng_state"]
+            if flops is None:
+                flops = m.get("num_floating_point_operations_so_far")
+    return {"args": args, "rng_state": rng or None, "layout": _layout(args),
+            "num_floating_point_operations_so_far": flops}
