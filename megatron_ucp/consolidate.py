@@ -16,7 +16,7 @@ from megatron_ucp.universal import write_params, write_rng
 
 
 def convert(fragments_dir: str | Path, universal_dir: str | Path, *, progress: bool = True,
-            max_file_bytes: int = 2**31) -> Path:
+            max_file_bytes: int = 2**31, workers: int = 1) -> Path:
     """Consolidate a fragment checkpoint into a universal directory; returns its path.
 
     Peak memory is about one parameter state (the tensor being written), not the model.
@@ -40,7 +40,7 @@ def convert(fragments_dir: str | Path, universal_dir: str | Path, *, progress: b
     shapes = {n: s["shape"] for n, s in params.items()}
     entries = write_params(partial, params,
                            lambda n, s: source.read(n, s, (0,) * len(shapes[n]), tuple(shapes[n])),
-                           max_file_bytes, bar)
+                           max_file_bytes, bar, workers)
     bar.close()
     write_rng(partial, {r: source.rng(r) for r in range(manifest["layout_world_size"])})
     universal = {k: v for k, v in manifest.items() if k not in ("files", "bytes")}

@@ -80,7 +80,8 @@ class _RankFiles:
 # entry point
 
 
-def convert_legacy(load_dir: str | Path, universal_dir: str | Path, progress: bool = True) -> Path:
+def convert_legacy(load_dir: str | Path, universal_dir: str | Path, progress: bool = True,
+                   workers: int = 1) -> Path:
     """Convert a Megatron-LM `--ckpt-format torch` checkpoint into a universal directory.
 
     load_dir: the save root (with latest_checkpointed_iteration.txt) or one iter_XXXXXXX directory.
@@ -140,7 +141,8 @@ def convert_legacy(load_dir: str | Path, universal_dir: str | Path, progress: bo
     bar = tqdm(total=len(params), desc="import-legacy", unit="param", disable=not progress)
     try:
         entries = write_params(partial, params,
-                               lambda n, s: _assemble(n, s, specs[n], copies[n]), progress=bar)
+                               lambda n, s: _assemble(n, s, specs[n], copies[n]), progress=bar,
+                               workers=workers)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)  # an inconsistency found half-way: leave nothing
         raise

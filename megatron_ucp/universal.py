@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -25,36 +27,78 @@ def data_file_name(i: int) -> str:
     return f"params_{i:05d}.safetensors"
 
 
-def write_params(out_dir: Path, params: dict[str, dict],
-                 read_full: Callable[[str, str], torch.Tensor],
-                 max_file_bytes: int = 2**31, progress: Iterator | None = None) -> dict[str, dict]:
-    """Stream every parameter's states into data files; returns name -> {state: file/key/crc32}.
-
-    Only one tensor is in memory at a time: each file's header is computed from the shapes first.
-    """
+def _plan_files(params: dict[str, dict], max_file_bytes: int, workers: int) -> list[list[str]]:
+    """Group parameters into data files in order; with workers, into at least `workers` files."""
+    sizes = {n: 4 * math.prod(spec["shape"]) * len(states_of(spec)) for n, spec in params.items()}
+    limit = max_file_bytes
+    if workers > 1:
+        limit = min(limit, -(-sum(sizes.values()) // workers))
     files: list[list[str]] = [[]]
     size = 0
-    for name, spec in params.items():
-        nbytes = 4 * math.prod(spec["shape"]) * len(states_of(spec))
-        if files[-1] and size + nbytes > max_file_bytes:
+    for name, nbytes in sizes.items():
+        if files[-1] and size + nbytes > limit:
             files.append([])
             size = 0
         files[-1].append(name)
         size += nbytes
+    return files
+
+
+def _write_file(out_dir: Path, i: int, names: list[str], params: dict[str, dict],
+                read_full: Callable[[str, str], torch.Tensor], progress=None) -> dict[str, dict]:
+    fname = data_file_name(i)
+    w = SafetensorsWriter(out_dir / fname, [(f"{n}/{s}", torch.float32, tuple(params[n]["shape"]))
+                                            for n in names for s in states_of(params[n])])
     entries: dict[str, dict] = {}
-    for i, names in enumerate(files):
-        fname = data_file_name(i)
-        w = SafetensorsWriter(out_dir / fname, [(f"{n}/{s}", torch.float32, tuple(params[n]["shape"]))
-                                                for n in names for s in states_of(params[n])])
-        for n in names:
-            entries[n] = {}
-            for s in states_of(params[n]):
-                t = read_full(n, s)
-                w.write(f"{n}/{s}", t)
-                entries[n][s] = {"file": fname, "key": f"{n}/{s}", "crc32": crc32(t)}
-            if progress is not None:
-                progress.update(1)
-        w.close()
+    for n in names:
+        entries[n] = {}
+        for s in states_of(params[n]):
+            t = read_full(n, s)
+            w.write(f"{n}/{s}", t)
+            entries[n][s] = {"file": fname, "key": f"{n}/{s}", "crc32": crc32(t)}
+        if progress is not None:
+            progress.update(1)
+    w.close()
+    return entries
+
+
+_FORKED: tuple | None = None  # what forked workers inherit: (out_dir, files, params, read_full)
+
+
+def _write_file_in_worker(i: int) -> dict[str, dict]:
+    torch.set_num_threads(1)  # as DataLoader workers do: no OpenMP pool inherited across fork
+    out_dir, files, params, read_full = _FORKED
+    return _write_file(out_dir, i, files[i], params, read_full)
+
+
+def write_params(out_dir: Path, params: dict[str, dict],
+                 read_full: Callable[[str, str], torch.Tensor],
+                 max_file_bytes: int = 2**31, progress: Iterator | None = None,
+                 workers: int = 1) -> dict[str, dict]:
+    """Stream every parameter's states into data files; returns name -> {state: file/key/crc32}.
+
+    Only one tensor is in memory at a time per writer: each file's header is computed from the
+    shapes first. workers > 1 writes files in forked processes, which inherit `read_full` and
+    its open (memory-mapped) sources, so nothing is pickled or read twice.
+    """
+    global _FORKED
+    files = _plan_files(params, max_file_bytes, workers)
+    if workers <= 1 or len(files) == 1:
+        entries: dict[str, dict] = {}
+        for i, names in enumerate(files):
+            entries.update(_write_file(out_dir, i, names, params, read_full, progress))
+        return entries
+    _FORKED = (out_dir, files, params, read_full)
+    try:
+        ctx = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(min(workers, len(files)), mp_context=ctx) as pool:
+            entries = {}
+            for names, done in zip(files, pool.map(_write_file_in_worker, range(len(files)))):
+                entries.update(done)
+                if progress is not None:
+                    progress.update(len(names))
+    finally:
+        _FORKED = None
     return entries
 
 
