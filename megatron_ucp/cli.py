@@ -22,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     for dim in ("tp", "pp", "dp", "ep", "vpp", "cp"):
         p.add_argument(f"--target-{dim}", type=int, default=None)
     p.add_argument("--target-format", choices=["universal", "torch", "torch_dist"], default="universal")
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes writing the universal data files (forked; default 1)")
     p.add_argument("--target-first-stage-layers", type=int, default=None,
                    help="uneven pipeline: layers on the first stage (Megatron-LM targets)")
     p.add_argument("--target-last-stage-layers", type=int, default=None,
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             print(reshard(args.load, args.save, target, args.target_format,
                           progress=not args.no_progress,
                           first_stage_layers=args.target_first_stage_layers,
-                          last_stage_layers=args.target_last_stage_layers))
+                          last_stage_layers=args.target_last_stage_layers, workers=args.workers))
         elif args.command == "verify":
             from megatron_ucp.checks import verify
 

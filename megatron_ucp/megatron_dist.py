@@ -194,8 +194,10 @@ def _param_groups(groups: list[dict]) -> tuple[list[dict], float]:
     if len(steps) != 1:
         raise UCPError(f"optimizer param groups carry steps {sorted(steps)}; expected exactly one "
                        "common Adam step (megatron's DistributedOptimizer keeps one per group)")
+    # the step is per parameter in the manifest (as the legacy importer writes it), not per group
     out = [{"optimizer": 0, **{k: _jsonable(v) for k, v in g.items()
-                               if k != "params" and _jsonable(v) is not None}} for g in groups]
+                               if k not in ("params", "step") and _jsonable(v) is not None}}
+           for g in groups]
     return out, steps.pop()
 
 
@@ -345,7 +347,7 @@ def _read_full(reader: DistReader, p: _Param, state: str, sharding: str) -> torc
 
 
 def convert_torch_dist(load_dir: str | Path, universal_dir: str | Path, progress: bool = True,
-                       max_file_bytes: int = 2**31) -> Path:
+                       max_file_bytes: int = 2**31, workers: int = 1) -> Path:
     """Convert a Megatron-LM torch_dist checkpoint into a universal directory; returns its path.
 
     `load_dir` is a `--save` root (with latest_checkpointed_iteration.txt) or an iter directory.
@@ -405,7 +407,7 @@ def convert_torch_dist(load_dir: str | Path, universal_dir: str | Path, progress
     bar = tqdm(total=len(plan), desc="import torch_dist", unit="param", disable=not progress)
     specs = {n: p.spec for n, p in plan.items()}
     entries = write_params(partial, specs, lambda n, s: _read_full(reader, plan[n], s, sharding),
-                           max_file_bytes, bar)
+                           max_file_bytes, bar, workers)
     bar.close()
     lay = _layout(args)
     iteration = int(common.get("iteration", getattr(args, "iteration", 0)))
@@ -429,5 +431,227 @@ def convert_torch_dist(load_dir: str | Path, universal_dir: str | Path, progress
     if progress:
         print(f"[megatron-ucp] {len(plan)} parameters from {ckpt} ({sharding}), "
               f"{reader.bytes_read / 2**20:.1f} MiB read, written to {out} in "
+              f"{time.perf_counter() - t0:.2f}s")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# universal -> torch_dist (the writer)
+
+# common.pt['content_metadata'] of a `--dist-ckpt-optim-fully-reshardable` save (megatron-core 0.16)
+FULLY_RESHARDABLE_CONTENT = {"distrib_optim_sharding_type": "fully_reshardable",
+                             "distrib_optim_fully_reshardable_mem_efficient": False,
+                             "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                 "common_backend": "torch", "common_backend_version": 1}
+
+
+def _sharded_objects(model) -> dict[str, object]:
+    """unique key (e.g. `decoder.layers.mlp.linear_fc1._extra_state/shard_2_3`) -> data, for every
+    ShardedObject of the whole model rebuilt on one rank (the `_extra_state` entries)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.utils import unwrap_model
+
+    return {v.unique_key: v.data for v in unwrap_model(model).sharded_state_dict().values()
+            if isinstance(v, ShardedObject)}
+
+
+def _object_value(data) -> list:
+    """A ShardedObject as megatron-core's torch_dist strategy stores it: `[data]` (it saves
+    torch.save([sh_obj.data]); DefaultSavePlanner torch.saves every non-tensor value itself)."""
+    return [data]
+
+
+def rng_key(pp_rank: int, tp_rank: int, pp: int, tp: int) -> str:
+    """The torch_dist key of one (PP, TP) rank's rng_state ShardedObject."""
+    return f"rng_state/shard_{pp_rank}.{tp_rank}_{pp}.{tp}"
+
+
+def torch_dist_source_fields(load_dir: str | Path) -> dict:
+    """From a torch_dist checkpoint: its args, rng states {(pp, tp): rng list}, layout and flops
+    (what `write_torch_dist` takes from the source when resharding torch_dist -> torch_dist)."""
+    from megatron_ucp.megatron_rebuild import layout
+
+    ckpt = resolve_iter_dir(load_dir)
+    common = torch.load(ckpt / "common.pt", map_location="cpu", weights_only=False)
+    args = common.get("args")
+    if args is None:
+        raise UCPError(f"{ckpt / 'common.pt'} has no 'args'; only Megatron-LM training saves are "
+                       "supported")
+    reader = DistReader(ckpt)
+    rng = {}
+    for key in reader.meta:
+        if key.startswith("rng_state/shard_"):
+            offset = key.removeprefix("rng_state/shard_").split("_")[0].split(".")
+            data = reader.obj(key)
+            rng[tuple(int(i) for i in offset[:2])] = data[0] if isinstance(data, list) and len(
+                data) == 1 else data
+    return {"args": args, "rng_state": rng or None, "layout": layout(args),
+            "num_floating_point_operations_so_far": common.get("num_floating_point_operations_so_far")}
+
+
+def write_torch_dist(universal_dir: str | Path, save_dir: str | Path, target, args_template, *,
+                     rng_state: dict | list | None = None,
+                     num_floating_point_operations_so_far: float | None = None,
+                     first_stage_layers: int | None = None, last_stage_layers: int | None = None,
+                     progress: bool = True) -> Path:
+    """Write a Megatron-LM `--ckpt-format torch_dist` checkpoint at `target` from a universal (or
+    fragment) directory, optimizer state in the layout-free `fully_reshardable` form (resume with
+    `--dist-ckpt-optim-fully-reshardable`). Returns `save_dir` (the save root).
+
+    Every tensor is at its global shape (layers stacked), so the target layout changes only
+    `args` and the rng shards; torch.distributed.checkpoint itself reshards at load.
+    args_template: Megatron-LM args of the same model (e.g. the source checkpoint's); parallel
+    sizes become the target's (`megatron_legacy.target_args`). rng_state: one rng list (Megatron's
+    `rng_state` of one rank) for every (PP, TP) shard, or {(pp_rank, tp_rank): list}; None: no
+    rng_state (resume with --no-load-rng). num_floating_point_operations_so_far: None writes 0.0.
+    """
+    import json
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from tqdm import tqdm
+
+    from megatron_ucp.megatron_legacy import (
+        _check_supported,
+        _scheduler,
+        _torch_group,
+        target_args,
+    )
+    from megatron_ucp.sources import open_source
+    from megatron_ucp.storage import fsync_dir
+    from megatron_ucp.testing import cpu_shim  # noqa: F401  (must precede megatron.core)
+    from megatron_ucp.validation import check_layout
+
+    t0 = time.perf_counter()
+    if dist.is_available() and dist.is_initialized():
+        raise UCPError("write_torch_dist rebuilds the model on its own fake process group and "
+                       "cannot run inside a job that already has one; run it in a separate process")
+    if args_template is None:
+        raise UCPError("writing a Megatron-LM torch_dist checkpoint needs Megatron-LM args (model "
+                       "architecture, optimizer and run settings); pass the args of a Megatron-LM "
+                       "checkpoint of this model")
+    out = Path(save_dir)
+    if out.exists() and any(out.iterdir()):
+        raise UCPError(f"{out} exists and is not empty; choose a new directory")
+    source = open_source(universal_dir)
+    manifest = source.manifest
+    args = target_args(args_template, target, first_stage_layers, last_stage_layers,
+                       manifest.get("extra", {}).get("consumed_samples"))
+    _check_supported(args, Path("args template"))
+    if getattr(args, "num_experts", None) or target.ep > 1:
+        raise UCPError("torch_dist export supports dense GPT models only (MoE runs chain two "
+                       "optimizers whose fully_reshardable keys are not written here)")
+    check_layout({**manifest["model"], "num_layers_in_first_pipeline_stage": first_stage_layers,
+                  "num_layers_in_last_pipeline_stage": last_stage_layers}, target, str(source.dir))
+    args.ckpt_format = "torch_dist"
+    args.use_dist_ckpt = True
+    args.dist_ckpt_optim_fully_reshardable = True
+    args.rank, args.local_rank = 0, 0  # common.pt is written by global rank 0
+    iteration = int(manifest["iteration"])
+
+    # names, stacked keys and extra-state objects of the whole model, rebuilt on one rank
+    plan, _ = _plan_model(args)
+    one = single_rank_args(args)
+    with source_rank(one, 0):
+        objects = _sharded_objects(build_chunks(one)[0])
+    saved = manifest["params"]
+    missing = sorted(set(plan) - set(saved))
+    if missing:
+        raise UCPError(f"{source.dir}: the model rebuilt from the args template has parameter(s) "
+                       f"{missing[:3]} that the checkpoint lacks; the args do not describe this "
+                       "checkpoint's model")
+    extra = sorted(set(saved) - set(plan))
+    if extra:
+        raise UCPError(f"{source.dir}: parameter(s) {extra[:3]} are not in the model rebuilt from "
+                       "the args template; writing without them would drop state")
+    steps = {source.step(n) for n in plan if not saved[n].get("buffer")}
+    if len(steps) != 1:
+        raise UCPError(f"the universal checkpoint has parameters at Adam steps {sorted(steps)}; a "
+                       "Megatron-LM checkpoint keeps one step per param group")
+    step = float(steps.pop())
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+
+    def full(name: str, state: str, shape: tuple[int, ...]) -> torch.Tensor:
+        have = tuple(saved[name]["shape"])
+        if have == shape:
+            return source.read(name, state, (0,) * len(have), have)
+        if not plan[name].spec.get("vocab_rows") or have[1:] != shape[1:]:
+            raise UCPError(f"{name}: universal shape {list(have)}, the target model needs "
+                           f"{list(shape)}")
+        t = torch.zeros(shape, dtype=torch.float32)  # padded vocab rows: zero weight and moments
+        rows = min(have[0], shape[0])
+        t[:rows] = source.read(name, state, (0,) * len(have), (rows, *have[1:]))
+        return t
+
+    by_key: dict[str, list[str]] = {}
+    for name, p in plan.items():
+        by_key.setdefault(p.key, []).append(name)
+    state_dict: dict = {}
+    bar = tqdm(total=len(plan), desc="export torch_dist", unit="param", disable=not progress)
+    for key, names in by_key.items():
+        index = [plan[n].index for n in names]
+        stacked = tuple(max(i[a] for i in index) + 1 for a in range(len(index[0])))
+        if len(set(index)) != len(names) or math.prod(stacked) != len(names):
+            raise UCPError(f"internal: {key!r} has stacked entries {sorted(index)}")
+        shape = tuple(plan[names[0]].spec["shape"])
+        buffer = bool(saved[names[0]].get("buffer"))
+        states = ("param",) if buffer else STATES
+        tensors = {s: torch.empty((*stacked, *shape), dtype=torch.float32) for s in states}
+        for n in names:
+            for s in states:
+                tensors[s][plan[n].index] = full(n, s, shape)
+            bar.update(1)
+        state_dict[key] = tensors["param"].to(dtype)
+        if not buffer:
+            for s in STATES:
+                state_dict[f"optimizer.state.{s}.{key}"] = tensors[s]
+    bar.close()
+    for k, v in objects.items():
+        state_dict[k] = _object_value(v)
+    if rng_state is not None:
+        for pp_rank in range(target.pp):
+            for tp_rank in range(target.tp):
+                rs = rng_state if isinstance(rng_state, list) else rng_state.get(
+                    (pp_rank, tp_rank), next(iter(rng_state.values())))
+                state_dict[rng_key(pp_rank, tp_rank, target.pp, target.tp)] = _object_value(rs)
+
+    opt = manifest.get("optimizer", {})
+    groups = [_torch_group(g, step) for g in opt.get("param_groups", []) if g.get("optimizer", 0) == 0]
+    if not groups:
+        raise UCPError(f"{source.dir}: the universal manifest has no optimizer param groups")
+    if opt.get("grad_scaler"):
+        raise UCPError("fp16 runs (a grad scaler) are not supported by the torch_dist export")
+    common = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
+              "optimizer": {"optimizer": {"param_groups": groups},
+                            "param_state_sharding_type": "fully_reshardable"},
+              "opt_param_scheduler": _scheduler(manifest.get("scheduler")),
+              "num_floating_point_operations_so_far": float(num_floating_point_operations_so_far or 0.0),
+              "content_metadata": dict(FULLY_RESHARDABLE_CONTENT)}
+
+    partial = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    iter_dir = partial / f"iter_{iteration:07d}"
+    iter_dir.mkdir(parents=True)
+    try:
+        dcp.save(state_dict, storage_writer=FileSystemWriter(str(iter_dir)),
+                 planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+                 no_dist=True)
+        torch.save(common, iter_dir / "common.pt")
+        (iter_dir / "metadata.json").write_text(json.dumps(METADATA_JSON))
+        fsync_dir(iter_dir)
+        (partial / TRACKER).write_text(str(iteration))
+        fsync_dir(partial)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    if out.exists():
+        out.rmdir()
+    partial.rename(out)
+    if progress:
+        print(f"[megatron-ucp] wrote Megatron-LM torch_dist iteration {iteration} at {target} "
+              f"(fully_reshardable, {len(plan)} parameters) into {out} in "
               f"{time.perf_counter() - t0:.2f}s")
     return out

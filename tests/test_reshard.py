@@ -22,11 +22,12 @@ def test_reshard_tool_legacy_checkpoint(tmp_path):
     out = tmp_path / "u"
     r = subprocess.run([sys.executable, str(ROOT / "tools" / "reshard.py"), "--load", str(LEGACY),
                         "--save", str(out), "--target-tp", "1", "--target-pp", "1", "--target-dp", "2",
-                        "--no-progress"], capture_output=True, text=True, cwd=tmp_path)
+                        "--workers", "2", "--no-progress"], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "resharded megatron_torch -> universal" in r.stdout and "MiB/s" in r.stdout
     m = mf.read(out)
     assert m["kind"] == "universal" and m["iteration"] == 6
+    assert len(list(out.glob("params_*.safetensors"))) >= 2  # --workers 2: files split for 2 writers
     assert verify(out).startswith("OK")
     assert all(d.max_abs == 0 for d in diff(LEGACY, out))
 
