@@ -508,44 +508,22 @@ def write_torch_dist(universal_dir: str | Path, save_dir: str | Path, target, ar
     """
     import json
 
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from tqdm import tqdm
 
-    from megatron_ucp.megatron_legacy import (
-        _check_supported,
-        _scheduler,
-        _torch_group,
-        target_args,
-    )
-    from megatron_ucp.sources import open_source
+    from megatron_ucp.megatron_legacy import _scheduler, _torch_group, prepare_export
     from megatron_ucp.storage import fsync_dir
     from megatron_ucp.testing import cpu_shim  # noqa: F401  (must precede megatron.core)
-    from megatron_ucp.validation import check_layout
 
     t0 = time.perf_counter()
-    if dist.is_available() and dist.is_initialized():
-        raise UCPError("write_torch_dist rebuilds the model on its own fake process group and "
-                       "cannot run inside a job that already has one; run it in a separate process")
-    if args_template is None:
-        raise UCPError("writing a Megatron-LM torch_dist checkpoint needs Megatron-LM args (model "
-                       "architecture, optimizer and run settings); pass the args of a Megatron-LM "
-                       "checkpoint of this model")
-    out = Path(save_dir)
-    if out.exists() and any(out.iterdir()):
-        raise UCPError(f"{out} exists and is not empty; choose a new directory")
-    source = open_source(universal_dir)
+    source, args, out = prepare_export("torch_dist", universal_dir, save_dir, target, args_template,
+                                       first_stage_layers, last_stage_layers)
     manifest = source.manifest
-    args = target_args(args_template, target, first_stage_layers, last_stage_layers,
-                       manifest.get("extra", {}).get("consumed_samples"))
-    _check_supported(args, Path("args template"))
     if getattr(args, "num_experts", None) or target.ep > 1:
         raise UCPError("torch_dist export supports dense GPT models only (MoE runs chain two "
                        "optimizers whose fully_reshardable keys are not written here)")
-    check_layout({**manifest["model"], "num_layers_in_first_pipeline_stage": first_stage_layers,
-                  "num_layers_in_last_pipeline_stage": last_stage_layers}, target, str(source.dir))
     args.ckpt_format = "torch_dist"
     args.use_dist_ckpt = True
     args.dist_ckpt_optim_fully_reshardable = True

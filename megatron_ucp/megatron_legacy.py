@@ -746,6 +746,35 @@ def _scheduler(saved: dict | None) -> dict | None:
     return {k: saved[k] for k in order}
 
 
+def prepare_export(fmt: str, universal_dir: str | Path, save_dir: str | Path, target: Layout,
+                   args_template, first_stage_layers: int | None, last_stage_layers: int | None):
+    """Checks and inputs shared by the Megatron-LM writers: no live process group (the target is
+    rebuilt on a private fake one), args to describe the run, a new output directory, a target
+    layout that can hold the model. Returns (universal source, target args, output path)."""
+    from megatron_ucp.sources import open_source
+    from megatron_ucp.validation import check_layout
+
+    if dist.is_available() and dist.is_initialized():
+        raise UCPError(f"writing Megatron-LM {fmt} rebuilds the target layout on its own fake "
+                       "process group and cannot run inside a job that already has one; run it in "
+                       "a separate process")
+    if args_template is None:
+        raise UCPError(f"writing a Megatron-LM {fmt} checkpoint needs Megatron-LM args (model "
+                       "architecture, optimizer and run settings); pass the args of a Megatron-LM "
+                       "checkpoint of this model")
+    out = Path(save_dir)
+    if out.exists() and any(out.iterdir()):
+        raise UCPError(f"{out} exists and is not empty; choose a new directory")
+    source = open_source(universal_dir)
+    manifest = source.manifest
+    args = target_args(args_template, target, first_stage_layers, last_stage_layers,
+                       manifest.get("extra", {}).get("consumed_samples"))
+    _check_supported(args, Path("args template"))
+    check_layout({**manifest["model"], "num_layers_in_first_pipeline_stage": first_stage_layers,
+                  "num_layers_in_last_pipeline_stage": last_stage_layers}, target, str(source.dir))
+    return source, args, out
+
+
 def write_legacy(universal_dir: str | Path, save_dir: str | Path, target: Layout, args_template,
                  *, rng_state: dict[str, list] | list | None = None,
                  num_floating_point_operations_so_far: float | None = None,
@@ -762,27 +791,10 @@ def write_legacy(universal_dir: str | Path, save_dir: str | Path, target: Layout
     The target model, its DDP buffers and their rank directories are rebuilt with megatron-core's
     own code (fake process group, meta tensors), so flat offsets are the ones the target run uses.
     """
-    from megatron_ucp.sources import open_source
-    from megatron_ucp.validation import check_layout
-
     t0 = time.perf_counter()
-    if dist.is_available() and dist.is_initialized():
-        raise UCPError("write_legacy rebuilds the target layout on its own fake process group and "
-                       "cannot run inside a job that already has one; run it in a separate process")
-    if args_template is None:
-        raise UCPError("writing a Megatron-LM legacy checkpoint needs Megatron-LM args (model "
-                       "architecture, optimizer and run settings); pass the args of a Megatron-LM "
-                       "checkpoint of this model")
-    out = Path(save_dir)
-    if out.exists() and any(out.iterdir()):
-        raise UCPError(f"{out} exists and is not empty; choose a new directory")
-    source = open_source(universal_dir)
+    source, args, out = prepare_export("legacy", universal_dir, save_dir, target, args_template,
+                                       first_stage_layers, last_stage_layers)
     manifest = source.manifest
-    args = target_args(args_template, target, first_stage_layers, last_stage_layers,
-                       manifest.get("extra", {}).get("consumed_samples"))
-    _check_supported(args, Path("args template"))
-    check_layout({**manifest["model"], "num_layers_in_first_pipeline_stage": first_stage_layers,
-                  "num_layers_in_last_pipeline_stage": last_stage_layers}, target, str(source.dir))
     iteration = int(manifest["iteration"])
     writers = _writer_ranks(args)
 
