@@ -11,8 +11,7 @@ from tqdm import tqdm
 from megatron_ucp import manifest as mf
 from megatron_ucp.errors import UCPError
 from megatron_ucp.fragments import FragmentSource
-from megatron_ucp.storage import fsync_dir
-from megatron_ucp.universal import write_params, write_rng
+from megatron_ucp.universal import commit, write_params, write_rng
 
 
 def convert(fragments_dir: str | Path, universal_dir: str | Path, *, progress: bool = True,
@@ -48,11 +47,7 @@ def convert(fragments_dir: str | Path, universal_dir: str | Path, *, progress: b
     universal["params"] = {n: {**spec, "step": source.step(n), "tensors": entries[n]}
                            for n, spec in params.items()}
     universal["converted_from"] = {"kind": "fragments", "path": str(ckpt)}
-    mf.write(partial, universal)
-    fsync_dir(partial)
-    if out.exists():
-        out.rmdir()
-    partial.rename(out)
+    commit(partial, out, universal)
     if progress:
         print(f"[megatron-ucp] {len(params)} parameters, {source.reader.bytes_read / 2**20:.1f} MiB "
               f"read, written to {out} in {time.perf_counter() - t0:.2f}s")

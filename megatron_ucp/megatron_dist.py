@@ -363,9 +363,8 @@ def convert_torch_dist(load_dir: str | Path, universal_dir: str | Path, progress
     reader = DistReader(ckpt)
 
     from megatron_ucp import manifest as mf
-    from megatron_ucp.storage import fsync_dir
     from megatron_ucp.testing import cpu_shim  # noqa: F401  (must precede megatron.core)
-    from megatron_ucp.universal import write_params
+    from megatron_ucp.universal import commit, write_params
 
     common_path = ckpt / "common.pt"
     if not common_path.exists():
@@ -423,11 +422,7 @@ def convert_torch_dist(load_dir: str | Path, universal_dir: str | Path, progress
         "seed": int(getattr(args, "seed", 1234)),
         "converted_from": {"kind": f"megatron-lm torch_dist ({sharding})", "path": str(ckpt)},
     }
-    mf.write(partial, manifest)
-    fsync_dir(partial)
-    if out.exists():
-        out.rmdir()
-    partial.rename(out)
+    commit(partial, out, manifest)
     if progress:
         print(f"[megatron-ucp] {len(plan)} parameters from {ckpt} ({sharding}), "
               f"{reader.bytes_read / 2**20:.1f} MiB read, written to {out} in "

@@ -49,7 +49,7 @@ from megatron_ucp.megatron_rebuild import rank_order as _order
 from megatron_ucp.megatron_rebuild import world as _world
 from megatron_ucp.spec import STATES, ParamSpec, Piece
 from megatron_ucp.storage import fsync_dir
-from megatron_ucp.universal import write_params
+from megatron_ucp.universal import commit, write_params
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
@@ -162,11 +162,7 @@ def convert_legacy(load_dir: str | Path, universal_dir: str | Path, progress: bo
         "converted_from": {"kind": "megatron-lm-torch", "path": str(iter_dir),
                            "checkpoint_version": m.get("checkpoint_version")},
     }
-    mf.write(partial, manifest)
-    fsync_dir(partial)
-    if out.exists():
-        out.rmdir()
-    partial.rename(out)
+    commit(partial, out, manifest)
     if progress:
         print(f"[megatron-ucp] imported Megatron-LM iteration {iteration} ({_layout(args)}, "
               f"{len(writers)} rank dirs, {len(params)} parameters) into {out} in "

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import torch
 
+from megatron_ucp import manifest as mf
 from megatron_ucp.errors import UCPError
 from megatron_ucp.spec import states_of
-from megatron_ucp.storage import Reader, SafetensorsWriter, crc32, write_tensors
+from megatron_ucp.storage import Reader, SafetensorsWriter, crc32, fsync_dir, write_tensors
 
 RNG_FILE = "rng.safetensors"
 
@@ -100,6 +101,15 @@ def write_params(out_dir: Path, params: dict[str, dict],
     finally:
         _FORKED = None
     return entries
+
+
+def commit(partial: Path, out: Path, manifest: dict) -> None:
+    """Manifest last, fsync, then rename into place: a half-written directory is never loaded."""
+    mf.write(partial, manifest)
+    fsync_dir(partial)
+    if out.exists():
+        out.rmdir()  # an empty directory the caller allowed
+    partial.rename(out)
 
 
 def write_rng(out_dir: Path, per_rank: dict[int, tuple[dict[str, torch.Tensor], dict]]) -> None:
