@@ -5,7 +5,8 @@ distributed-optimizer range [start, end) of the flattened local (TP-sliced) tens
 `<name>/param` (fp32 master weight), `<name>/exp_avg`, `<name>/exp_avg_sq` (a persistent buffer:
 `<name>/param` only, the whole local tensor, from DP rank 0). Its safetensors
 `__metadata__` key `fragments` is JSON: for each fragment the local shape, the range, the Adam step,
-the crc32 of each tensor and the pieces (rows of the local tensor -> box of the universal tensor).
+the crc32 of each tensor and the pieces (strided views of the local tensor -> boxes of the universal
+tensor).
 `rng/*` tensors and the `rng` metadata key hold the rank's generator states.
 
 `FragmentSource` answers "give me this box of this universal tensor" by reading only the byte
@@ -171,19 +172,15 @@ class FragmentSource:
         out = torch.empty(shape, dtype=torch.float32)
         filled = 0
         for st in self.tensors[name]:
-            strides = torch.empty(st.local_shape, device="meta").stride()
             for pc in st.pieces:
                 lo = [max(o, p) for o, p in zip(offset, pc.offset)]
                 hi = [min(o + n, p + m) for o, n, p, m in zip(offset, shape, pc.offset, pc.shape)]
                 if any(h <= lo_ for lo_, h in zip(lo, hi)):
                     continue
-                region_start = [pc.row + lo[0] - pc.offset[0],
-                                *(lo[d] - pc.offset[d] for d in range(1, len(lo)))]
-                region_shape = [h - lo_ for lo_, h in zip(lo, hi)]
-                first = sum(s * k for s, k in zip(region_start, strides))
-                last = sum((s + n - 1) * k for s, n, k in zip(region_start, region_shape, strides))
+                first, last = pc.span(tuple(a - p for a, p in zip(lo, pc.offset)),
+                                      tuple(b - p for b, p in zip(hi, pc.offset)))
                 flat = self._read_flat(name, state, st, first, last + 1)
-                region = flat.as_strided(region_shape, strides)
+                region = flat.as_strided([h - lo_ for lo_, h in zip(lo, hi)], pc.strides)
                 out[tuple(slice(lo_ - o, h - o) for lo_, h, o in zip(lo, hi, offset))] = region
                 filled += region.numel()
         if filled != out.numel():

@@ -8,7 +8,6 @@ optimizer's own main->model copy and DP all-gather, exactly as after a training 
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,7 @@ from megatron_ucp.layout import Layout
 from megatron_ucp.optimizer_state import OptimizerIndex
 from megatron_ucp.param_spec import LocalParam, local_params
 from megatron_ucp.sources import open_source
-from megatron_ucp.spec import STATES
+from megatron_ucp.spec import STATES, Piece
 from megatron_ucp.validation import check_layout, check_model_config, model_config
 
 
@@ -36,22 +35,39 @@ class LoadResult:
     bytes_read: int  # by this rank
 
 
-def read_rows(source, lp: LocalParam, state: str, r0: int, r1: int) -> torch.Tensor:
-    """Rows [r0, r1) of this rank's local tensor of `lp`, assembled from universal boxes.
+def read_local(source, lp: LocalParam, state: str, a: int, b: int) -> torch.Tensor:
+    """Elements [a, b) of this rank's flattened region of `lp`, assembled from universal boxes.
 
     Vocab padding rows the checkpoint does not hold (the target pads more, or the universal form
     dropped them) are zero in the weight and in both Adam moments: they start as unused rows.
     """
-    out = torch.zeros((r1 - r0, *lp.local_shape[1:]), dtype=torch.float32)
+    out = torch.zeros(b - a, dtype=torch.float32)
     saved_rows = source.manifest["params"][lp.spec.name]["shape"][0]
     for pc in lp.pieces:
-        a, b = max(r0, pc.row), min(r1, pc.row + pc.shape[0])
-        g0 = pc.offset[0] + a - pc.row  # first global row
-        b = min(b, a + saved_rows - g0) if lp.spec.vocab_rows else b
-        if b <= a:
+        shape = list(pc.shape)
+        if lp.spec.vocab_rows:
+            shape[0] = max(0, min(shape[0], saved_rows - pc.offset[0]))
+        if 0 in shape:
             continue
-        offset = (g0, *pc.offset[1:])
-        out[a - r0:b - r0] = source.read(lp.spec.name, state, offset, (b - a, *pc.shape[1:]))
+        # narrow the outermost (largest-stride) dim to the indices that can reach [a, b)
+        d = max(range(len(shape)), key=lambda k: pc.strides[k])
+        step = pc.strides[d] or 1
+        rest = sum((n - 1) * s for k, (n, s) in enumerate(zip(shape, pc.strides)) if k != d)
+        lo, hi = max(0, -(-(a - pc.start - rest) // step)), min(shape[d], (b - 1 - pc.start) // step + 1)
+        if hi <= lo:
+            continue
+        shape[d] = hi - lo
+        sub = Piece(pc.start + lo * pc.strides[d], pc.offset, tuple(shape), pc.strides)
+        offset = tuple(o + (lo if k == d else 0) for k, o in enumerate(pc.offset))
+        values = source.read(lp.spec.name, state, offset, sub.shape)
+        if sub.contiguous:
+            s, e = max(a, sub.start), min(b, sub.start + sub.numel)
+            out[s - a:e - a] = values.reshape(-1)[s - sub.start:e - sub.start]
+        else:
+            first, last = sub.span((0,) * len(shape), sub.shape)
+            index = torch.arange(first, last + 1).as_strided(sub.shape, sub.strides)
+            mask = (index >= a) & (index < b)
+            out[index[mask] - a] = values[mask]
     return out
 
 
@@ -98,20 +114,34 @@ def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: 
 
     index = OptimizerIndex(optimizer)
     index.ensure_state()
+    shards: dict[int, tuple] = {}  # id(param) -> (param, shard range, states, steps)
     for lp in params:
         if lp.spec.buffer:  # every holder reads its whole local slice; no optimizer state
             with torch.no_grad():
-                lp.param.copy_(read_rows(source, lp, "param", 0, lp.local_shape[0]).view(lp.local_shape))
+                lp.region(lp.param).copy_(read_local(source, lp, "param", 0, lp.numel))
             continue
         shard = index.shard_range(lp.param)
         if shard is None:
             continue
-        start, end = shard
-        row = math.prod(lp.local_shape[1:])
-        r0, r1 = start // row, -(-end // row)
-        tensors = {s: read_rows(source, lp, s, r0, r1).reshape(-1)[start - r0 * row:end - r0 * row]
-                   for s in STATES}
-        index.set(lp.param, tensors, source.step(lp.spec.name))
+        # this universal tensor's part of the shard (a fused expert weight has several)
+        a, b = max(shard[0], lp.base), min(shard[1], lp.base + lp.numel)
+        if b <= a:
+            continue
+        if id(lp.param) not in shards:
+            shards[id(lp.param)] = (lp.param, shard, {s: torch.empty(shard[1] - shard[0]) for s in STATES},
+                                    {})
+        _, _, states, steps = shards[id(lp.param)]
+        for s in STATES:
+            states[s][a - shard[0]:b - shard[0]] = read_local(source, lp, s, a - lp.base, b - lp.base)
+        steps[lp.spec.name] = (source.step(lp.spec.name), b - a)
+    for param, shard, states, steps in shards.values():
+        if sum(n for _, n in steps.values()) != shard[1] - shard[0]:
+            raise UCPError(f"internal: the regions of {sorted(steps)} do not tile their parameter's "
+                           "optimizer shard")
+        if len({st for st, _ in steps.values()}) != 1:
+            raise UCPError(f"{source.dir}: {sorted(steps)} share one local parameter but the "
+                           f"checkpoint gives them different Adam steps ({steps}); it mixes iterations")
+        index.set(param, states, next(iter(steps.values()))[0])
     index.copy_main_to_model(model_chunks)
     index.load_param_groups(manifest["optimizer"]["param_groups"])
     index.load_grad_scaler(manifest["optimizer"].get("grad_scaler"))

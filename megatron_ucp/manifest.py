@@ -15,7 +15,7 @@ from megatron_ucp.errors import UCPError
 from megatron_ucp.storage import write_text_atomic
 
 FORMAT = "megatron-ucp"
-VERSION = 1
+VERSION = 2  # 2: fragment pieces carry strides (version 1: blocks of rows, still read)
 MANIFEST = "manifest.json"
 LATEST = "latest"
 

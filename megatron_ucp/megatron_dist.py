@@ -175,7 +175,7 @@ class _Param:
     spec: dict
     key: str  # torch_dist model key (stacked)
     index: tuple[int, ...]  # position along the stacked axes
-    # dp_reshardable: (flat-bucket key prefix, start in that bucket, local shape, pieces)
+    # dp_reshardable: (flat-bucket key prefix, start in that bucket, numel, pieces)
     slabs: list = dataclasses.field(default_factory=list)
 
 
@@ -314,7 +314,7 @@ def _plan_dp_reshardable(args, reader: DistReader, plan: dict[str, _Param]) -> N
                             raise UCPError(f"parameter {lp.spec.name!r} at TP {tp_rank} PP {pp_rank} "
                                            "is not in the TP1 model")
                         plan[lp.spec.name].slabs.append(
-                            (bucket_key, local_start, tuple(param.shape), lp.pieces))
+                            (bucket_key, local_start + lp.base, lp.numel, lp.pieces))
                 del ddp
     for name, p in plan.items():
         covered = sum(math.prod(pc.shape) for s in p.slabs for pc in s[3])
@@ -329,12 +329,10 @@ def _read_full(reader: DistReader, p: _Param, state: str, sharding: str) -> torc
         t = reader.tensor(f"optimizer.state.{state}.{p.key}")[p.index].clone()
     else:
         t = torch.empty(p.spec["shape"], dtype=torch.float32)
-        for bucket_key, start, local_shape, pieces in p.slabs:
-            flat = reader.tensor(f"{bucket_key}.{state}")
-            local = flat[start:start + math.prod(local_shape)].view(local_shape)
+        for bucket_key, start, numel, pieces in p.slabs:
+            local = reader.tensor(f"{bucket_key}.{state}")[start:start + numel]
             for pc in pieces:
-                box = tuple(slice(o, o + n) for o, n in zip(pc.offset, pc.shape))
-                t[box] = local[pc.row:pc.row + pc.shape[0]]
+                t[pc.box] = pc.take(local)
     if t.dtype != torch.float32:
         raise UCPError(f"optimizer state {state} of {p.spec['name']!r} is {t.dtype}, expected float32")
     if state == "param":

@@ -27,7 +27,6 @@ import argparse
 import collections
 import contextlib
 import dataclasses
-import math
 import re
 import shutil
 import time
@@ -420,20 +419,22 @@ def _collect(chunks: list, files: _RankFiles, args, copies: dict[str, list[_Copy
              for i, opt in enumerate(_as_list(files.model["optimizer"]))]
     for lp in local_params(chunks):
         weight = state_dicts[lp.chunk].get(lp.local_name)
-        if not torch.is_tensor(weight) or tuple(weight.shape) != lp.local_shape:
+        if not torch.is_tensor(weight) or weight.shape != lp.param.shape:
             raise UCPError(f"{model_file} [{keys[lp.chunk]}] {lp.local_name}: saved "
                            f"{tuple(weight.shape) if torch.is_tensor(weight) else weight}, rebuilt "
-                           f"model has shape {lp.local_shape}; the args do not describe this checkpoint")
+                           f"model has shape {tuple(lp.param.shape)}; the args do not describe this "
+                           "checkpoint")
+        weight = lp.region(weight)
         states, step = None, None
         if lp.spec.buffer:  # a persistent buffer (MoE expert_bias): its value, no optimizer state
             states, step = {"param": weight.float()}, 0.0
         elif lp.param in where:
             i, flat, start = where[lp.param]
-            n = math.prod(lp.local_shape)
+            n = lp.param.numel()
             if start + n > flat["param"].numel():
                 raise UCPError(f"{optim_file}: {lp.local_name} would end at element {start + n} of "
                                f"{flat['param'].numel()}; the args do not describe this checkpoint")
-            states = {s: flat[s][start:start + n].view(lp.local_shape) for s in STATES}
+            states = {s: lp.region(flat[s][start:start + n]) for s in STATES}
             step = steps[i] if i < len(steps) else None
             if step is None:
                 raise UCPError(f"{model_file}: no Adam step for optimizer {i}; the optimizer state "
@@ -478,10 +479,6 @@ def _step(name: str, copies: list[_Copy]) -> float:
     return steps.pop()
 
 
-def _box(piece: Piece) -> tuple[slice, ...]:
-    return tuple(slice(o, o + n) for o, n in zip(piece.offset, piece.shape))
-
-
 def _assemble(name: str, state: str, spec: ParamSpec, copies: list[_Copy]) -> torch.Tensor:
     """Full fp32 tensor of one state from the copies that hold optimizer state (canonical copies
     first); every other copy of the same box must be bitwise equal. For `param`, every saved model
@@ -491,7 +488,7 @@ def _assemble(name: str, state: str, spec: ParamSpec, copies: list[_Copy]) -> to
     for c in sorted((c for c in copies if c.states is not None), key=lambda c: not c.canonical):
         local = c.states[state]
         for pc in c.pieces:
-            rows, box = local[pc.row:pc.row + pc.shape[0]], _box(pc)
+            rows, box = pc.take(local), pc.box
             if filled[box].any():
                 if not filled[box].all() or not torch.equal(full[box], rows):
                     raise UCPError(f"{c.source / OPTIM_FILE}: {state} of {c.local_name} (universal "
@@ -509,7 +506,7 @@ def _assemble(name: str, state: str, spec: ParamSpec, copies: list[_Copy]) -> to
     if state == "param":
         for c in copies:
             for pc in c.pieces:
-                if not torch.equal(c.weight[pc.row:pc.row + pc.shape[0]], full[_box(pc)].to(c.weight.dtype)):
+                if not torch.equal(pc.take(c.weight), full[pc.box].to(c.weight.dtype)):
                     raise UCPError(f"{c.source / MODEL_FILE}: model weight {c.local_name} (universal "
                                    f"{name}) is not the master weight from {OPTIM_FILE} cast to "
                                    f"{c.weight.dtype}; the two files are from different saves or a "
@@ -632,7 +629,7 @@ def _inspect_target(chunks: list, args, name: str) -> _TargetRank:
 
 def _target_files(t: _TargetRank, source, model_keys: list[str]) -> tuple[list[dict], Any]:
     """(model state dict per chunk, distrib_optim.pt object) of one target rank directory."""
-    from megatron_ucp.loader import read_rows
+    from megatron_ucp.loader import read_local
 
     saved = source.manifest["params"]
     by_name: dict[tuple[int, str], Any] = {}
@@ -645,9 +642,10 @@ def _target_files(t: _TargetRank, source, model_keys: list[str]) -> tuple[list[d
             raise UCPError(f"{source.dir}: the model rebuilt at the target layout has parameter "
                            f"{lp.spec.name} ({lp.local_name}) that the checkpoint lacks; the args "
                            "template does not describe this checkpoint's model")
-        rows = lp.local_shape[0]
-        master = read_rows(source, lp, "param", 0, rows).view(lp.local_shape)
-        by_name[(lp.chunk, lp.local_name)] = master.to(lp.param.dtype)
+        master = read_local(source, lp, "param", 0, lp.numel)
+        if (lp.chunk, lp.local_name) not in by_name:  # a fused expert weight has several regions
+            by_name[(lp.chunk, lp.local_name)] = torch.empty_like(lp.param, device="cpu")
+        lp.region(by_name[(lp.chunk, lp.local_name)]).copy_(master)
         if lp.spec.buffer:
             continue
         if id(lp.param) not in t.where:
@@ -655,11 +653,11 @@ def _target_files(t: _TargetRank, source, model_keys: list[str]) -> tuple[list[d
         i, b, start = t.where[id(lp.param)]
         if flats[i] is None:
             continue  # another rank directory (that optimizer's DP rank 0) holds its state
-        n = master.numel()
+        a, e = start + lp.base, start + lp.base + lp.numel
         entry = flats[i][b]
-        entry["param"][start:start + n] = master.reshape(-1)
+        entry["param"][a:e] = master
         for s in STATES[1:]:
-            entry[s][start:start + n] = read_rows(source, lp, s, 0, rows).reshape(-1)
+            entry[s][a:e] = read_local(source, lp, s, 0, lp.numel)
     models = []
     for c, keys in enumerate(t.keys):
         sd = collections.OrderedDict()

@@ -10,8 +10,7 @@ names: a parameter the model does not declare is an error.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from megatron.core.dist_checkpointing.mapping import (
@@ -24,6 +23,7 @@ from megatron.core.tensor_parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from megatron.core.transformer.moe.experts import GroupedMLP
 from megatron.core.utils import unwrap_model
 
 from megatron_ucp.errors import UCPError
@@ -33,18 +33,34 @@ from megatron_ucp.storage import DTYPE_NAMES
 
 @dataclass
 class LocalParam:
-    """One parameter (or persistent buffer) on this rank: the model tensor and where its pieces go."""
+    """One universal tensor's share on this rank: the model tensor (a parameter or persistent
+    buffer), the region of it that holds this universal tensor, and where its pieces go.
+
+    The region is the whole parameter except for fused expert weights (GroupedMLP), whose
+    parameter holds every local expert: one LocalParam per expert, each a contiguous range."""
 
     spec: ParamSpec
     param: torch.nn.Parameter
     chunk: int
     local_name: str
-    pieces: list[Piece]
+    pieces: list[Piece]  # strided views of the region (flattened)
     canonical: bool  # False for replicas (TP copies of replicated params, tied output layer)
+    base: int = 0  # the region is elements [base, base + numel) of the flattened parameter
+    numel: int = -1  # -1: the whole parameter
+
+    def __post_init__(self):
+        if self.numel < 0:
+            self.numel = self.param.numel()
 
     @property
     def local_shape(self) -> tuple[int, ...]:
-        return tuple(self.param.shape)
+        """Shape of the region: the parameter's, or flat for one expert of a fused weight."""
+        whole = self.base == 0 and self.numel == self.param.numel()
+        return tuple(self.param.shape) if whole else (self.numel,)
+
+    def region(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The region of `tensor` (shaped like the parameter, contiguous), flattened."""
+        return tensor.reshape(-1)[self.base:self.base + self.numel]
 
 
 def universal_name(local_key: str, sharded_key: str, prepended: tuple[int, ...]) -> str:
@@ -95,12 +111,17 @@ def _pipeline_copy(replica_id) -> bool:
     return not isinstance(replica_id, int) and replica_id[0] != 0
 
 
-def _tp_axis(param: torch.Tensor, owner, sh: ShardedTensor, local_key: str) -> int | None:
-    """The dim TP splits. megatron sets `tensor_model_parallel`/`partition_dim` on parameters in
-    its weight-init helpers, so a model built with perform_initialization=False (Megatron-LM's
-    --no-initialization) has them on biases only; then the layer type says it. The sharded
-    tensor's fragmentation (visible when TP > 1) must agree either way."""
-    if hasattr(param, "tensor_model_parallel"):
+def _tp_axis(param: torch.Tensor, owner, sh: ShardedTensor, local_key: str,
+             first_dim: int) -> int | None:
+    """The dim of the universal tensor that TP splits. megatron sets `tensor_model_parallel`/
+    `partition_dim` on parameters in its weight-init helpers, so a model built with
+    perform_initialization=False (Megatron-LM's --no-initialization) has them on biases only; then
+    the layer type says it. GroupedMLP's attributes describe its fused [hidden, experts x ffn]
+    weight; per expert, fc1 is column-parallel and fc2 row-parallel, as in SequentialMLP. The
+    sharded tensor's fragmentation (visible when TP > 1) must agree either way."""
+    if isinstance(owner, GroupedMLP):
+        axis = 0 if param is owner.weight1 else 1
+    elif hasattr(param, "tensor_model_parallel"):
         axis = param.partition_dim if param.tensor_model_parallel else None
     elif isinstance(owner, (ColumnParallelLinear, VocabParallelEmbedding)) and param is owner.weight:
         axis = 0
@@ -108,11 +129,37 @@ def _tp_axis(param: torch.Tensor, owner, sh: ShardedTensor, local_key: str) -> i
         axis = 1
     else:
         axis = None
-    split = [d for d, f in enumerate(sh.axis_fragmentations[sh.prepend_axis_num:]) if f > 1]
+    split = [d for d, f in enumerate(sh.axis_fragmentations[first_dim:]) if f > 1]
     if split and split != [axis]:
         raise UCPError(f"parameter {local_key!r}: its sharded_state_dict splits dim {split} but the "
                        f"parameter says TP splits dim {axis}; no consistent rule")
     return axis
+
+
+def _expert_name(name: str, expert: int) -> str:
+    """'...mlp.experts.experts.linear_fc1.weight', 3 -> '...mlp.experts.experts.3.linear_fc1.weight',
+    the name SequentialMLP's expert 3 gets from `universal_name`."""
+    parts = name.split(".")
+    return ".".join(parts[:-2] + [str(expert)] + parts[-2:])
+
+
+def _split_experts(local_key: str, param: torch.Tensor, pieces: list[Piece]):
+    """Per global expert of a fused weight: (expert, base, numel, pieces relative to base). Each
+    expert must occupy its own contiguous range of the parameter (GroupedMLP views the weight as
+    [local experts, ...]), so the optimizer's flat shard splits into per-expert fragments."""
+    by_expert: dict[int, list[Piece]] = {}
+    for pc in pieces:
+        for j in range(pc.shape[0]):
+            by_expert.setdefault(pc.offset[0] + j, []).append(
+                Piece(pc.start + j * pc.strides[0], pc.offset[1:], pc.shape[1:], pc.strides[1:]))
+    numel = param.numel() // len(by_expert)
+    for expert, pcs in sorted(by_expert.items()):
+        base = min(pc.start for pc in pcs) // numel * numel
+        if any(pc.start < base or pc.span((0,) * len(pc.shape), pc.shape)[1] >= base + numel
+               for pc in pcs):
+            raise UCPError(f"parameter {local_key!r}: expert {expert} is not a contiguous range of "
+                           "the fused weight; no rule maps it")
+        yield expert, base, numel, [replace(pc, start=pc.start - base) for pc in pcs]
 
 
 def _flatten(x) -> list:
@@ -123,17 +170,52 @@ def _flatten(x) -> list:
     return [x]
 
 
-def _piece(local_key: str, param: torch.Tensor, sh: ShardedTensor) -> Piece:
-    view = sh.data
-    row_numel = math.prod(param.shape[1:])
-    rel = view.storage_offset() - param.storage_offset()
-    if (view.untyped_storage().data_ptr() != param.untyped_storage().data_ptr()
-            or not view.is_contiguous() or tuple(view.shape[1:]) != tuple(param.shape[1:])
-            or rel % row_numel):
-        raise UCPError(f"parameter {local_key!r}: its sharded_state_dict piece is not a block of "
-                       "rows of the parameter; no rule maps it")
-    p = sh.prepend_axis_num
-    return Piece(rel // row_numel, tuple(sh.global_offset[p:]), tuple(view.shape))
+def _pieces(local_key: str, param: torch.Tensor, entry, subs: list[ShardedTensor]) -> list[Piece]:
+    """Each sharded piece as a strided view of the flattened parameter.
+
+    A plain ShardedTensor's data is the parameter or a view of it: its strides say where it lives.
+    A factory's build function copies (SwiGLU halves, GroupedMLP's transposed experts), so it is
+    run once more on a tensor holding each element's own flat index: the built pieces then hold
+    the local index of every element, from which start and strides are read and checked."""
+    if not param.is_contiguous():
+        raise UCPError(f"parameter {local_key!r} is not contiguous; no rule maps it")
+    if isinstance(entry, ShardedTensorFactory):
+        dtype = torch.int32 if param.numel() < 2**31 else torch.int64
+        probe = torch.arange(param.numel(), dtype=dtype, device="cpu").view(param.shape)
+        views = [s.data for s in _flatten(entry.build_fn(entry.key, probe, entry.replica_id,
+                                                            entry.flattened_range))]
+        if len(views) != len(subs):
+            raise UCPError(f"parameter {local_key!r}: its sharded factory builds a different number "
+                           "of pieces for an index probe; no rule maps it")
+    else:
+        views = [s.data for s in subs]
+    out, hit = [], torch.zeros(param.numel(), dtype=torch.bool, device="cpu")
+    for view, sh in zip(views, subs):
+        if isinstance(entry, ShardedTensorFactory):
+            index = view.to(torch.int64)
+            start = int(index.reshape(-1)[0]) if index.numel() else 0
+            strides = tuple(int(index[tuple(int(j == d) for j in range(index.dim()))]) - start
+                            if n > 1 else 0 for d, n in enumerate(index.shape))
+        elif view.untyped_storage().data_ptr() == param.untyped_storage().data_ptr():
+            index = None
+            start, strides = view.storage_offset() - param.storage_offset(), tuple(view.stride())
+        else:
+            raise UCPError(f"parameter {local_key!r}: its sharded_state_dict piece is not a view of "
+                           "the parameter; no rule maps it")
+        p = sh.prepend_axis_num
+        pc = Piece(start, tuple(sh.global_offset[p:]), tuple(view.shape), strides)
+        last = pc.span((0,) * len(pc.shape), pc.shape)[1]
+        ok = pc.numel > 0 and start >= 0 and min(strides, default=0) >= 0 and last < param.numel()
+        flat = (torch.arange(param.numel(), device="cpu").as_strided(pc.shape, pc.strides, pc.start)
+                if ok else None)
+        if flat is None or (index is not None and not torch.equal(flat, index)) or hit[flat].any():
+            raise UCPError(f"parameter {local_key!r}: a sharded piece is not a strided view of the "
+                           "parameter, or overlaps another; no rule maps it")
+        hit[flat] = True
+        out.append(pc)
+    if not bool(hit.all()):
+        raise UCPError(f"parameter {local_key!r}: its sharded pieces do not cover it")
+    return out
 
 
 def local_params(model_chunks: list) -> list[LocalParam]:
@@ -169,14 +251,19 @@ def local_params(model_chunks: list) -> list[LocalParam]:
             first = subs[0]
             p = first.prepend_axis_num
             name = universal_name(local_key, first.key, tuple(first.global_offset[:p]))
-            tp_axis = _tp_axis(param, owners.get(id(param)), first, local_key)
+            owner = owners.get(id(param))
+            # GroupedMLP fuses its local experts into one parameter; its sharded tensors stack them
+            # along their first dim, which becomes the global expert index in the name, as for
+            # SequentialMLP (megatron declares the two forms with the same keys).
+            fused = isinstance(owner, GroupedMLP)
+            tp_axis = _tp_axis(param, owner, first, local_key, p + fused)
             if is_buffer and (len(subs) > 1 or any(f > 1 for f in first.axis_fragmentations[p:])
                               or not param.is_floating_point()):
                 raise UCPError(f"buffer {local_key!r} is split over TP or is not floating point; "
                                "megatron-ucp v1 carries replicated floating-point buffers only")
             spec = ParamSpec(
                 name=name,
-                shape=tuple(first.global_shape[p:]),
+                shape=tuple(first.global_shape[p + fused:]),
                 dtype=DTYPE_NAMES[param.dtype],
                 tp_axis=tp_axis,
                 tp_blocks=len(subs),
@@ -185,11 +272,17 @@ def local_params(model_chunks: list) -> list[LocalParam]:
                 vocab_rows=id(param) in vocab,
                 buffer=is_buffer,
             )
-            pieces = [_piece(local_key, param, s) for s in subs]
-            if sum(math.prod(x.shape) for x in pieces) != param.numel():
+            pieces = _pieces(local_key, param, entry, subs)
+            if sum(pc.numel for pc in pieces) != param.numel():
                 raise UCPError(f"parameter {local_key!r}: its sharded pieces do not cover it")
             # a buffer is not sharded by the optimizer: one DP replica writes it
             canonical = _canonical(first.replica_id) and not (is_buffer and _dp_copy(first.replica_id))
+            if fused:
+                for expert, base, numel, expert_pieces in _split_experts(local_key, param, pieces):
+                    out.append(LocalParam(replace(spec, name=_expert_name(name, expert)), param,
+                                          chunk_index, name_in_model, expert_pieces, canonical,
+                                          base, numel))
+                continue
             out.append(LocalParam(spec, param, chunk_index, name_in_model, pieces, canonical))
         missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in seen]
         if missing:

@@ -53,14 +53,19 @@ def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: 
     fragments = []
     for lp in params:
         if lp.spec.buffer and lp.canonical:
-            fragments.append(Fragment(lp.spec.name, lp.local_shape, lp.pieces, 0, lp.param.numel(),
-                                      0.0, {"param": lp.param.detach().float().reshape(-1)}))
+            fragments.append(Fragment(lp.spec.name, lp.local_shape, lp.pieces, 0, lp.numel, 0.0,
+                                      {"param": lp.region(lp.param.detach()).float()}))
             continue
         shard = index.shard_range(lp.param) if lp.canonical else None
         if shard is None:
             continue
+        # the part of the optimizer shard inside this universal tensor's region of the parameter
+        a, b = max(shard[0], lp.base), min(shard[1], lp.base + lp.numel)
+        if b <= a:
+            continue
         tensors, step = index.get(lp.param)
-        fragments.append(Fragment(lp.spec.name, lp.local_shape, lp.pieces, shard[0], shard[1],
+        tensors = {s: t[a - shard[0]:b - shard[0]] for s, t in tensors.items()}
+        fragments.append(Fragment(lp.spec.name, lp.local_shape, lp.pieces, a - lp.base, b - lp.base,
                                   step, tensors))
     rng_tensors, rng_meta = rng.capture()
     from megatron.core import parallel_state as ps

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
+
+import torch
 
 STATES = ("param", "exp_avg", "exp_avg_sq")  # fp32 master weight and Adam moments
 BUFFER_STATES = ("param",)  # a persistent buffer (e.g. MoE router expert_bias): its value only
@@ -12,20 +15,64 @@ def states_of(spec: dict) -> tuple[str, ...]:
     return BUFFER_STATES if spec.get("buffer") else STATES
 
 
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    return tuple(reversed(strides))
+
+
 @dataclass(frozen=True)
 class Piece:
-    """Rows [row, row + shape[0]) of a local tensor fill the box at `offset` of the universal tensor."""
+    """The box [offset, offset + shape) of a universal tensor is a strided view of a local tensor:
+    box element i is element `start + sum(i[d] * strides[d])` of the flattened local tensor.
 
-    row: int
+    Most pieces are blocks of rows (contiguous strides); a GroupedMLP expert weight is a
+    transposed view of the fused local tensor."""
+
+    start: int
     offset: tuple[int, ...]
     shape: tuple[int, ...]
+    strides: tuple[int, ...]
+
+    @classmethod
+    def rows(cls, row: int, offset: tuple[int, ...], shape: tuple[int, ...]) -> Piece:
+        """Rows [row, row + shape[0]) of a local tensor whose rows are shape[1:]."""
+        return cls(row * math.prod(shape[1:]), tuple(offset), tuple(shape), contiguous_strides(shape))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def contiguous(self) -> bool:
+        return all(s == c for s, c, n in zip(self.strides, contiguous_strides(self.shape), self.shape)
+                   if n > 1)
+
+    @property
+    def box(self) -> tuple[slice, ...]:
+        """Index of this piece in the universal tensor."""
+        return tuple(slice(o, o + n) for o, n in zip(self.offset, self.shape))
+
+    def take(self, local: torch.Tensor) -> torch.Tensor:
+        """This piece of `local` (a contiguous tensor of the local shape), as a view."""
+        flat = local.reshape(-1)
+        return flat.as_strided(self.shape, self.strides, flat.storage_offset() + self.start)
+
+    def span(self, lo: tuple[int, ...], hi: tuple[int, ...]) -> tuple[int, int]:
+        """Local flat elements [first, last] touched by the sub-box [lo, hi) of this piece."""
+        first = self.start + sum(a * s for a, s in zip(lo, self.strides))
+        return first, first + sum((b - a - 1) * s for a, b, s in zip(lo, hi, self.strides))
 
     def to_json(self) -> list:
-        return [self.row, list(self.offset), list(self.shape)]
+        return [self.start, list(self.offset), list(self.shape), list(self.strides)]
 
     @classmethod
     def from_json(cls, d: list) -> Piece:
-        return cls(d[0], tuple(d[1]), tuple(d[2]))
+        if len(d) == 3:  # format version 1: [row, offset, shape], a block of rows
+            return cls.rows(d[0], tuple(d[1]), tuple(d[2]))
+        return cls(d[0], tuple(d[1]), tuple(d[2]), tuple(d[3]))
 
 
 @dataclass

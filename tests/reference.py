@@ -2,7 +2,9 @@
 
 This deliberately does NOT use megatron_ucp's mapping (sharded_state_dict-derived pieces): it uses
 the textbook Megatron layout (column-parallel on dim 0, row-parallel on dim 1, SwiGLU halves,
-layer offsets per pipeline stage and virtual chunk), so a bug in the library cannot hide itself.
+layer offsets per pipeline stage and virtual chunk, GroupedMLP's fused weights as views of
+[local experts, hidden, ffn] and [local experts, ffn, hidden]), so a bug in the library cannot hide
+itself. Every expert weight is compared in SequentialMLP form, so the two MoE forms meet here.
 """
 
 from __future__ import annotations
@@ -30,7 +32,12 @@ def blocks(name: str, swiglu: bool) -> int:
     return 2 if swiglu and name.endswith(("linear_fc1.weight", "linear_fc1.bias")) else 1
 
 
+GROUPED = re.compile(r"(.*\.mlp\.experts\.)weight([12])$")
+
+
 def global_key(name: str, coords: dict, chunk: int) -> str:
+    if GROUPED.match(name):  # one fused tensor per EP rank: keep them apart
+        name = f"{name}@ep{coords['ep']}"
     m = re.match(r"(.*\.local_experts\.)(\d+)(\..*)", name)
     if m:  # experts are numbered per EP rank
         per_rank = coords["num_experts"] // coords["ep_size"]
@@ -49,6 +56,26 @@ def global_key(name: str, coords: dict, chunk: int) -> str:
         per_chunk = coords["num_layers"] // (coords["pp_size"] * coords["vpp"])
         offset = chunk * coords["num_layers"] // coords["vpp"] + coords["pp"] * per_chunk
     return f"decoder.layers.{offset + int(m.group(1))}.{m.group(2)}"
+
+
+def grouped_experts(key: str, local: torch.Tensor, coords: dict) -> dict[str, torch.Tensor]:
+    """GroupedMLP's fused TP-local weight -> {SequentialMLP-style global key: TP-local expert weight}.
+    GroupedMLP computes with weight1.view(experts, hidden, -1) and weight2.view(experts, -1, hidden)."""
+    m = GROUPED.match(key.split("@")[0])
+    per_rank = coords["num_experts"] // coords["ep_size"]
+    hidden = local.shape[0] if m.group(2) == "1" else local.shape[1]
+    if m.group(2) == "1":
+        views, module = local.reshape(per_rank, hidden, -1), "linear_fc1"
+    else:
+        views, module = local.reshape(per_rank, -1, hidden), "linear_fc2"
+    return {f"{m.group(1)}local_experts.{coords['ep'] * per_rank + j}.{module}.weight": v.t()
+            for j, v in enumerate(views)}
+
+
+def fuse_grouped(key: str, experts: dict[str, torch.Tensor], coords: dict, shape) -> torch.Tensor:
+    """The inverse of grouped_experts: TP-local expert weights -> the fused local weight."""
+    order = list(grouped_experts(key, torch.empty(shape), coords))
+    return torch.stack([experts[k].t() for k in order]).reshape(shape)
 
 
 def load_dumps(dump_dir: Path) -> list[dict]:
@@ -80,22 +107,19 @@ def assemble(dump_dir: Path, swiglu: bool = False) -> dict[str, dict]:
         c = dump["coords"]
         for e in dump["params"]:
             key = global_key(e["name"], c, e["chunk"])
-            slot = by_key.setdefault(key, {}).setdefault(c["tp"], {"model": e["model"], "frags": []})
+            slot = by_key.setdefault(key, {}).setdefault(c["tp"], {"model": e["model"], "frags": [],
+                                                                   "coords": c})
             assert torch.equal(slot["model"], e["model"]), f"{key}: DP replicas differ"
             if e["range"] is not None:
                 slot["frags"].append(e)
     full = {}
     for key, per_tp in by_key.items():
         tps = [per_tp[t] for t in sorted(per_tp)]
-        out = {"model": _join_tp(key, [t["model"] for t in tps], swiglu)}
+        locals_ = {"model": [t["model"] for t in tps]}
         steps = {f["step"] for t in tps for f in t["frags"]}
-        if not steps:  # a persistent buffer: no optimizer state
-            full[key] = out
-            continue
-        assert len(steps) == 1, f"{key}: steps {steps}"
-        out["step"] = steps.pop()
-        for s in STATES:
-            locals_ = []
+        assert len(steps) <= 1, f"{key}: steps {steps}"
+        for s in STATES if steps else ():  # no steps: a persistent buffer, no optimizer state
+            locals_[s] = []
             for t in tps:
                 flat = torch.empty(t["model"].numel(), dtype=torch.float32)
                 covered = 0
@@ -103,9 +127,17 @@ def assemble(dump_dir: Path, swiglu: bool = False) -> dict[str, dict]:
                     flat[f["range"][0]:f["range"][1]] = f[s]
                     covered += f["range"][1] - f["range"][0]
                 assert covered == flat.numel(), f"{key}: DP fragments cover {covered}/{flat.numel()}"
-                locals_.append(flat.view(t["model"].shape))
-            out[s] = _join_tp(key, locals_, swiglu)
-        full[key] = out
+                locals_[s].append(flat.view(t["model"].shape))
+        if GROUPED.match(key.split("@")[0]):
+            coords = tps[0]["coords"]
+            split = {s: [grouped_experts(key, x, coords) for x in xs] for s, xs in locals_.items()}
+            per_key = {k: {s: [d[k] for d in ds] for s, ds in split.items()} for k in split["model"][0]}
+        else:
+            per_key = {key: locals_}
+        for k, states in per_key.items():
+            full[k] = {s: _join_tp(k, xs, swiglu) for s, xs in states.items()}
+            if steps:
+                full[k]["step"] = next(iter(steps))
     return full
 
 
@@ -121,6 +153,17 @@ def _fit_vocab(exp: dict, rows: int) -> dict:
     return out
 
 
+def _expert_keys(key: str, e: dict, c: dict) -> list[str]:
+    return list(grouped_experts(key, e["model"], c)) if GROUPED.match(e["name"]) else [key]
+
+
+def _want(key: str, e: dict, c: dict, expected: dict, state: str, swiglu: bool) -> torch.Tensor:
+    """The reference for dump entry `e` (a TP-local tensor) of one state."""
+    tp_local = {k: tp_slice(k, expected[k][state], c["tp"], c["tp_size"], swiglu)
+                for k in _expert_keys(key, e, c)}
+    return fuse_grouped(key, tp_local, c, e["model"].shape) if GROUPED.match(e["name"]) else tp_local[key]
+
+
 def compare_to_reference(dump_dir: Path, expected: dict[str, dict], swiglu: bool = False) -> int:
     """Assert every rank's model slice and optimizer shard equals the reference bitwise.
     Returns the number of tensors compared."""
@@ -131,21 +174,21 @@ def compare_to_reference(dump_dir: Path, expected: dict[str, dict], swiglu: bool
             key = global_key(e["name"], c, e["chunk"])
             if key == "output_layer.weight" and key not in expected:  # tied: same as the embedding
                 key = "embedding.word_embeddings.weight"
-            exp = expected[key]
             if key.endswith(VOCAB):
-                exp = _fit_vocab(exp, e["model"].shape[0] * c["tp_size"])
-            want = tp_slice(key, exp["model"], c["tp"], c["tp_size"], swiglu)
-            if e["model"].dtype != want.dtype:  # resumed in another precision: master cast to it
-                want = tp_slice(key, exp["param"], c["tp"], c["tp_size"], swiglu).to(e["model"].dtype)
-            assert torch.equal(e["model"], want), f"{c['layout']} rank tp{c['tp']} pp{c['pp']}: model {key}"
+                expected = {**expected, key: _fit_vocab(expected[key], e["model"].shape[0] * c["tp_size"])}
+            step = expected[_expert_keys(key, e, c)[0]].get("step")
+            model = _want(key, e, c, expected, "model", swiglu)
+            if e["model"].dtype != model.dtype:  # resumed in another precision: master cast to it
+                model = _want(key, e, c, expected, "param", swiglu).to(e["model"].dtype)
+            assert torch.equal(e["model"], model), f"{c['layout']} rank tp{c['tp']} pp{c['pp']}: model {key}"
             n += 1
             if e["range"] is None:
                 continue
-            assert e["step"] == exp["step"], f"{key}: step {e['step']} != {exp['step']}"
+            assert e["step"] == step, f"{key}: step {e['step']} != {step}"
             s0, s1 = e["range"]
             for s in STATES:
-                want = tp_slice(key, exp[s], c["tp"], c["tp_size"], swiglu).reshape(-1)[s0:s1]
                 where = f"{c['layout']} tp{c['tp']} pp{c['pp']} dp{c['dp']}"
+                want = _want(key, e, c, expected, s, swiglu).reshape(-1)[s0:s1]
                 assert torch.equal(e[s], want), f"{where}: {s} {key}"
                 n += 1
     return n

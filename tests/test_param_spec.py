@@ -5,9 +5,11 @@ sharded_state_dict on CPU for the local spec; for the TE spec, TELayerNormColumn
 holds the norm as `linear_qkv.layer_norm_weight` and declares the same key)."""
 
 import pytest
+from conftest import SCENARIOS
 
 from megatron_ucp.errors import UCPError
 from megatron_ucp.param_spec import universal_name
+from megatron_ucp.testing.launch import launch
 
 LAYER = "decoder.layers.self_attention.linear_qkv.layer_norm_weight"
 
@@ -38,3 +40,22 @@ def test_unmappable_names_are_errors():
         universal_name("decoder.layers.0.foo.weight", "decoder.layers.foo.weight", (1, 2))
     with pytest.raises(UCPError, match="no rule maps it"):
         universal_name("decoder.layers.0.a.1.b", "decoder.layers.x.y", (0, 1))
+
+
+def test_grouped_and_sequential_experts_have_the_same_universal_specs():
+    """GroupedMLP (one fused weight per EP rank, transposed experts) and SequentialMLP declare the
+    same tensors: every universal name, shape and split rule agrees, with expert TP and EP."""
+    cfg = {"num_experts": 4, "add_bias_linear": False, "swiglu": True, "dtype": "bf16",
+           "sequence_parallel": True}
+
+    def specs(grouped: bool) -> dict:
+        res = launch(4, f"{SCENARIOS}:param_specs",
+                     {"layout": "tp2ep2dp2", "cfg": {**cfg, "moe_grouped_gemm": grouped}})
+        return {s["name"]: s for rank in res for s in rank}
+
+    sequential, grouped = specs(False), specs(True)
+    assert sequential == grouped
+    fc1 = grouped["decoder.layers.3.mlp.experts.experts.2.linear_fc1.weight"]
+    assert (fc1["shape"], fc1["tp_axis"], fc1["tp_blocks"]) == ([256, 64], 0, 2)
+    fc2 = grouped["decoder.layers.3.mlp.experts.experts.2.linear_fc2.weight"]
+    assert (fc2["shape"], fc2["tp_axis"], fc2["tp_blocks"]) == ([64, 128], 1, 1)

@@ -111,6 +111,10 @@ MOE = {"num_experts": 4, "add_bias_linear": False}  # top-2 router, SequentialML
 MOE_BIAS_SHARED = {**MOE, "extra": {"moe_router_enable_expert_bias": True,
                                     "moe_router_score_function": "sigmoid",
                                     "moe_shared_expert_intermediate_size": 64}}
+# Mixtral-style SwiGLU experts, as SequentialMLP and as GroupedMLP (one fused weight per EP rank;
+# megatron-core runs GroupedMLP in bf16 only; its grouped GEMM is megatron_ucp.testing.grouped_gemm_cpu)
+MOE_SWIGLU = {**MOE, "swiglu": True, "dtype": "bf16"}
+MOE_GROUPED = {**MOE_SWIGLU, "moe_grouped_gemm": True}
 FEATURES = [
     # id, src, dst, source cfg, target cfg (None: same)
     ("llama-gqa2", "tp2", "tp1", LLAMA, None),
@@ -122,6 +126,10 @@ FEATURES = [
     # a resume built like Megatron-LM's --no-initialization: split axes from the layer types
     ("no-init", "tp2", "tp1", {}, NO_INIT),
     ("no-init", "tp1", "tp2", {}, NO_INIT),
+    # context parallelism (attention: megatron_ucp.testing.cp_attention; the optimizer shards DP x CP)
+    ("cp", "cp2", "tp1", {}, None),
+    ("cp", "tp1", "cp2", {}, None),
+    ("cp-llama", "tp2cp2", "dp2", LLAMA, None),  # RoPE positions per CP rank
     ("uneven-pp", "pp2", "pp2", {}, UNEVEN),  # stages 2+2 -> 1+3
     ("uneven-pp", "pp2", "tp2", UNEVEN, {}),
     ("llama-bf16", "tp2pp2", "dp2", {**LLAMA, "dtype": "bf16"}, None),
@@ -130,6 +138,11 @@ FEATURES = [
     ("moe", "dp2", "ep4dp4", MOE, None),
     ("moe-bias-shared", "ep2dp2", "tp2", MOE_BIAS_SHARED, {**MOE_BIAS_SHARED, **SP}),
     ("moe-expert-tp", "tp2ep2dp2", "dp2", {**MOE, **SP}, MOE),  # experts split over TP2 and EP2
+    ("moe-grouped", "ep2dp2", "dp1", MOE_GROUPED, None),
+    ("moe-grouped", "dp1", "ep4dp4", MOE_GROUPED, None),
+    ("moe-grouped-expert-tp", "tp2ep2dp2", "ep2dp2", {**MOE_GROUPED, **SP}, MOE_GROUPED),
+    ("moe-sequential-to-grouped", "dp2", "ep2dp2", MOE_SWIGLU, MOE_GROUPED),
+    ("moe-grouped-to-sequential", "ep2dp2", "dp2", MOE_GROUPED, MOE_SWIGLU),
     ("bf16-to-fp32", "tp2", "tp1", {"dtype": "bf16"}, {"dtype": "fp32"}),
     # true vocab 250; Megatron-LM pads to a multiple of make_vocab_size_divisible_by x TP
     # fp16: the target starts with another loss scale; the saved scaler state must win

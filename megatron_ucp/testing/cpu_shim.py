@@ -3,7 +3,8 @@
 Only `torch.cuda` plumbing and device placement are replaced; no megatron-core model, optimizer or
 checkpoint code is touched. The "CUDA" random generator is a separate CPU `torch.Generator`, so
 Megatron's per-TP-rank CUDA seeding (model-parallel RNG tracker) never changes the default CPU
-generator: replicated parameters initialised from it stay identical across TP ranks.
+generator: replicated parameters initialised from it stay identical across TP ranks. Without the
+CUDA `grouped_gemm` library, `grouped_gemm_cpu` stands in for it so GroupedMLP can be built.
 """
 
 from __future__ import annotations
@@ -111,12 +112,14 @@ def _cpu_device(d):
 
 
 class CudaToCpu(TorchFunctionMode):
-    """Rewrites `device='cuda'` (and integer device indices) to the CPU."""
+    """Rewrites `device='cuda'` (and integer device indices) to the CPU; drops `pin_memory`."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if "device" in kwargs:
             kwargs["device"] = _cpu_device(kwargs["device"])
+        if kwargs.get("pin_memory"):  # host-to-device staging (RoPE's CP index); no device here
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.to:
             args = tuple(
                 _cpu_device(a) if isinstance(a, (str, torch.device)) else a for a in args
@@ -155,6 +158,12 @@ def install() -> None:
     torch.Tensor.type = _tensor_type
     CudaToCpu().__enter__()
     _INSTALLED = True
+    try:
+        import grouped_gemm  # noqa: F401  (the real CUDA library, if someone has it)
+    except ImportError:
+        from megatron_ucp.testing import grouped_gemm_cpu
+
+        grouped_gemm_cpu.install()
     _patch_megatron_plumbing()
 
 

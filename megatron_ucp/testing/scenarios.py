@@ -114,3 +114,13 @@ def train_fresh(layout: str, cfg: dict, steps: int) -> dict:
     losses = [tg.train_step(st) for _ in range(steps)]
     tg.destroy()
     return {"losses": losses}
+
+
+def param_specs(layout: str, cfg: dict) -> list[dict]:
+    """This rank's canonical universal specs (no training): what megatron_ucp derives from the model."""
+    st = _setup(layout, cfg)
+    from megatron_ucp.param_spec import local_params
+
+    out = [lp.spec.to_json() for lp in local_params(st.model) if lp.canonical]
+    tg.destroy()
+    return out

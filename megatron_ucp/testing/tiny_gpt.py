@@ -27,6 +27,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -37,6 +38,7 @@ from megatron.core.transformer.transformer_block import (
 
 from megatron_ucp.layout import Layout
 from megatron_ucp.testing import cpu_shim  # noqa: F401  (must precede megatron.core)
+from megatron_ucp.testing.cp_attention import ContextParallelDotProductAttention, split_for_cp
 
 
 class SequenceParallelTorchNorm:
@@ -55,12 +57,12 @@ class SequenceParallelTorchNorm:
         return norm
 
 
-def _replace_norms(spec, norm_cls):
-    """Copy of a layer spec with every WrappedTorchNorm replaced by `norm_cls`."""
-    if spec is WrappedTorchNorm:
-        return norm_cls
+def _replace_module(spec, old: type, new):
+    """Copy of a layer spec with every `old` module class replaced by `new`."""
+    if spec is old:
+        return new
     if isinstance(spec, ModuleSpec) or dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        return dataclasses.replace(spec, **{f.name: _replace_norms(getattr(spec, f.name), norm_cls)
+        return dataclasses.replace(spec, **{f.name: _replace_module(getattr(spec, f.name), old, new)
                                             for f in dataclasses.fields(spec)})
     return spec
 
@@ -178,6 +180,8 @@ def build(cfg: TinyGPTConfig, layout: Layout) -> TrainState:
         num_experts=cfg.num_experts, moe_grouped_gemm=cfg.moe_grouped_gemm,
         qk_layernorm=cfg.qk_layernorm, normalization=cfg.normalization,
     )
+    if layout.cp > 1:  # megatron-core's CP attention needs TE: see cp_attention
+        layer_spec = _replace_module(layer_spec, DotProductAttention, ContextParallelDotProductAttention)
     chunks = []
     for vp_stage in range(layout.vpp or 1):
         vp = vp_stage if layout.vpp else None
@@ -185,7 +189,7 @@ def build(cfg: TinyGPTConfig, layout: Layout) -> TrainState:
         if cfg.sequence_parallel:
             n = get_num_layers_to_build(tf_config, vp_stage=vp)
             spec = TransformerBlockSubmodules(
-                layer_specs=[_replace_norms(layer_spec, SequenceParallelTorchNorm)] * n,
+                layer_specs=[_replace_module(layer_spec, WrappedTorchNorm, SequenceParallelTorchNorm)] * n,
                 layer_norm=SequenceParallelTorchNorm,
             )
         model = GPTModel(
@@ -266,10 +270,10 @@ def _micro_batches(cfg: TinyGPTConfig, iteration: int) -> list[dict]:
         idx = range(first + mb * cfg.micro_batch_size, first + (mb + 1) * cfg.micro_batch_size)
         seqs = torch.stack([sample_tokens(cfg, i) for i in idx])
         batches.append(
-            {
-                "tokens": seqs[:, :-1].contiguous(),
-                "labels": seqs[:, 1:].contiguous(),
-                "position_ids": torch.arange(cfg.seq_length).expand(len(idx), -1),
+            {  # a context-parallel rank keeps its share of the sequence (mask: see cp_attention)
+                "tokens": split_for_cp(seqs[:, :-1].contiguous()),
+                "labels": split_for_cp(seqs[:, 1:].contiguous()),
+                "position_ids": split_for_cp(torch.arange(cfg.seq_length).expand(len(idx), -1)),
                 "attention_mask": mask,
             }
         )
@@ -277,8 +281,14 @@ def _micro_batches(cfg: TinyGPTConfig, iteration: int) -> list[dict]:
 
 
 def _loss_func(output_tensor: torch.Tensor):
-    loss = output_tensor.float().mean()
-    return loss, {"lm loss": loss.detach().clone()}  # the schedule divides `loss` in place
+    # As Megatron-LM: with CP, this rank's share of the sequence mean (the schedule multiplies by the
+    # CP size and DDP averages over DP x CP); the logged value is the CP-wide mean.
+    cp = ps.get_context_parallel_world_size()
+    loss = output_tensor.float().mean() / cp
+    logged = loss.detach().clone()  # the schedule scales `loss` in place
+    if cp > 1:
+        dist.all_reduce(logged, group=ps.get_context_parallel_group())
+    return loss, {"lm loss": logged}
 
 
 def _forward_step(data_iterator, model):
