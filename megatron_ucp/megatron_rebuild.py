@@ -188,6 +188,12 @@ def build_chunks(args) -> list:
     """This rank's model chunks (one per VPP stage) as Megatron-LM's get_model builds them
     (gpt_builders, local spec; MoE through the decoder block spec), Float16Module-wrapped when the
     run trained in fp16/bf16. Call inside `source_rank`."""
+    if getattr(args, "moe_grouped_gemm", False):
+        # GroupedMLP's constructor asserts the CUDA grouped_gemm library is importable; the rebuild
+        # runs no forward, so without it the CPU reference implementation stands in.
+        from megatron_ucp.testing import grouped_gemm_cpu
+
+        grouped_gemm_cpu.install()
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel

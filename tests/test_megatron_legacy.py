@@ -335,3 +335,29 @@ def test_tracker_and_output_dir(tmp_path):
     (tmp_path / "full" / "x").write_text("")
     with pytest.raises(UCPError, match="not empty"):
         convert_legacy(ckpt / ITER, tmp_path / "full", progress=False)
+
+
+def test_rebuild_of_a_grouped_gemm_run_names_experts_like_sequential_mlp():
+    """A Megatron-LM run with --moe-grouped-gemm (local spec: GroupedMLP, one fused weight per EP
+    rank) is rebuilt on CPU, and its experts get the same universal names and split rules as the
+    SequentialMLP run's, so checkpoints convert between the two."""
+    import argparse
+
+    from megatron_ucp.megatron_legacy import legacy_source_fields
+    from megatron_ucp.megatron_rebuild import build_chunks, source_rank
+    from megatron_ucp.param_spec import local_params
+
+    args = legacy_source_fields(FIXTURES / "torch_moe_ep2" / "ckpt")["args"]
+
+    def specs(grouped: bool) -> dict:
+        a = argparse.Namespace(**{**vars(args), "add_bias_linear": False, "moe_grouped_gemm": grouped})
+        with source_rank(a, 1):  # EP rank 1 holds experts 2 and 3
+            lps = local_params(build_chunks(a))
+        return {lp.spec.name: lp.spec for lp in lps}, {lp.local_name for lp in lps}
+
+    (sequential, seq_local), (grouped, grouped_local) = specs(False), specs(True)
+    assert "decoder.layers.0.mlp.experts.weight1" in grouped_local  # really the fused GroupedMLP
+    assert "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight" in seq_local
+    assert sequential == grouped
+    experts = {n.split(".experts.experts.")[1].split(".")[0] for n in grouped if ".experts.experts." in n}
+    assert sorted(experts) == ["2", "3"]

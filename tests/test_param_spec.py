@@ -59,3 +59,39 @@ def test_grouped_and_sequential_experts_have_the_same_universal_specs():
     assert (fc1["shape"], fc1["tp_axis"], fc1["tp_blocks"]) == ([256, 64], 0, 2)
     fc2 = grouped["decoder.layers.3.mlp.experts.experts.2.linear_fc2.weight"]
     assert (fc2["shape"], fc2["tp_axis"], fc2["tp_blocks"]) == ([64, 128], 1, 1)
+
+
+def test_factory_pieces_are_probed_and_must_be_strided_views():
+    """A factory's pieces are found by probing its build function with element indices: a
+    transpose gives strides, anything that is not a strided view of the parameter is an error."""
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    from megatron_ucp.param_spec import _flatten, _pieces
+    from megatron_ucp.spec import Piece
+
+    param = torch.nn.Parameter(torch.randn(4, 6))
+
+    def entry(build):
+        def build_fn(key, t, replica_id, flattened_range):
+            return [ShardedTensor.from_rank_offsets(key, x.contiguous(), replica_id=replica_id)
+                    for x in build(t)]
+        return ShardedTensorFactory("w", param, build_fn, lambda x: x, 0)
+
+    halves = entry(lambda t: t.t().chunk(2, dim=0))  # two [3, 4] blocks of the transpose
+    pcs = _pieces("w", param, halves, _flatten(halves.build()))
+    assert pcs == [Piece(0, (0, 0), (3, 4), (1, 6)), Piece(3, (0, 0), (3, 4), (1, 6))]
+    assert torch.equal(pcs[1].take(param.detach()), param.detach().t()[3:])
+    flipped = entry(lambda t: [t.flip(0)])
+    with pytest.raises(UCPError, match="not a strided view"):
+        _pieces("w", param, flipped, _flatten(flipped.build()))
+    twice = entry(lambda t: [t[:2], t[:2], t[2:]])
+    with pytest.raises(UCPError, match="overlaps"):
+        _pieces("w", param, twice, _flatten(twice.build()))
+
+
+def test_version_1_pieces_are_blocks_of_rows():
+    from megatron_ucp.spec import Piece
+
+    pc = Piece.from_json([2, [4, 0], [3, 5]])
+    assert pc == Piece(10, (4, 0), (3, 5), (5, 1)) and pc.contiguous
