@@ -215,7 +215,7 @@ def _plan_model(args) -> tuple[dict[str, _Param], dict]:
             if id(lp.param) not in keys:
                 raise UCPError(f"parameter {lp.local_name!r} has no sharded_state_dict key")
             key, index = keys[id(lp.param)]
-            plan[lp.spec.name] = _Param(lp.spec.to_json(), key, index)
+            plan[lp.spec.name] = _Param(lp.spec.to_json(), key, (*index, *lp.stack_index))
         cfg = model_config([model], args)
         del model
     plan = dict(sorted(plan.items(), key=lambda kv: (kv[1].key, kv[1].index)))
@@ -378,6 +378,10 @@ def convert_torch_dist(load_dir: str | Path, universal_dir: str | Path, progress
         raise UCPError(f"{ckpt}: optimizer sharding {sharding!r} is not supported (expected "
                        "dp_reshardable or fully_reshardable from --use-distributed-optimizer)")
 
+    if getattr(args, "num_experts", None):
+        raise UCPError(f"{ckpt}: a MoE run (num_experts={args.num_experts}); torch_dist import "
+                       "supports dense GPT models only (its expert optimizer buffers are not mapped "
+                       "yet): save the run with --ckpt-format torch and convert that")
     plan, model_cfg = _plan_model(args)
     _check_names(reader, plan, sharding)
     if sharding == "fully_reshardable":

@@ -10,6 +10,7 @@ names: a parameter the model does not declare is an error.
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass, replace
 
 import torch
@@ -47,6 +48,7 @@ class LocalParam:
     canonical: bool  # False for replicas (TP copies of replicated params, tied output layer)
     base: int = 0  # the region is elements [base, base + numel) of the flattened parameter
     numel: int = -1  # -1: the whole parameter
+    stack_index: tuple[int, ...] = ()  # stacked indices inside the sharded tensor (fused: expert)
 
     def __post_init__(self):
         if self.numel < 0:
@@ -93,6 +95,19 @@ def universal_name(local_key: str, sharded_key: str, prepended: tuple[int, ...])
         out.insert(at, str(index))
         at += 1
     return ".".join(out)
+
+
+def carries_extra_state(data) -> bool:
+    """Whether an `_extra_state` entry holds anything. Local layers declare None; Transformer
+    Engine modules return an empty uint8 tensor unless FP8 is on (then pickled FP8 metadata;
+    TE before 1.6 used an io.BytesIO)."""
+    if data is None:
+        return False
+    if torch.is_tensor(data):
+        return data.numel() > 0
+    if isinstance(data, io.BytesIO):
+        return data.getbuffer().nbytes > 0
+    return True
 
 
 def _canonical(replica_id) -> bool:
@@ -234,10 +249,11 @@ def local_params(model_chunks: list) -> list[LocalParam]:
         seen: set[int] = set()
         for local_key, entry in model.sharded_state_dict().items():
             if isinstance(entry, ShardedObject):
-                if entry.data is not None:
-                    raise UCPError(f"{local_key!r} holds extra state {type(entry.data).__name__}; "
-                                   "megatron-ucp v1 handles parameters only (TE extra state is "
-                                   "not supported yet)")
+                if carries_extra_state(entry.data):
+                    raise UCPError(f"{local_key!r} holds extra state ({type(entry.data).__name__}, "
+                                   "e.g. Transformer Engine FP8 scaling factors and amax history); "
+                                   "megatron-ucp carries parameters, optimizer state and buffers "
+                                   "only: save from a run without FP8 metadata")
                 continue
             if not isinstance(entry, (ShardedTensor, ShardedTensorFactory)):
                 raise UCPError(f"{local_key!r}: unsupported sharded entry {type(entry).__name__}")
@@ -281,7 +297,7 @@ def local_params(model_chunks: list) -> list[LocalParam]:
                 for expert, base, numel, expert_pieces in _split_experts(local_key, param, pieces):
                     out.append(LocalParam(replace(spec, name=_expert_name(name, expert)), param,
                                           chunk_index, name_in_model, expert_pieces, canonical,
-                                          base, numel))
+                                          base, numel, (expert,)))
                 continue
             out.append(LocalParam(spec, param, chunk_index, name_in_model, pieces, canonical))
         missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in seen]

@@ -30,12 +30,14 @@ from megatron_ucp.megatron_legacy import convert_legacy
 from megatron_ucp.testing.launch import launch
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron_lm"
-SETS = ["torch_tp2_pp2", "torch_dp2", "torch_tp2_fp32", "torch_llama_tp2", "torch_vpp", "torch_moe_ep2"]
+SETS = ["torch_tp2_pp2", "torch_dp2", "torch_tp2_fp32", "torch_llama_tp2", "torch_vpp", "torch_moe_ep2",
+        "torch_moe_grouped_ep2"]
 ITER = "iter_0000006"
 STATES = ("param", "exp_avg", "exp_avg_sq")
 # lm loss at iteration 6 in each run's log (README losses table)
 FINAL_LOSS = {"torch_tp2_pp2": 5.520222, "torch_dp2": 5.525421, "torch_tp2_fp32": 5.513841,
-              "torch_llama_tp2": 5.435615, "torch_vpp": 5.522317, "torch_moe_ep2": 5.529915}
+              "torch_llama_tp2": 5.435615, "torch_vpp": 5.522317, "torch_moe_ep2": 5.529915,
+              "torch_moe_grouped_ep2": 5.531860}
 COLUMN = ("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias",
           "linear_fc1.weight", "linear_fc1.bias")  # split on dim 0 over TP
 ROW = ("linear_proj.weight", "linear_fc2.weight")  # split on dim 1
@@ -73,6 +75,23 @@ def universal_name(local: str, layer_offset: int, expert_offset: int) -> str:
     if e:
         rest = f"mlp.experts.experts.{int(e.group(1)) + expert_offset}.{e.group(2)}"
     return f"decoder.layers.{layer}.{rest}"
+
+
+def split_grouped(sd: dict[str, torch.Tensor], experts: int) -> dict[str, torch.Tensor]:
+    """GroupedMLP's fused `mlp.experts.weight1`/`weight2` as SequentialMLP's per-expert local
+    tensors: GroupedMLP computes with weight1.view(experts, hidden, -1) and
+    weight2.view(experts, -1, hidden), each expert's matrix transposed to Linear's [out, in]."""
+    out = {}
+    for k, t in sd.items():
+        m = re.fullmatch(r"(.*\.mlp\.experts\.)weight([12])", k)
+        if not m:
+            out[k] = t
+            continue
+        hidden = t.shape[0] if m.group(2) == "1" else t.shape[1]
+        views = t.reshape(experts, hidden, -1) if m.group(2) == "1" else t.reshape(experts, -1, hidden)
+        for j, v in enumerate(views):
+            out[f"{m.group(1)}local_experts.{j}.linear_fc{m.group(2)}.weight"] = v.t()
+    return out
 
 
 def layer_offset(args, pp: int, chunk: int) -> int:
@@ -118,6 +137,14 @@ def reference(ckpt: Path) -> dict[str, dict]:
                     s = starts[name]
                     slices[name] = {st: flat[st][s:s + numel].view(sd[name].shape) for st in STATES}
             experts_per_rank = (args.num_experts or 0) // ep_size
+            if experts_per_rank:
+                sd = split_grouped(sd, experts_per_rank)
+                split = {}
+                for local, states in slices.items():
+                    per_state = {st: split_grouped({local: t}, experts_per_rank) for st, t in states.items()}
+                    for k in per_state[STATES[0]]:
+                        split[k] = {st: per_state[st][k] for st in STATES}
+                slices = split
             for local, weight in sd.items():
                 if local == "output_layer.weight" and tied:
                     name = "embedding.word_embeddings.weight"  # the same tensor (checked below)
@@ -247,6 +274,34 @@ def test_resume_converted_checkpoint_at_another_layout(converted, tmp_path):
                 == {k: v for k, v in p.items() if k not in ("tensors", "aliases")}), n
     assert tensors2.keys() == tensors.keys()
     assert all(torch.equal(tensors2[k], t) for k, t in tensors.items())
+
+
+def test_grouped_gemm_checkpoint_resumes_as_sequential_and_grouped_mlp(converted, tmp_path):
+    """Megatron-LM's GroupedMLP run (EP2, fused expert weights) resumed at EP1 DP2 by a real
+    megatron-core run built with SequentialMLP experts and with GroupedMLP: both get every expert
+    weight bitwise from the converted checkpoint and continue with identical losses."""
+    cfg = {"num_layers": 3, "hidden_size": 32, "num_attention_heads": 4, "ffn_hidden_size": 128,
+           "seq_length": 32, "vocab_size": 256, "dtype": "bf16", "micro_batch_size": 2,
+           "global_batch_size": 4, "swiglu": True, "add_bias_linear": False, "num_experts": 4}
+    udir = converted["torch_moe_grouped_ep2"]
+    _, tensors = universal_tensors(udir)
+    losses = {}
+    for grouped in (False, True):
+        dump = tmp_path / f"dump{int(grouped)}"
+        res = launch(2, "megatron_ucp.testing.scenarios:load_and_train",
+                     {"layout": "dp2", "cfg": {**cfg, "moe_grouped_gemm": grouped},
+                      "load_dir": str(udir), "steps": 2, "dump_dir": str(dump)}, timeout=300)
+        assert res[0]["iteration"] == 6
+        losses[grouped] = res[0]["losses"]
+        local = {e["name"]: e["model"] for e in load(dump / "rank0.pt")["params"]}
+        assert any(n.endswith("experts.weight1") for n in local) is grouped
+        checked = 0
+        for name, weight in split_grouped(local, 4).items():
+            assert torch.equal(weight, tensors[f"{universal_name(name, 0, 0)}/param"].to(weight.dtype)), name
+            checked += "local_experts" in name
+        assert checked == 3 * 4 * 2  # layers x experts x (fc1, fc2)
+    assert losses[False] == losses[True]
+    assert abs(losses[False][0] - FINAL_LOSS["torch_moe_grouped_ep2"]) < 0.5, losses
 
 
 def test_cli_import_legacy(tmp_path, capsys):

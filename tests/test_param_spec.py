@@ -95,3 +95,19 @@ def test_version_1_pieces_are_blocks_of_rows():
 
     pc = Piece.from_json([2, [4, 0], [3, 5]])
     assert pc == Piece(10, (4, 0), (3, 5), (5, 1)) and pc.contiguous
+
+
+def test_empty_transformer_engine_extra_state_is_not_state():
+    """TE layers' `_extra_state` is an empty uint8 tensor without FP8 (TE's get_extra_state);
+    it carries nothing and must not stop a save. FP8 metadata does carry state: refused."""
+    import io
+
+    import torch
+
+    from megatron_ucp.param_spec import carries_extra_state
+
+    assert not carries_extra_state(None)
+    assert not carries_extra_state(torch.empty(0, dtype=torch.uint8))
+    assert not carries_extra_state(io.BytesIO())
+    assert carries_extra_state(torch.tensor([1, 2], dtype=torch.uint8))
+    assert carries_extra_state(io.BytesIO(b"fp8"))
