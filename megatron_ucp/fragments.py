@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +26,8 @@ import torch
 from megatron_ucp.errors import UCPError
 from megatron_ucp.spec import Piece
 from megatron_ucp.storage import Reader, SafetensorsWriter, crc32
+
+RECENT_BYTES = 2**30  # whole local tensors kept for transposed pieces (evicted oldest first)
 
 
 def rank_file_name(rank: int) -> str:
@@ -90,6 +93,9 @@ class FragmentSource:
         self.dir = Path(ckpt_dir)
         self.manifest = manifest
         self.reader = reader or Reader()
+        # whole local tensors read for transposed pieces: the pieces of an expert weight (and its
+        # TP slices) interleave, so each tensor is read once
+        self._recent: OrderedDict[tuple, torch.Tensor] = OrderedDict()
         self.verify_checksums = verify_checksums
         self.tensors: dict[str, list[SourceTensor]] = {}
         self.steps: dict[str, float] = {}
@@ -150,6 +156,17 @@ class FragmentSource:
                         n += 1
         return n
 
+    def _read_whole(self, name: str, state: str, st: SourceTensor) -> torch.Tensor:
+        key = (name, state, id(st))
+        if key in self._recent:
+            self._recent.move_to_end(key)
+            return self._recent[key]
+        buf = self._read_flat(name, state, st, 0, math.prod(st.local_shape))
+        self._recent[key] = buf
+        while len(self._recent) > 1 and sum(t.nbytes for t in self._recent.values()) > RECENT_BYTES:
+            self._recent.popitem(last=False)
+        return buf
+
     def _read_flat(self, name: str, state: str, st: SourceTensor, a: int, b: int) -> torch.Tensor:
         buf = torch.empty(b - a, dtype=torch.float32)
         for f in st.fragments:
@@ -179,7 +196,10 @@ class FragmentSource:
                     continue
                 first, last = pc.span(tuple(a - p for a, p in zip(lo, pc.offset)),
                                       tuple(b - p for b, p in zip(hi, pc.offset)))
-                flat = self._read_flat(name, state, st, first, last + 1)
+                if pc.contiguous:
+                    flat = self._read_flat(name, state, st, first, last + 1)
+                else:  # a transposed piece interleaves with its neighbours: read the tensor once
+                    flat = self._read_whole(name, state, st)[first:]
                 region = flat.as_strided([h - lo_ for lo_, h in zip(lo, hi)], pc.strides)
                 out[tuple(slice(lo_ - o, h - o) for lo_, h, o in zip(lo, hi, offset))] = region
                 filled += region.numel()
