@@ -81,6 +81,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--vocab-size", type=int, default=8192)
     g.add_argument("--seq-length", type=int, default=64)
     g.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    g.add_argument("--num-experts", type=int, default=None,
+                   help="MoE in every layer (SwiGLU experts, no biases, top-2); layout may set ep")
+    g.add_argument("--moe-grouped-gemm", action="store_true",
+                   help="GroupedMLP experts (fused weights; needs bf16) instead of SequentialMLP")
     g.add_argument("--micro-batch-size", type=int, default=1)
     g.add_argument("--global-batch-size", type=int, default=4)
     g = p.add_argument_group("what to run")
@@ -234,6 +238,8 @@ def render(res: dict) -> str:
             lines.append(f"  {op}: max |cast(fp32 master) - loaded model weight| = {c['max_abs_diff']:g}" +
                          (f" in {', '.join(c['mismatched'])}" if c["mismatched"] else " (consistent)"))
         lines.append(f"  one train step after the loads: loss {res['load']['loss_after_load']:.4f}")
+        for op, err in res["load"]["failed"].items():
+            lines.append(f"  {LOAD_LABELS[op]}: FAILED at this layout change (megatron-core): {err[:300]}")
     la0, la1 = res["loadavg_before"], res["loadavg_after"]
     lines += ["", f"host: {res['env']['cpus']} CPUs, load average (1 min) {la0:.1f} before, {la1:.1f} "
               "after; torch " + res["env"]["torch"] + ", megatron-core " + res["env"]["megatron-core"],
@@ -308,10 +314,11 @@ def run_load(args: argparse.Namespace, cfg: dict, sources: dict[str, str], sampl
                  {"layout": layout, "cfg": cfg, "sources": sources, "reps": args.load_reps,
                   "sample_s": sample_s, "cold": args.page_cache == "drop"}, timeout=900)
     return {"layout": layout, "nprocs": nprocs, "per_rank": out,
-            "summary": {op: summarize(out, op) for op in sources},
+            "summary": {op: summarize(out, op) for op in sources if op not in out[0]["failed"]},
             "source_bytes": {op: dir_bytes(src) for op, src in sources.items()},
             "checks": _merge_checks(out, "checks"), "consistency": _merge_checks(out, "consistency"),
-            "loss_after_load": out[0]["loss_after_load"], "launch_seconds": time.perf_counter() - t0}
+            "loss_after_load": out[0]["loss_after_load"], "launch_seconds": time.perf_counter() - t0,
+            "failed": out[0]["failed"]}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -324,6 +331,10 @@ def main(argv: list[str] | None = None) -> dict:
            "micro_batch_size": args.micro_batch_size, "global_batch_size": args.global_batch_size}
     h, f, v, L = args.hidden_size, args.ffn_hidden_size, args.vocab_size, args.num_layers
     params = L * (4 * h * h + 2 * h * f + 9 * h + f) + v * h + args.seq_length * h + 2 * h
+    if args.num_experts:
+        cfg.update(num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm,
+                   swiglu=True, add_bias_linear=False)
+        params = L * (4 * h * h + args.num_experts * (3 * h * f + h) + 2 * h) + v * h + args.seq_length * h
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="ucp_bench_"))
     workdir.mkdir(parents=True, exist_ok=True)
     sample_s = args.mem_sample_ms / 1000

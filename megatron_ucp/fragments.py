@@ -27,7 +27,7 @@ from megatron_ucp.errors import UCPError
 from megatron_ucp.spec import Piece
 from megatron_ucp.storage import Reader, SafetensorsWriter, crc32
 
-RECENT_BYTES = 2**30  # whole local tensors kept for transposed pieces (evicted oldest first)
+RECENT_BYTES = 256 * 2**20  # whole local tensors kept for transposed pieces (oldest evicted first)
 
 
 def rank_file_name(rank: int) -> str:
@@ -157,6 +157,8 @@ class FragmentSource:
         return n
 
     def _read_whole(self, name: str, state: str, st: SourceTensor) -> torch.Tensor:
+        if any(k[0] != name for k in self._recent):  # only one universal tensor's pieces interleave
+            self._recent.clear()
         key = (name, state, id(st))
         if key in self._recent:
             self._recent.move_to_end(key)

@@ -41,8 +41,8 @@ def read_local(source, lp: LocalParam, state: str, a: int, b: int) -> torch.Tens
     Vocab padding rows the checkpoint does not hold (the target pads more, or the universal form
     dropped them) are zero in the weight and in both Adam moments: they start as unused rows.
     """
-    out = torch.zeros(b - a, dtype=torch.float32)
     saved_rows = source.manifest["params"][lp.spec.name]["shape"][0]
+    parts = []  # (sub-piece, its values): every element of [a, b) lies in one of them
     for pc in lp.pieces:
         shape = list(pc.shape)
         if lp.spec.vocab_rows:
@@ -59,16 +59,15 @@ def read_local(source, lp: LocalParam, state: str, a: int, b: int) -> torch.Tens
         shape[d] = hi - lo
         sub = Piece(pc.start + lo * pc.strides[d], pc.offset, tuple(shape), pc.strides)
         offset = tuple(o + (lo if k == d else 0) for k, o in enumerate(pc.offset))
-        values = source.read(lp.spec.name, state, offset, sub.shape)
-        if sub.contiguous:
-            s, e = max(a, sub.start), min(b, sub.start + sub.numel)
-            out[s - a:e - a] = values.reshape(-1)[s - sub.start:e - sub.start]
-        else:
-            first, last = sub.span((0,) * len(shape), sub.shape)
-            index = torch.arange(first, last + 1).as_strided(sub.shape, sub.strides)
-            mask = (index >= a) & (index < b)
-            out[index[mask] - a] = values[mask]
-    return out
+        parts.append((sub, source.read(lp.spec.name, state, offset, sub.shape)))
+    # write each part through its strided view of a buffer spanning them all, then cut [a, b):
+    # pieces never overlap, so elements outside [a, b) that a part brings along are just dropped
+    lo = min([a, *(sub.start for sub, _ in parts)])
+    hi = max([b, *(sub.span((0,) * len(sub.shape), sub.shape)[1] + 1 for sub, _ in parts)])
+    buf = torch.zeros(hi - lo, dtype=torch.float32)
+    for sub, values in parts:
+        buf.as_strided(sub.shape, sub.strides, sub.start - lo).copy_(values)
+    return buf[a - lo:b - lo]
 
 
 def _check_params(source, params: list[LocalParam], strict: bool) -> None:

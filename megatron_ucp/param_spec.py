@@ -185,34 +185,40 @@ def _flatten(x) -> list:
     return [x]
 
 
-def _pieces(local_key: str, param: torch.Tensor, entry, subs: list[ShardedTensor]) -> list[Piece]:
-    """Each sharded piece as a strided view of the flattened parameter.
+def _strided_index(pc: Piece, dtype: torch.dtype) -> torch.Tensor:
+    """The local flat index of every element of the piece's box."""
+    index = torch.full((1,) * len(pc.shape), pc.start, dtype=dtype, device="cpu")
+    for d, (n, stride) in enumerate(zip(pc.shape, pc.strides)):
+        axis = torch.arange(n, dtype=dtype, device="cpu") * stride
+        index = index + axis.view(*(1,) * d, n, *(1,) * (len(pc.shape) - d - 1))
+    return index
 
-    A plain ShardedTensor's data is the parameter or a view of it: its strides say where it lives.
-    A factory's build function copies (SwiGLU halves, GroupedMLP's transposed experts), so it is
-    run once more on a tensor holding each element's own flat index: the built pieces then hold
-    the local index of every element, from which start and strides are read and checked."""
+
+def _sharded_pieces(local_key: str, param: torch.Tensor, entry) -> list[ShardedTensor]:
+    """The ShardedTensors an entry declares. A factory's build function copies (SwiGLU halves,
+    GroupedMLP's transposed experts), so it is run on a tensor holding each element's own flat
+    index instead of the parameter: the built pieces then hold the local index of every element."""
     if not param.is_contiguous():
         raise UCPError(f"parameter {local_key!r} is not contiguous; no rule maps it")
-    if isinstance(entry, ShardedTensorFactory):
-        dtype = torch.int32 if param.numel() < 2**31 else torch.int64
-        probe = torch.arange(param.numel(), dtype=dtype, device="cpu").view(param.shape)
-        views = [s.data for s in _flatten(entry.build_fn(entry.key, probe, entry.replica_id,
-                                                            entry.flattened_range))]
-        if len(views) != len(subs):
-            raise UCPError(f"parameter {local_key!r}: its sharded factory builds a different number "
-                           "of pieces for an index probe; no rule maps it")
-    else:
-        views = [s.data for s in subs]
-    out, hit = [], torch.zeros(param.numel(), dtype=torch.bool, device="cpu")
-    for view, sh in zip(views, subs):
-        if isinstance(entry, ShardedTensorFactory):
-            index = view.to(torch.int64)
-            start = int(index.reshape(-1)[0]) if index.numel() else 0
-            strides = tuple(int(index[tuple(int(j == d) for j in range(index.dim()))]) - start
-                            if n > 1 else 0 for d, n in enumerate(index.shape))
+    if not isinstance(entry, ShardedTensorFactory):
+        return [entry]
+    dtype = torch.int32 if param.numel() < 2**31 else torch.int64
+    probe = torch.arange(param.numel(), dtype=dtype, device="cpu").view(param.shape)
+    return _flatten(entry.build_fn(entry.key, probe, entry.replica_id, entry.flattened_range))
+
+
+def _pieces(local_key: str, param: torch.Tensor, subs: list[ShardedTensor], probed: bool) -> list[Piece]:
+    """Each sharded piece as a strided view of the flattened parameter: a plain ShardedTensor's
+    data is the parameter or a view of it (its strides say where it lives); a probed piece holds
+    local indices, from which start and strides are read and then checked element by element."""
+    out, hit = [], None
+    for sh in subs:
+        view = sh.data
+        if probed:
+            start = int(view.reshape(-1)[0]) if view.numel() else 0
+            strides = tuple(int(view[tuple(int(j == d) for j in range(view.dim()))]) - start
+                            if n > 1 else 0 for d, n in enumerate(view.shape))
         elif view.untyped_storage().data_ptr() == param.untyped_storage().data_ptr():
-            index = None
             start, strides = view.storage_offset() - param.storage_offset(), tuple(view.stride())
         else:
             raise UCPError(f"parameter {local_key!r}: its sharded_state_dict piece is not a view of "
@@ -220,15 +226,20 @@ def _pieces(local_key: str, param: torch.Tensor, entry, subs: list[ShardedTensor
         p = sh.prepend_axis_num
         pc = Piece(start, tuple(sh.global_offset[p:]), tuple(view.shape), strides)
         last = pc.span((0,) * len(pc.shape), pc.shape)[1]
-        ok = pc.numel > 0 and start >= 0 and min(strides, default=0) >= 0 and last < param.numel()
-        flat = (torch.arange(param.numel(), device="cpu").as_strided(pc.shape, pc.strides, pc.start)
-                if ok else None)
-        if flat is None or (index is not None and not torch.equal(flat, index)) or hit[flat].any():
+        if not (pc.numel > 0 and start >= 0 and min(strides, default=0) >= 0 and last < param.numel()):
+            raise UCPError(f"parameter {local_key!r}: a sharded piece is not a strided view of the "
+                           "parameter; no rule maps it")
+        out.append(pc)
+        if len(subs) == 1 and pc.contiguous and pc.numel == param.numel():
+            continue  # the parameter itself (the common case): nothing to cross-check
+        # element by element: the probe matches the strides, and no element is in two pieces
+        flat = _strided_index(pc, view.dtype if probed else torch.int64)
+        hit = torch.zeros(param.numel(), dtype=torch.bool, device="cpu") if hit is None else hit
+        if (probed and not torch.equal(flat, view)) or hit[flat].any():
             raise UCPError(f"parameter {local_key!r}: a sharded piece is not a strided view of the "
                            "parameter, or overlaps another; no rule maps it")
         hit[flat] = True
-        out.append(pc)
-    if not bool(hit.all()):
+    if (hit is not None and not bool(hit.all())) or sum(pc.numel for pc in out) != param.numel():
         raise UCPError(f"parameter {local_key!r}: its sharded pieces do not cover it")
     return out
 
@@ -263,7 +274,7 @@ def local_params(model_chunks: list) -> list[LocalParam]:
                                "parameter nor a buffer of the model; no rule maps it")
             name_in_model, param = (buffers if is_buffer else params)[id(entry.data)]
             seen.add(id(param))
-            subs = _flatten(entry.build()) if isinstance(entry, ShardedTensorFactory) else [entry]
+            subs = _sharded_pieces(local_key, param, entry)
             first = subs[0]
             p = first.prepend_axis_num
             name = universal_name(local_key, first.key, tuple(first.global_offset[:p]))
@@ -288,9 +299,7 @@ def local_params(model_chunks: list) -> list[LocalParam]:
                 vocab_rows=id(param) in vocab,
                 buffer=is_buffer,
             )
-            pieces = _pieces(local_key, param, entry, subs)
-            if sum(pc.numel for pc in pieces) != param.numel():
-                raise UCPError(f"parameter {local_key!r}: its sharded pieces do not cover it")
+            pieces = _pieces(local_key, param, subs, isinstance(entry, ShardedTensorFactory))
             # a buffer is not sharded by the optimizer: one DP replica writes it
             canonical = _canonical(first.replica_id) and not (is_buffer and _dp_copy(first.replica_id))
             if fused:

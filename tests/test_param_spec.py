@@ -67,7 +67,7 @@ def test_factory_pieces_are_probed_and_must_be_strided_views():
     import torch
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-    from megatron_ucp.param_spec import _flatten, _pieces
+    from megatron_ucp.param_spec import _pieces, _sharded_pieces
     from megatron_ucp.spec import Piece
 
     param = torch.nn.Parameter(torch.randn(4, 6))
@@ -79,15 +79,15 @@ def test_factory_pieces_are_probed_and_must_be_strided_views():
         return ShardedTensorFactory("w", param, build_fn, lambda x: x, 0)
 
     halves = entry(lambda t: t.t().chunk(2, dim=0))  # two [3, 4] blocks of the transpose
-    pcs = _pieces("w", param, halves, _flatten(halves.build()))
+    pcs = _pieces("w", param, _sharded_pieces("w", param, halves), True)
     assert pcs == [Piece(0, (0, 0), (3, 4), (1, 6)), Piece(3, (0, 0), (3, 4), (1, 6))]
     assert torch.equal(pcs[1].take(param.detach()), param.detach().t()[3:])
     flipped = entry(lambda t: [t.flip(0)])
     with pytest.raises(UCPError, match="not a strided view"):
-        _pieces("w", param, flipped, _flatten(flipped.build()))
+        _pieces("w", param, _sharded_pieces("w", param, flipped), True)
     twice = entry(lambda t: [t[:2], t[:2], t[2:]])
     with pytest.raises(UCPError, match="overlaps"):
-        _pieces("w", param, twice, _flatten(twice.build()))
+        _pieces("w", param, _sharded_pieces("w", param, twice), True)
 
 
 def test_version_1_pieces_are_blocks_of_rows():
