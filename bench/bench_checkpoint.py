@@ -239,7 +239,7 @@ def render(res: dict) -> str:
                          (f" in {', '.join(c['mismatched'])}" if c["mismatched"] else " (consistent)"))
         lines.append(f"  one train step after the loads: loss {res['load']['loss_after_load']:.4f}")
         for op, err in res["load"]["failed"].items():
-            lines.append(f"  {LOAD_LABELS[op]}: FAILED at this layout change (megatron-core): {err[:300]}")
+            lines.append(f"  {LOAD_LABELS[op]}: FAILED inside megatron-core: {err[:300]}")
     la0, la1 = res["loadavg_before"], res["loadavg_after"]
     lines += ["", f"host: {res['env']['cpus']} CPUs, load average (1 min) {la0:.1f} before, {la1:.1f} "
               "after; torch " + res["env"]["torch"] + ", megatron-core " + res["env"]["megatron-core"],
