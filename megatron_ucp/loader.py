@@ -1,7 +1,7 @@
-"""Load a fragment or universal checkpoint into a run at any TP/PP/DP layout.
+"""Load a fragment or universal checkpoint into a run at any TP/PP/DP/CP/EP layout.
 
-Each rank asks its own model which box of each universal tensor its local slice is, narrows that
-to the rows covering its distributed-optimizer range, and reads only those bytes. Master weights
+Each rank asks its own model which boxes of each universal tensor its local slice is, narrows them
+to the elements its distributed-optimizer range covers, and reads only those bytes. Master weights
 and Adam moments go straight into the optimizer shard; model weights are then produced by the
 optimizer's own main->model copy and DP all-gather, exactly as after a training step.
 """

@@ -2,10 +2,11 @@
 
 For every parameter of every model chunk we ask the layer for its `sharded_state_dict()` (the same
 declaration `dist_checkpointing` uses): the ShardedTensor key is the layout-free name, the global
-shape/offsets say where this rank's TP slice sits, ShardedTensorFactory (SwiGLU `linear_fc1`) says
-the local tensor is several independently split blocks, and `replica_id` says whether this copy is
-canonical or a TP/PP replica (replicated layer norms, the tied output layer). Nothing is guessed from
-names: a parameter the model does not declare is an error.
+shape/offsets say where this rank's TP slice sits, ShardedTensorFactory (SwiGLU `linear_fc1`,
+GroupedMLP's fused experts) says the local tensor is several independently split blocks, possibly
+transposed (found by running the factory on an index probe), and `replica_id` says whether this
+copy is canonical or a TP/PP replica (replicated layer norms, the tied output layer). Nothing is
+guessed from names: a parameter the model does not declare is an error.
 """
 
 from __future__ import annotations
