@@ -12,6 +12,7 @@ guessed from names: a parameter the model does not declare is an error.
 from __future__ import annotations
 
 import io
+import re
 from dataclasses import dataclass, replace
 
 import torch
@@ -74,11 +75,18 @@ def universal_name(local_key: str, sharded_key: str, prepended: tuple[int, ...])
     the local key (`decoder.layers.1.` -> after `layers`); when the sharded key renames that word
     (SequentialMLP's `local_experts.1.linear_fc1` -> `experts.experts.linear_fc1`), the last index
     goes before the suffix the two keys share: `...experts.experts.<global expert>.linear_fc1.weight`.
+    Transformer Engine's grouped linear (TEGroupedMLP) names expert k's tensor `weight<k>` and
+    declares it under the sharded key's `weight`: read as SequentialMLP's `local_experts.<k>`.
     """
     if not prepended:
         return sharded_key
     local = local_key.split(".")
     positions = [i for i, part in enumerate(local) if part.isdigit() and i > 0]
+    grouped = re.fullmatch(r"(weight|bias)(\d+)", local[-1])
+    if (grouped and len(positions) + 1 == len(prepended) and len(local) > 2
+            and sharded_key.split(".")[-1] == grouped.group(1)):
+        local = [*local[:-2], "local_experts", grouped.group(2), local[-2], grouped.group(1)]
+        positions = [i for i, part in enumerate(local) if part.isdigit() and i > 0]
     if len(positions) != len(prepended):
         raise UCPError(f"parameter {local_key!r}: {len(prepended)} stacked axes in its sharded key "
                        f"{sharded_key!r} but {len(positions)} indices in its name; no rule maps it")

@@ -35,6 +35,19 @@ def test_global_layer_and_expert_numbers():
         "embedding.word_embeddings.weight"
 
 
+def test_transformer_engine_grouped_experts_name_like_sequential_mlp():
+    """TEGroupedMLP's TEGroupedLinear holds expert k as `linear_fc1.weight<k>` and declares it under
+    SequentialMLP's key with (layer, expert) prepended (megatron-core 0.16.1,
+    `_sharded_state_dict_grouped` + TEGroupedMLP.sharded_state_dict)."""
+    key = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+    te = universal_name("decoder.layers.1.mlp.experts.linear_fc1.weight3", key, (3, 7))
+    sequential = universal_name("decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight", key, (3, 7))
+    assert te == sequential == "decoder.layers.3.mlp.experts.experts.7.linear_fc1.weight"
+    assert (universal_name("decoder.layers.0.mlp.experts.linear_fc2.bias1",
+                           "decoder.layers.mlp.experts.experts.linear_fc2.bias", (0, 5))
+            == "decoder.layers.0.mlp.experts.experts.5.linear_fc2.bias")
+
+
 def test_unmappable_names_are_errors():
     with pytest.raises(UCPError, match="decoder.layers.0.foo.weight"):
         universal_name("decoder.layers.0.foo.weight", "decoder.layers.foo.weight", (1, 2))
