@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-full lint bench install
+.PHONY: demo test test-full test-gpu lint bench install
 
 $(STAMP): setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,6 +24,10 @@ test: $(STAMP)
 
 test-full: $(STAMP)
 	UCP_FULL_MATRIX=1 $(BIN)/python -m pytest -q tests
+
+# On a GPU host (CUDA torch, optionally Transformer Engine): the `gpu` tests, no CPU shim.
+test-gpu:
+	$(PY) -m pytest -q -m gpu tests/test_gpu.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -15,6 +15,7 @@ saved with `dist_checkpointing.save` and the default torch_dist strategy.
 from __future__ import annotations  # noqa: I001  (tiny_gpt must come before megatron.core)
 
 from megatron_ucp.testing import tiny_gpt as tg  # installs the CPU shim
+from megatron_ucp.testing.cpu_shim import REAL_CUDA
 
 import gc
 import os
@@ -22,6 +23,7 @@ import random
 import shutil
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,9 @@ from megatron_ucp.layout import Layout
 from megatron_ucp.optimizer_state import STATES, OptimizerIndex
 
 UCP = "ucp"
+UCP_ASYNC = "ucp_async"
+STAGING_COPY = "staging_copy"
+RAW_WRITE = "raw_write"
 MCORE_DP = "mcore_dp_reshardable"
 MCORE_FULL = "mcore_fully_reshardable"
 SHARDING = {MCORE_DP: "dp_reshardable", MCORE_FULL: "fully_reshardable"}
@@ -220,6 +225,7 @@ def save_bench(layout: str, cfg: dict, train_steps: int, workdir: str, reps: int
     train_s = time.perf_counter() - t0
     rank, work = dist.get_rank(), Path(workdir)
     records = []
+    anchors = None
     for rep in range(-warmup, reps):
         k = max(rep, 0) % len(ops)
         for op in ops[k:] + ops[:k]:
@@ -228,6 +234,12 @@ def save_bench(layout: str, cfg: dict, train_steps: int, workdir: str, reps: int
             if op == UCP:
                 def fn(t: Path = target) -> None:
                     ucp.save(st.model, st.optimizer, st.scheduler, t, st.iteration, seed=st.config.seed)
+            elif op == UCP_ASYNC:
+                def fn(t: Path = target) -> dict:
+                    return ucp_async_save(st, t)
+            elif op in (STAGING_COPY, RAW_WRITE):
+                anchors = anchors or CopyAnchors(st)
+                fn = anchors.copy if op == STAGING_COPY else partial(anchors.write, target)
             else:
                 def fn(t: Path = target, o: str = op) -> dict:
                     return mcore_save(st, t, SHARDING[o], mcore_fully_parallel)
@@ -245,6 +257,54 @@ def save_bench(layout: str, cfg: dict, train_steps: int, workdir: str, reps: int
     tg.destroy()
     return {"rank": rank, "coords": coords, "losses": losses, "train_seconds": train_s,
             "iteration": iteration, "local_params": n_local, "records": records}
+
+
+def ucp_async_save(st: tg.TrainState, target: Path) -> dict:
+    """megatron_ucp.save(async_save=True): the stall is until it returns (state staged on the host),
+    the total until finalize has committed. Device memory added by the save is reported too."""
+    on_gpu = REAL_CUDA
+    if on_gpu:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    ucp.save(st.model, st.optimizer, st.scheduler, target, st.iteration, seed=st.config.seed,
+             async_save=True)
+    stall = time.perf_counter() - t0
+    ucp.finalize(blocking=True)
+    out = {"stall_s": stall, "total_s": time.perf_counter() - t0}
+    if on_gpu:
+        out["gpu_peak_delta_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    return out
+
+
+class CopyAnchors:
+    """Anchors for the async save, over the same number of bytes as this rank's fragments
+    (fp32 master weight + two Adam moments of its optimizer shard): one bare copy from device (or
+    host) memory into a pinned host buffer, and one write of those bytes to a file with fsync."""
+
+    def __init__(self, st: tg.TrainState) -> None:
+        index = OptimizerIndex(st.optimizer)
+        numel = sum(r[1] - r[0] for m in st.model for p in m.parameters()
+                    if (r := index.shard_range(p)) is not None)
+        self.nbytes = numel * 4 * len(STATES)
+        self.on_gpu = REAL_CUDA
+        device = torch.device("cuda", torch.cuda.current_device()) if REAL_CUDA else torch.device("cpu")
+        self.src = torch.ones(self.nbytes, dtype=torch.uint8, device=device)
+        self.host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=REAL_CUDA)
+
+    def copy(self) -> dict:
+        self.host.copy_(self.src, non_blocking=self.on_gpu)
+        if self.on_gpu:
+            torch.cuda.current_stream().synchronize()
+        return None
+
+    def write(self, target: Path) -> dict:
+        with open(target / f"raw_{dist.get_rank():05d}.bin", "wb") as f:
+            f.write(memoryview(self.host.numpy()))
+            f.flush()
+            os.fsync(f.fileno())
+        return None
 
 
 # ------------------------------------------------------------------------------- convert benchmark

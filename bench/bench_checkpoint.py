@@ -39,9 +39,13 @@ from megatron_ucp.layout import Layout  # noqa: E402
 from megatron_ucp.testing.launch import launch  # noqa: E402
 
 UCP, MCORE_DP, MCORE_FULL = "ucp", "mcore_dp_reshardable", "mcore_fully_reshardable"
+UCP_ASYNC, STAGING_COPY, RAW_WRITE = "ucp_async", "staging_copy", "raw_write"
 SAVE_LABELS = {UCP: "megatron_ucp.save (fragments)",
+               UCP_ASYNC: "megatron_ucp.save async (until committed)",
                MCORE_DP: "mcore dist_ckpt save, dp_reshardable",
-               MCORE_FULL: "mcore dist_ckpt save, fully_reshardable"}
+               MCORE_FULL: "mcore dist_ckpt save, fully_reshardable",
+               STAGING_COPY: "anchor: bare copy of the same bytes to pinned host",
+               RAW_WRITE: "anchor: raw write + fsync of the same bytes"}
 LOAD_LABELS = {"ucp_load": "megatron_ucp.load (fragments)",
                "ucp_load_universal": "megatron_ucp.load (universal)",
                "mcore_load": "mcore dist_ckpt load, fully_reshardable"}
@@ -96,6 +100,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--convert-reps", type=int, default=2)
     g.add_argument("--no-convert", action="store_true", help="skip convert (and the universal load)")
     g.add_argument("--no-load", action="store_true", help="skip the load launch")
+    g.add_argument("--async-save", action="store_true",
+                   help="also time megatron_ucp.save(async_save=True) and its anchors (a bare copy "
+                        "of the same bytes to pinned host memory, a raw write of them)")
+    g.add_argument("--no-mcore-fully-reshardable", action="store_true",
+                   help="skip mcore's fully_reshardable save (it gathers on DP rank 0)")
     g.add_argument("--mcore-fully-parallel", action="store_true",
                    help="wrap mcore's save strategy in FullyParallelSaveStrategyWrapper over DP "
                         "(Megatron-LM's default; no effect when DP=1)")
@@ -199,6 +208,8 @@ def render(res: dict) -> str:
         if "breakdown_median_of_rank_max" in v:
             parts = ", ".join(f"{k} {x:.3f}s" for k, x in v["breakdown_median_of_rank_max"].items())
             lines.append(f"  {op} parts (max over ranks, median over rounds): {parts}")
+    if "async" in res:
+        lines.append("  async save: " + ", ".join(f"{k}={v:.3f}" for k, v in res["async"].items()))
     if "convert" in res:
         c = res["convert"]["summary"]
         conv = c["convert"]["seconds_median"]
@@ -284,7 +295,9 @@ def _merge_checks(per_rank: list[dict], key: str) -> dict:
 def run_save(args: argparse.Namespace, cfg: dict, workdir: Path, sample_s: float) -> dict:
     layout, nprocs = resolve_layout(args.layout, args.nprocs)
     t0 = time.perf_counter()
-    ops = [UCP, MCORE_DP, MCORE_FULL]
+    ops = [UCP, MCORE_DP] + ([] if args.no_mcore_fully_reshardable else [MCORE_FULL])
+    if args.async_save:
+        ops += [UCP_ASYNC, STAGING_COPY, RAW_WRITE]
     out = launch(nprocs, "bench._rank:save_bench",
                  {"layout": layout, "cfg": cfg, "train_steps": args.train_steps,
                   "workdir": str(workdir), "reps": args.reps, "warmup": args.warmup, "ops": ops,
@@ -293,6 +306,23 @@ def run_save(args: argparse.Namespace, cfg: dict, workdir: Path, sample_s: float
     return {"layout": layout, "nprocs": nprocs, "per_rank": out,
             "launch_seconds": time.perf_counter() - t0,
             "summary": {op: summarize(out, op) for op in ops}}
+
+
+def async_figures(summary: dict) -> dict:
+    """The async-save keys compared from run to run (see the README's benchmark section)."""
+    b = summary[UCP_ASYNC]["breakdown_median_of_rank_max"]
+    stall, total = b["stall_s"], b["total_s"]
+    copy_s, write_s = summary[STAGING_COPY]["seconds_median"], summary[RAW_WRITE]["seconds_median"]
+    out = {"async_stall_s": stall, "async_total_s": total,
+           "async_stall_vs_mcore_dp_reshardable": stall / summary[MCORE_DP]["seconds_median"],
+           "async_stall_vs_staging_copy": stall / copy_s,
+           "staging_copy_s": copy_s, "raw_write_s": write_s,
+           # bytes / (total - stall) against bytes / raw_write_s
+           "async_write_throughput_vs_raw_write": write_s / max(total - stall, 1e-9),
+           "sync_save_s": summary[UCP]["seconds_median"]}
+    if "gpu_peak_delta_mib" in b:
+        out["async_gpu_peak_delta_mib"] = b["gpu_peak_delta_mib"]
+    return out
 
 
 def run_convert(args: argparse.Namespace, src: Path, workdir: Path, sample_s: float) -> dict:
@@ -347,13 +377,16 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"[bench] save: {args.layout}, ~{params / 1e6:.1f}M params, workdir {workdir}", flush=True)
         res["save"] = run_save(args, cfg, workdir / "save", sample_s)
         print(f"[bench] save launch done in {res['save']['launch_seconds']:.1f}s", flush=True)
+        if args.async_save:
+            res["async"] = async_figures(res["save"]["summary"])
         sources = {"ucp_load": str(workdir / "save" / UCP)}
         if not args.no_convert:
             res["convert"] = run_convert(args, workdir / "save" / UCP, workdir / "convert", sample_s)
             sources["ucp_load_universal"] = res["convert"]["universal"]
             print(f"[bench] convert launch done in {res['convert']['launch_seconds']:.1f}s", flush=True)
         if not args.no_load:
-            sources["mcore_load"] = str(workdir / "save" / MCORE_FULL)
+            if not args.no_mcore_fully_reshardable:
+                sources["mcore_load"] = str(workdir / "save" / MCORE_FULL)
             res["load"] = run_load(args, cfg, sources, sample_s)
             print(f"[bench] load launch done in {res['load']['launch_seconds']:.1f}s", flush=True)
     finally:

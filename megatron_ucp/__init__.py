@@ -9,6 +9,7 @@ import importlib
 __version__ = "0.1.0"
 _EXPORTS = {
     "save": "megatron_ucp.saver",
+    "finalize": "megatron_ucp.saver",
     "load": "megatron_ucp.loader",
     "LoadResult": "megatron_ucp.loader",
     "convert": "megatron_ucp.consolidate",

@@ -4,6 +4,10 @@ Each DP rank owns a contiguous range of every parameter's flattened elements (po
 optimizer's `_get_model_param_range_map(param)["param"]` says which. Main (fp32) params and Adam
 moments are read and written with `_get/_set_main_param_and_optimizer_states`, the accessors the
 optimizer's own checkpoint code uses.
+
+The Adam step lives in one of two places: torch's Adam/AdamW keep a `step` tensor in every
+parameter's state; Transformer Engine's and Apex's FusedAdam (what megatron-core picks when either
+is installed) keep one `step` per param group. Both are read and written here.
 """
 
 from __future__ import annotations
@@ -43,14 +47,19 @@ class OptimizerIndex:
         r = o._get_model_param_range_map(param)["param"]
         return (r.start, r.end) if r.end > r.start else None
 
-    def get(self, param: torch.nn.Parameter) -> tuple[dict[str, torch.Tensor], float]:
-        """This rank's shard of the fp32 master weight and Adam moments, plus the Adam step."""
+    def _group(self, param: torch.nn.Parameter) -> dict:
+        o = self.owner[param]
+        return o.optimizer.param_groups[o.model_param_group_index_map[param][0]]
+
+    def get(self, param: torch.nn.Parameter) -> tuple[dict[str, torch.Tensor], float | torch.Tensor]:
+        """This rank's shard of the fp32 master weight and Adam moments (on the optimizer's device,
+        not copied), plus the Adam step as the optimizer holds it (`staging.steps_to_floats`
+        converts many at once without a device sync per parameter)."""
         o = self.owner[param]
         states = o._get_main_param_and_optimizer_states(param)
         if "exp_avg" not in states:
             raise UCPError("the optimizer has no Adam state yet (no step taken); nothing to save")
-        step = states.get("step", 0)
-        step = float(step.item() if torch.is_tensor(step) else step)
+        step = states["step"] if "step" in states else self._group(param).get("step", 0)
         return {k: states[k].detach() for k in STATES}, step
 
     def ensure_state(self) -> None:
@@ -62,13 +71,24 @@ class OptimizerIndex:
 
     @torch.no_grad()
     def set(self, param: torch.nn.Parameter, tensors: dict[str, torch.Tensor], step: float) -> None:
+        """Copy host tensors (one shard: master weight and moments) into the optimizer, one copy to
+        the device per state, and set the Adam step where this optimizer keeps it."""
         o = self.owner[param]
         gi, go = o.model_param_group_index_map[param]
-        state = o.optimizer.state[o.optimizer.param_groups[gi]["params"][go]]
+        group = o.optimizer.param_groups[gi]
+        state = o.optimizer.state[group["params"][go]]
+        if not isinstance(o.optimizer, (torch.optim.Adam, torch.optim.AdamW)):  # FusedAdam: per group
+            old = group.get("step")
+            group["step"] = (torch.full_like(old, int(step)) if torch.is_tensor(old) else int(step))
+            o._set_main_param_and_optimizer_states(param, tensors)
+            return
         # Each parameter gets its own step tensor: a shared one would be incremented once per
         # parameter per iteration (megatron-core 0.16.1's own legacy load path does that).
-        state["step"] = torch.zeros((), dtype=torch.float32)
-        # the accessor copies every state key, step included (it raises KeyError without it)
+        old = state.get("step")
+        state["step"] = (torch.zeros_like(old) if torch.is_tensor(old)
+                         else torch.zeros((), dtype=torch.float32))
+        # the accessor copies every state key, step included (it raises KeyError without it);
+        # its copy_ moves each host tensor to the device in one transfer
         o._set_main_param_and_optimizer_states(param, {**tensors, "step": torch.tensor(step)})
 
     def param_groups(self) -> list[dict]:
@@ -76,8 +96,10 @@ class OptimizerIndex:
         out = []
         for i, o in enumerate(self.opts):
             for g in o.optimizer.param_groups:
+                # a FusedAdam group's step is saved per parameter with the fragments, like torch's
                 out.append({"optimizer": i, **{k: _jsonable(v) for k, v in g.items()
-                                               if k != "params" and _jsonable(v) is not None}})
+                                               if k not in ("params", "step")
+                                               and _jsonable(v) is not None}})
         return out
 
     def load_param_groups(self, saved: list[dict]) -> None:

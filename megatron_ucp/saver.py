@@ -1,17 +1,31 @@
 """Save: every rank writes its own fragments; only metadata crosses ranks; the commit is atomic.
 
-Commit protocol: all ranks write into `<root>/.iter_XXXXXXX.partial/` and fsync their file; after
-a barrier rank 0 writes manifest.json, fsyncs, renames the directory to `iter_XXXXXXX` and then
-atomically replaces `<root>/latest`. A crash at any point leaves `latest` on the previous
-checkpoint; a `.partial` directory is never loaded.
+One path for synchronous and asynchronous saves:
+1. `save` stages the rank's fragment tensors on the host (`staging.HostStager`: pinned buffers and
+   one synchronize on a GPU), gathers the parameter specs (metadata only) and starts writing its
+   rank file into `<root>/.iter_XXXXXXX.partial/` (fsynced), inline or in a background thread.
+2. `finalize` (the commit; collective) checks with one small all-reduce that every rank's file is
+   written; then rank 0 writes manifest.json, fsyncs, renames the directory to `iter_XXXXXXX` and
+   atomically replaces `<root>/latest`. A synchronous save finalizes before returning; an
+   asynchronous one when the next save starts, when `finalize()` is called (Megatron-LM calls it
+   each iteration through `maybe_finalize_async_save`), or at interpreter exit.
+A failed write is raised on every rank by the finalize that sees it, once, and nothing is
+committed; a crash at any point leaves `latest` on the previous checkpoint, and a `.partial`
+directory is never loaded.
 """
 
 from __future__ import annotations
 
+import atexit
 import shutil
+import sys
+import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from megatron_ucp import manifest as mf
@@ -21,12 +35,54 @@ from megatron_ucp.fragments import Fragment, rank_file_name, write_rank_file
 from megatron_ucp.layout import Layout
 from megatron_ucp.optimizer_state import OptimizerIndex
 from megatron_ucp.param_spec import local_params
+from megatron_ucp.staging import HostStager, steps_to_floats
 from megatron_ucp.storage import fsync_dir
 from megatron_ucp.validation import model_config
 
+STAGER = HostStager()  # one per process: its host buffer is reused by every save
+
+
+@dataclass
+class PendingSave:
+    """A save whose rank file is being (or has been) written and which is not committed yet."""
+
+    iteration: int
+    root: Path
+    partial: Path
+    final: Path
+    manifest: dict | None  # rank 0 only: everything but the byte count
+    started: float
+    stage_seconds: float
+    thread: threading.Thread | None = None
+    nbytes: int = 0
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def write(self, fragments: list[Fragment], rng_tensors: dict, rng_meta: dict, coords: dict) -> None:
+        try:
+            if self.thread is not None and before_background_write is not None:
+                before_background_write(self)
+            self.nbytes = write_rank_file(self.partial / rank_file_name(dist.get_rank()), fragments,
+                                          rng_tensors, rng_meta, coords)
+        except BaseException as e:  # kept for finalize: a background error must not be lost
+            self.error = e
+        finally:
+            self.done.set()
+
+
+_PENDING: PendingSave | None = None
+# Called in the background writer before it writes (tests hold the writer while training goes on).
+before_background_write: Callable[[PendingSave], None] | None = None
+
+
+def _collective_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+        else torch.device("cpu")
+
 
 def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: int, *,
-         extra: dict | None = None, seed: int = 1234, vocab_size: int | None = None) -> Path:
+         extra: dict | None = None, seed: int = 1234, vocab_size: int | None = None,
+         async_save: bool = False) -> Path:
     """Save a fragment checkpoint of model + DistributedOptimizer + scheduler under `path`.
 
     extra: JSON-able training state (consumed samples, ...) returned by `load`.
@@ -34,15 +90,21 @@ def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: 
     vocab_size: the true (unpadded) vocabulary size. With it, a load may change the vocab padding
         (Megatron-LM pads to a multiple of make_vocab_size_divisible_by x TP) and the universal
         form keeps only the true rows. Without it the padded size must stay the same.
-    Returns the committed directory `path/iter_XXXXXXX`. Collective: call on every rank.
+    async_save: return as soon as the state is copied to host memory; a background thread writes
+        the rank file and the commit happens in a later `finalize` (see the module docstring).
+    Returns the directory `path/iter_XXXXXXX` (committed when the call returns, unless async).
+    Collective: call on every rank.
     """
+    finalize(blocking=True)  # the previous asynchronous save commits (or raises) first
     t0 = time.perf_counter()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     layout = Layout.current()
     root = Path(path)
     final = root / mf.iteration_dir_name(iteration)
     partial = root / f".{final.name}.partial"
     if rank == 0:
+        if root.exists() and not root.is_dir():
+            raise UCPError(f"{root}: the save root is a file; pass a directory")
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir()
@@ -50,11 +112,12 @@ def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: 
 
     index = OptimizerIndex(optimizer)
     params = local_params(model_chunks)
-    fragments = []
+    fragments, steps = [], []
     for lp in params:
         if lp.spec.buffer and lp.canonical:
             fragments.append(Fragment(lp.spec.name, lp.local_shape, lp.pieces, 0, lp.numel, 0.0,
                                       {"param": lp.region(lp.param.detach()).float()}))
+            steps.append(0.0)
             continue
         shard = index.shard_range(lp.param) if lp.canonical else None
         if shard is None:
@@ -66,53 +129,152 @@ def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: 
         tensors, step = index.get(lp.param)
         tensors = {s: t[a - shard[0]:b - shard[0]] for s, t in tensors.items()}
         fragments.append(Fragment(lp.spec.name, lp.local_shape, lp.pieces, a - lp.base, b - lp.base,
-                                  step, tensors))
+                                  0.0, tensors))
+        steps.append(step)
+    for f, step in zip(fragments, steps_to_floats(steps)):
+        f.step = step
+    # Device state -> host, once. A synchronous save on the CPU writes the optimizer's own tensors
+    # (training waits for it); an asynchronous one writes copies while training goes on.
+    flat = [t for f in fragments for t in f.tensors.values()]
+    staged = iter(STAGER.stage(flat, copy=async_save))
+    for f in fragments:
+        f.tensors = {s: next(staged) for s in f.tensors}
     rng_tensors, rng_meta = rng.capture()
     from megatron.core import parallel_state as ps
 
     coords = {"tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
               "dp": ps.get_data_parallel_rank()}
-    nbytes = write_rank_file(partial / rank_file_name(rank), fragments, rng_tensors, rng_meta, coords)
-
     # Metadata only: each rank's parameter specs (names, shapes, split axes).
     specs = [lp.spec.to_json() for lp in params]
-    gathered = [None] * world
-    dist.all_gather_object(gathered, (specs, nbytes))  # also the barrier before commit
-
+    gathered = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(specs, gathered, dst=0)
+    manifest = None
     if rank == 0:
         manifest = {
             "format": mf.FORMAT, "version": mf.VERSION, "kind": "fragments",
-            "iteration": iteration, "layout": layout.to_json(), "layout_world_size": world,
+            "iteration": iteration, "layout": layout.to_json(), "layout_world_size": dist.get_world_size(),
             "model": {**model_config(model_chunks), "unpadded_vocab_size": vocab_size},
             "params": _merge_specs(gathered),
             "optimizer": {"param_groups": index.param_groups(), "grad_scaler": index.grad_scaler()},
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "extra": extra or {}, "seed": seed,
-            "files": [rank_file_name(r) for r in range(world)],
-            "bytes": sum(g[1] for g in gathered),
+            "files": [rank_file_name(r) for r in range(dist.get_world_size())],
         }
-        mf.write(partial, manifest)
-        fsync_dir(partial)
-        if final.exists():  # re-saving an iteration: swap, never delete the old one first
-            old = root / f".{final.name}.old"
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-            partial.rename(final)
-            shutil.rmtree(old)
-        else:
-            partial.rename(final)
-        fsync_dir(root)
-        mf.write_latest(root, final.name)
-    dist.barrier()
-    if rank == 0:
-        print(f"[megatron-ucp] saved iteration {iteration} at {layout} to {final} "
-              f"in {time.perf_counter() - t0:.2f}s", flush=True)
+    global _PENDING
+    _PENDING = PendingSave(iteration, root, partial, final, manifest, t0, time.perf_counter() - t0)
+    job = (fragments, rng_tensors, rng_meta, coords)
+    if async_save:
+        _PENDING.thread = threading.Thread(target=_PENDING.write, args=job, daemon=True,
+                                           name=f"megatron-ucp-save-{iteration}")
+        _PENDING.thread.start()
+        if rank == 0:
+            print(f"[megatron-ucp] staged iteration {iteration} at {layout} in "
+                  f"{_PENDING.stage_seconds:.3f}s; writing {final} in the background", flush=True)
+    else:
+        _PENDING.write(*job)
+        finalize(blocking=True)
     return final
+
+
+def finalize(blocking: bool = True) -> bool:
+    """Commit the pending asynchronous save once every rank has written its file.
+
+    Collective when a save is pending (every rank must call it at the same point, as Megatron-LM's
+    `maybe_finalize_async_save` does). blocking=False returns False at once if some rank is still
+    writing. Raises UCPError on every rank if any rank's write failed; then nothing is committed and
+    `latest` stays where it was. Returns True when nothing is left pending.
+    """
+    global _PENDING
+    p = _PENDING
+    if p is None:
+        return True
+    if blocking:
+        p.done.wait()
+    failed = p.error is not None
+    status = torch.tensor([0 if p.done.is_set() else 1, int(failed), p.nbytes], dtype=torch.int64,
+                          device=_collective_device())
+    dist.all_reduce(status)  # [ranks still writing, ranks that failed, bytes written]
+    running, n_failed, nbytes = (int(x) for x in status.cpu().tolist())
+    if running and not n_failed:
+        return False
+    if running:  # a rank failed while others still write: wait for them, then clean up
+        p.done.wait()
+    _PENDING = None
+    if p.thread is not None:
+        p.thread.join()
+    commit_error = None
+    if dist.get_rank() == 0:
+        if n_failed:
+            shutil.rmtree(p.partial, ignore_errors=True)
+        else:
+            try:
+                _commit(p, nbytes)
+            except OSError as e:
+                commit_error = e
+    flag = torch.tensor([int(commit_error is not None)], device=_collective_device())
+    dist.all_reduce(flag)  # every rank returns only after rank 0 has committed (or failed to)
+    if n_failed:
+        mine = f"here: {p.error!r}" if failed else "this rank's file was written"
+        raise UCPError(f"saving iteration {p.iteration} to {p.final} failed on {n_failed} rank(s) "
+                       f"({mine}); nothing was committed and {p.root / mf.LATEST} still names the "
+                       "previous checkpoint. Fix the cause (disk space, permissions) and save again"
+                       ) from p.error
+    if int(flag.item()):
+        raise UCPError(f"committing iteration {p.iteration} to {p.final} failed on rank 0"
+                       + (f": {commit_error}" if commit_error else "") + "; the previous checkpoint "
+                       "is still the latest")
+    if dist.get_rank() == 0:
+        blocked = p.stage_seconds if p.thread is not None else time.perf_counter() - p.started
+        print(f"[megatron-ucp] saved iteration {p.iteration} to {p.final} ({nbytes / 2**20:.1f} MiB) in "
+              f"{time.perf_counter() - p.started:.2f}s, training blocked {blocked:.2f}s", flush=True)
+    return True
+
+
+def _commit(p: PendingSave, nbytes: int) -> None:
+    """Manifest last, fsync, rename into place, then move `latest` (rank 0)."""
+    mf.write(p.partial, {**p.manifest, "bytes": nbytes})
+    fsync_dir(p.partial)
+    if p.final.exists():  # re-saving an iteration: swap, never delete the old one first
+        old = p.root / f".{p.final.name}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        p.final.rename(old)
+        p.partial.rename(p.final)
+        shutil.rmtree(old)
+    else:
+        p.partial.rename(p.final)
+    fsync_dir(p.root)
+    mf.write_latest(p.root, p.final.name)
+
+
+def pending() -> int | None:
+    """The iteration of the save that is written but not committed yet, if any."""
+    return None if _PENDING is None else _PENDING.iteration
+
+
+@atexit.register
+def _finalize_at_exit() -> None:
+    """Interpreter exit waits for the background writer; it commits if the process group is up."""
+    p = _PENDING
+    if p is None:
+        return
+    p.done.wait()
+    if dist.is_available() and dist.is_initialized():
+        try:
+            finalize(blocking=True)
+            return
+        except Exception as e:  # at exit nobody can catch it: say it loudly
+            print(f"[megatron-ucp] ERROR: the asynchronous save of iteration {p.iteration} failed at "
+                  f"exit: {e}", file=sys.stderr, flush=True)
+            return
+    print(f"[megatron-ucp] WARNING: the asynchronous save of iteration {p.iteration} was written but "
+          "not committed (the process group was destroyed first: call megatron_ucp.finalize() "
+          f"before destroy_process_group); {p.root / mf.LATEST} still names the previous checkpoint",
+          file=sys.stderr, flush=True)
 
 
 def _merge_specs(gathered: list) -> dict:
     merged: dict[str, dict] = {}
-    for specs, _ in gathered:
+    for specs in gathered:
         for spec in specs:
             prev = merged.setdefault(spec["name"], {**spec, "aliases": []})
             if {**prev, "aliases": []} != {**spec, "aliases": []}:

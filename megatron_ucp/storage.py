@@ -35,7 +35,11 @@ NAME_TO_DTYPE = {v: k for k, v in DTYPE_NAMES.items()}
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The tensor's raw bytes without a copy (a copy only if it is not contiguous)."""
+    """The tensor's raw bytes without a copy (a copy only if it is not contiguous). Host tensors
+    only: device state reaches files through `megatron_ucp.staging`."""
+    if t.device.type != "cpu":
+        raise ValueError(f"a {t.device} tensor reached the file writer; stage it to host memory "
+                         "first (megatron_ucp.staging.HostStager)")
     t = t.detach().contiguous()
     return memoryview(t.view(torch.uint8).reshape(-1).numpy())
 

@@ -2,9 +2,11 @@
 
 One launch (megatron_ucp.testing.faults:save_then_die, real megatron-core on the CPU shim) trains
 2 steps, commits iter_0000002, trains a 3rd step and starts saving iter_0000003; rank 1 writes
-half of its rank file and is SIGKILLed by the launcher. A second launch loads the save root at the
-same layout and dumps its raw megatron-core state, which must equal, bit for bit, the state dumped
-just before iter_0000002 was saved; its first training step must reproduce the 3rd step's loss.
+half of its rank file and is SIGKILLed by the launcher. The second save is synchronous, or
+asynchronous (rank 1's background writer dies while the ranks train on and wait in finalize).
+A second launch loads the save root at the same layout and dumps its raw megatron-core state,
+which must equal, bit for bit, the state dumped just before iter_0000002 was saved; its first
+training step must reproduce the 3rd step's loss.
 """
 
 from __future__ import annotations
@@ -29,15 +31,16 @@ def _dump(dump_dir, rank: int) -> dict:
     return {(e["chunk"], e["name"]): e for e in d["params"]}
 
 
-@pytest.fixture(scope="module")
-def crashed(tmp_path_factory):
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def crashed(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fault")
     run = {"root": tmp / "ckpt", "marker": tmp / "rank1_stalled_mid_write",
            "dump_saved": tmp / "dump_at_save", "record": tmp / "record.json", "tmp": tmp}
     with pytest.raises(LaunchError) as ei:
         launch(2, "megatron_ucp.testing.faults:save_then_die",
                {"layout": LAYOUT, "cfg": {}, "save_dir": str(run["root"]), "marker": str(run["marker"]),
-                "victim": 1, "steps": 2, "dump_dir": str(run["dump_saved"]), "record": str(run["record"])},
+                "victim": 1, "steps": 2, "dump_dir": str(run["dump_saved"]), "record": str(run["record"]),
+                "async_save": request.param},
                timeout=240, kill_rank_after=(1, str(run["marker"])))
     run["error"] = str(ei.value)
     return run

@@ -139,12 +139,14 @@ def _tensor_type(self, dtype=None, non_blocking=False, **kw):
 
 
 _INSTALLED = False
+# A real GPU (and no UCP_CPU_SHIM=1): the shim stays out of the way and tests run on CUDA.
+REAL_CUDA = os.environ.get("UCP_CPU_SHIM") != "1" and torch.cuda.is_available()
 
 
 def install() -> None:
-    """Install the shim (idempotent). Importing this module installs it."""
+    """Install the shim (idempotent). Importing this module installs it, unless a GPU is present."""
     global _INSTALLED
-    if _INSTALLED:
+    if _INSTALLED or REAL_CUDA:
         return
     for name, fn in _cuda_api.items():
         setattr(torch.cuda, name, fn)

@@ -46,16 +46,20 @@ def _dying_write_rank_file(marker: str):
     return dying
 
 
-def _save(save_module, st: tg.TrainState, save_dir: str) -> None:
+def _save(save_module, st: tg.TrainState, save_dir: str, async_save: bool = False) -> None:
     save_module.save(st.model, st.optimizer, st.scheduler, save_dir, st.iteration, seed=st.config.seed,
-                     extra={"consumed_samples": st.iteration * st.config.global_batch_size})
+                     extra={"consumed_samples": st.iteration * st.config.global_batch_size},
+                     async_save=async_save)
 
 
 def save_then_die(layout: str, cfg: dict, save_dir: str, marker: str, victim: int = 1,
-                  steps: int = 2, dump_dir: str | None = None, record: str | None = None) -> dict:
+                  steps: int = 2, dump_dir: str | None = None, record: str | None = None,
+                  async_save: bool = False) -> dict:
     """Train `steps`, save iteration `steps`, train one more step, then save again while rank
     `victim` dies mid-write. dump_dir: raw local state at the first save (scenarios.dump_local_state).
-    record: JSON file (rank 0) with the losses, including the step after the good checkpoint."""
+    record: JSON file (rank 0) with the losses, including the step after the good checkpoint.
+    async_save: the second save is asynchronous: the victim's background writer stalls while every
+    rank goes on to train and then waits in `finalize` (the commit never happens)."""
     save_module = _save_module()
     st = scenarios._setup(layout, cfg)
     losses = [tg.train_step(st) for _ in range(steps)]
@@ -67,5 +71,8 @@ def save_then_die(layout: str, cfg: dict, save_dir: str, marker: str, victim: in
         Path(record).write_text(json.dumps({"losses": losses}))
     if dist.get_rank() == victim:
         save_module.write_rank_file = _dying_write_rank_file(marker)
-    _save(save_module, st, save_dir)
+    _save(save_module, st, save_dir, async_save)
+    if async_save:
+        tg.train_step(st)  # training goes on while the writer works
+        save_module.finalize()
     raise RuntimeError("the second save completed although a rank was meant to die in it")

@@ -7,6 +7,7 @@ accessors, so tests can assemble full tensors independently of megatron_ucp's ma
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.utils import unwrap_model
 
 import megatron_ucp as ucp
+from megatron_ucp import saver
 from megatron_ucp.layout import Layout
 from megatron_ucp.testing import tiny_gpt as tg  # installs the CPU shim first
 
@@ -32,24 +34,31 @@ def _setup(layout: str, cfg: dict) -> tg.TrainState:
     return tg.build(tg.TinyGPTConfig(**cfg), lay)
 
 
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True)
+
+
 def dump_local_state(state: tg.TrainState, dump_dir: str) -> None:
     """Write rank<r>.pt: every local param's model tensor, optimizer shard and step."""
     opts = getattr(state.optimizer, "chained_optimizers", None) or [state.optimizer]
     entries = []
     for chunk_index, chunk in enumerate(state.model):
         for name, p in unwrap_model(chunk).named_parameters():
-            e = {"chunk": chunk_index, "name": name, "model": p.detach().clone(), "range": None}
+            e = {"chunk": chunk_index, "name": name, "model": _host_copy(p), "range": None}
             for o in opts:
                 if p in o.model_param_group_index_map:
                     r = o._get_model_param_range_map(p)["param"]
                     s = o._get_main_param_and_optimizer_states(p)
-                    e.update(range=(r.start, r.end), step=float(s["step"]),
-                             **{k: s[k].detach().clone() for k in ("param", "exp_avg", "exp_avg_sq")})
+                    # torch Adam keeps the step per parameter, TE/Apex FusedAdam per param group
+                    step = s["step"] if "step" in s else \
+                        o.optimizer.param_groups[o.model_param_group_index_map[p][0]]["step"]
+                    e.update(range=(r.start, r.end), step=float(step),
+                             **{k: _host_copy(s[k]) for k in ("param", "exp_avg", "exp_avg_sq")})
             entries.append(e)
         persistent = unwrap_model(chunk).state_dict(keep_vars=True)
         for name, b in unwrap_model(chunk).named_buffers():
             if name in persistent and b.is_floating_point():
-                entries.append({"chunk": chunk_index, "name": name, "model": b.detach().clone(),
+                entries.append({"chunk": chunk_index, "name": name, "model": _host_copy(b),
                                 "range": None})
     coords = {"tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
               "dp": ps.get_data_parallel_rank(), "layout": str(state.layout),
@@ -62,23 +71,95 @@ def dump_local_state(state: tg.TrainState, dump_dir: str) -> None:
     torch.save({"coords": coords, "params": entries}, Path(dump_dir) / f"rank{dist.get_rank()}.pt")
 
 
+def _save(st: tg.TrainState, save_dir: str, async_save: bool = False) -> None:
+    ucp.save(st.model, st.optimizer, st.scheduler, save_dir, st.iteration,
+             extra={"consumed_samples": st.iteration * st.config.global_batch_size}, seed=st.config.seed,
+             vocab_size=st.config.unpadded_vocab_size, async_save=async_save)
+
+
 def train_and_save(layout: str, cfg: dict, steps: int, save_dir: str, continue_steps: int = 0,
-                   dump_dir: str | None = None) -> dict:
-    """Train `steps`, save, then keep training `continue_steps` (the no-interruption reference)."""
+                   dump_dir: str | None = None, async_save: bool = False) -> dict:
+    """Train `steps`, save, then keep training `continue_steps` (the no-interruption reference).
+
+    async_save: the background writer is held until the continued steps have changed every
+    parameter and Adam moment in place, so the files must come from the staged copies.
+    """
     st = _setup(layout, cfg)
     losses = [tg.train_step(st) for _ in range(steps)]
     if dump_dir:
         dump_local_state(st, dump_dir)
     dist.barrier()
+    gate = threading.Event()
+    if async_save:
+        saver.before_background_write = lambda pending: gate.wait()
     t0 = time.perf_counter()
-    ucp.save(st.model, st.optimizer, st.scheduler, save_dir, st.iteration,
-             extra={"consumed_samples": st.iteration * st.config.global_batch_size}, seed=st.config.seed,
-             vocab_size=st.config.unpadded_vocab_size)
+    _save(st, save_dir, async_save)
     save_s = time.perf_counter() - t0
     scaler = _scaler_state(st)
     continued = [tg.train_step(st) for _ in range(continue_steps)]
+    uncommitted = saver.pending()
+    gate.set()
+    ucp.finalize()
+    saver.before_background_write = None
+    adam = type(inner_optimizer(st))
+    optimizer = f"{adam.__module__}.{adam.__name__}"
     tg.destroy()
-    return {"losses": losses, "continued": continued, "save_seconds": save_s, "grad_scaler": scaler}
+    return {"losses": losses, "continued": continued, "save_seconds": save_s, "grad_scaler": scaler,
+            "pending_while_training": uncommitted, "optimizer": optimizer}
+
+
+def inner_optimizer(st: tg.TrainState):
+    """The Adam implementation megatron-core picked (torch, or TE/Apex FusedAdam)."""
+    opts = getattr(st.optimizer, "chained_optimizers", None) or [st.optimizer]
+    return opts[0].optimizer
+
+
+def async_saves(layout: str, cfg: dict, save_dir: str, dump_dir: str, fail_rank: int | None = None) -> dict:
+    """Async save at step 2, two async saves in a row (3 and 4, the second commits the first), then
+    (fail_rank) an async save 5 whose background write raises ENOSPC on that rank: the error comes
+    out of the next finalize on every rank, once, and save 6 works again."""
+    st = _setup(layout, cfg)
+    out: dict = {"committed": []}
+    for _ in range(2):
+        tg.train_step(st)
+    dump_local_state(st, dump_dir)
+    _save(st, save_dir, async_save=True)
+    out["pending_after_save"] = saver.pending()
+    tg.train_step(st)
+    _save(st, save_dir, async_save=True)  # commits iteration 2 first
+    out["committed"].append(_latest(save_dir))
+    tg.train_step(st)
+    _save(st, save_dir, async_save=True)
+    ucp.finalize()
+    out["committed"].append(_latest(save_dir))
+    out["pending_after_finalize"] = saver.pending()
+    if fail_rank is not None:
+        tg.train_step(st)
+        real = saver.write_rank_file
+        if dist.get_rank() == fail_rank:
+            def full_disk(path, *a, **k):
+                raise OSError(28, "No space left on device", str(path))
+            saver.write_rank_file = full_disk
+        _save(st, save_dir, async_save=True)
+        try:
+            ucp.finalize()
+            out["error"] = None
+        except ucp.UCPError as e:
+            out["error"] = str(e)
+        saver.write_rank_file = real
+        out["latest_after_error"] = _latest(save_dir)
+        out["second_finalize"] = ucp.finalize()  # the error is not raised twice
+        tg.train_step(st)
+        _save(st, save_dir, async_save=True)
+        ucp.finalize()
+        out["latest_after_retry"] = _latest(save_dir)
+    tg.destroy()
+    return out
+
+
+def _latest(save_dir: str) -> str:
+    dist.barrier()
+    return (Path(save_dir) / "latest").read_text().strip()
 
 
 def load_and_train(layout: str, cfg: dict, load_dir: str, steps: int, dump_dir: str | None = None,

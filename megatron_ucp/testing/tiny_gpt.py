@@ -1,8 +1,10 @@
-"""A tiny megatron-core GPT trained on CPU: model, DDP, DistributedOptimizer, LR schedule, data.
+"""A tiny megatron-core GPT: model, DDP, DistributedOptimizer, LR schedule, data.
 
-Everything here is real megatron-core; the only stand-in is `cpu_shim` for torch.cuda. The data is a
-deterministic synthetic token stream indexed by global sample number, so every layout sees the same
-global batches and losses are comparable across layouts.
+Everything here is real megatron-core. On a CPU-only host the only stand-in is `cpu_shim` for
+torch.cuda (gloo); on a GPU host the shim stays off and the same code runs on CUDA with NCCL, with
+`transformer_impl="transformer_engine"` for Transformer Engine layers. The data is a deterministic
+synthetic token stream indexed by global sample number, so every layout sees the same global
+batches and losses are comparable across layouts.
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ from megatron.core.distributed import (
     finalize_model_grads,
 )
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -39,6 +44,7 @@ from megatron.core.transformer.transformer_block import (
 from megatron_ucp.layout import Layout
 from megatron_ucp.testing import cpu_shim  # noqa: F401  (must precede megatron.core)
 from megatron_ucp.testing.cp_attention import ContextParallelDotProductAttention, split_for_cp
+from megatron_ucp.testing.cpu_shim import REAL_CUDA
 
 
 class SequenceParallelTorchNorm:
@@ -87,6 +93,7 @@ class TinyGPTConfig:
     sequence_parallel: bool = False
     num_experts: int | None = None  # MoE in every layer (top-2 router, allgather dispatcher)
     moe_grouped_gemm: bool = False
+    transformer_impl: str = "local"  # or "transformer_engine" (needs a GPU and TE)
     seed: int = 1234
     # optimizer and schedule
     lr: float = 1e-3
@@ -110,9 +117,12 @@ class TrainState:
 
 
 def init_distributed(layout: Layout) -> None:
-    """gloo process group from RANK/WORLD_SIZE/MASTER_* env, then megatron-core's groups."""
+    """gloo (CPU) or NCCL (GPU) process group from RANK/WORLD_SIZE/MASTER_* env, then
+    megatron-core's groups."""
+    if REAL_CUDA:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if REAL_CUDA else "gloo")
     if dist.get_world_size() != layout.world_size:
         raise ValueError(f"{layout} needs {layout.world_size} processes, got {dist.get_world_size()}")
     ps.initialize_model_parallel(
@@ -150,7 +160,8 @@ def transformer_config(cfg: TinyGPTConfig, layout: Layout) -> TransformerConfig:
         pipeline_dtype=dtype,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        use_cpu_initialization=True,  # full weights drawn on CPU then split: init independent of TP
+        # full weights drawn on CPU then split: init independent of TP (TE layers draw on the GPU)
+        use_cpu_initialization=cfg.transformer_impl == "local",
         gradient_accumulation_fusion=False,
         masked_softmax_fusion=False,
         bias_activation_fusion=False,
@@ -176,10 +187,16 @@ def build(cfg: TinyGPTConfig, layout: Layout) -> TrainState:
     torch.manual_seed(cfg.seed)  # identical on every rank: full weights drawn on CPU, then split
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
     tf_config = transformer_config(cfg, layout)
-    layer_spec = get_gpt_layer_local_spec(
-        num_experts=cfg.num_experts, moe_grouped_gemm=cfg.moe_grouped_gemm,
-        qk_layernorm=cfg.qk_layernorm, normalization=cfg.normalization,
-    )
+    if cfg.transformer_impl == "transformer_engine":
+        layer_spec = get_gpt_layer_with_transformer_engine_spec(
+            num_experts=cfg.num_experts, moe_grouped_gemm=cfg.moe_grouped_gemm,
+            qk_layernorm=cfg.qk_layernorm,
+        )
+    else:
+        layer_spec = get_gpt_layer_local_spec(
+            num_experts=cfg.num_experts, moe_grouped_gemm=cfg.moe_grouped_gemm,
+            qk_layernorm=cfg.qk_layernorm, normalization=cfg.normalization,
+        )
     if layout.cp > 1:  # megatron-core's CP attention needs TE: see cp_attention
         layer_spec = _replace_module(layer_spec, DotProductAttention, ContextParallelDotProductAttention)
     chunks = []
@@ -203,6 +220,7 @@ def build(cfg: TinyGPTConfig, layout: Layout) -> TrainState:
             position_embedding_type=cfg.position_embedding_type,
             vp_stage=vp,
         )
+        model.cuda(torch.cuda.current_device())  # as Megatron-LM's get_model (a no-op on the shim)
         if tf_config.bf16 or tf_config.fp16:
             model = Float16Module(tf_config, model)
         chunks.append(model)
@@ -269,14 +287,14 @@ def _micro_batches(cfg: TinyGPTConfig, iteration: int) -> list[dict]:
     for mb in range(per_rank // cfg.micro_batch_size):
         idx = range(first + mb * cfg.micro_batch_size, first + (mb + 1) * cfg.micro_batch_size)
         seqs = torch.stack([sample_tokens(cfg, i) for i in idx])
-        batches.append(
-            {  # a context-parallel rank keeps its share of the sequence (mask: see cp_attention)
-                "tokens": split_for_cp(seqs[:, :-1].contiguous()),
-                "labels": split_for_cp(seqs[:, 1:].contiguous()),
-                "position_ids": split_for_cp(torch.arange(cfg.seq_length).expand(len(idx), -1)),
-                "attention_mask": mask,
-            }
-        )
+        batch = {  # a context-parallel rank keeps its share of the sequence (mask: see cp_attention)
+            "tokens": split_for_cp(seqs[:, :-1].contiguous()),
+            "labels": split_for_cp(seqs[:, 1:].contiguous()),
+            "position_ids": split_for_cp(torch.arange(cfg.seq_length).expand(len(idx), -1)),
+            # TE's causal attention builds its own mask
+            "attention_mask": None if cfg.transformer_impl == "transformer_engine" else mask,
+        }
+        batches.append({k: v if v is None else v.cuda() for k, v in batch.items()})
     return batches
 
 
@@ -318,7 +336,7 @@ def train_step(state: TrainState) -> float:
     state.optimizer.step()
     state.scheduler.step(increment=cfg.global_batch_size)
     state.iteration += 1
-    local = torch.zeros(1, dtype=torch.float64)
+    local = torch.zeros(1, dtype=torch.float64).cuda()  # NCCL reduces device tensors
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         local += sum(float(x["lm loss"]) for x in losses) / num_mb / layout.dp
     dist.all_reduce(local)  # DP mean; other PP stages contribute 0
