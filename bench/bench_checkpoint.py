@@ -55,6 +55,13 @@ CONVERT_LABELS = {"convert": "megatron_ucp.convert (consolidate)",
 MiB = 2**20
 
 
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree (PYTHONPATH)
+        return "source tree"
+
+
 def resolve_layout(text: str, nprocs: int | None) -> tuple[str, int]:
     """'tp2pp2' + nprocs 8 -> TP2xPP2xDP2; without nprocs the unnamed DP is 1."""
     lay = Layout.parse(text)
@@ -369,7 +376,7 @@ def main(argv: list[str] | None = None) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
     sample_s = args.mem_sample_ms / 1000
     res: dict = {"args": vars(args), "model": {"config": cfg, "params": params},
-                 "env": {"cpus": os.cpu_count(), **{p: importlib.metadata.version(p) for p in
+                 "env": {"cpus": os.cpu_count(), **{p: _version(p) for p in
                                                     ("torch", "megatron-core", "megatron-ucp")}}}
     t_all = time.perf_counter()
     res["loadavg_before"] = os.getloadavg()[0]

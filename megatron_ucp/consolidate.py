@@ -34,7 +34,9 @@ def convert(fragments_dir: str | Path, universal_dir: str | Path, *, progress: b
     partial.mkdir(parents=True)
 
     true_vocab = manifest["model"].get("unpadded_vocab_size")
-    params = {n: _without_padding(spec, true_vocab) for n, spec in manifest["params"].items()}
+    # the universal form keeps each spec, not the fragment index (the slices of the saving layout)
+    params = {n: _without_padding({k: v for k, v in spec.items() if k != "slices"}, true_vocab)
+              for n, spec in manifest["params"].items()}
     bar = tqdm(total=len(params), desc="consolidate", unit="param", disable=not progress)
     shapes = {n: s["shape"] for n, s in params.items()}
     entries = write_params(partial, params,

@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 
 from megatron_ucp.errors import UCPError
-from megatron_ucp.spec import Piece
-from megatron_ucp.storage import Reader, SafetensorsWriter, crc32
+from megatron_ucp.fragment_index import paused_gc
+from megatron_ucp.spec import Piece, states_of
+from megatron_ucp.storage import Reader, SafetensorsWriter, crc32, crc32_many
 
 RECENT_BYTES = 256 * 2**20  # whole local tensors kept for transposed pieces (oldest evicted first)
 
@@ -62,8 +63,9 @@ def write_rank_file(path: Path, fragments: list[Fragment], rng_tensors: dict[str
     """Write one rank's fragments; returns bytes written. The file is fsynced before returning."""
     entries = [(f"{f.name}/{s}", torch.float32, (f.end - f.start,)) for f in fragments for s in f.tensors]
     entries += [(f"rng/{k}", v.dtype, tuple(v.shape)) for k, v in rng_tensors.items()]
+    crcs = iter(crc32_many([t for f in fragments for t in f.tensors.values()]))
     for f in fragments:
-        f.crc = {s: crc32(t) for s, t in f.tensors.items()}
+        f.crc = {s: next(crcs) for s in f.tensors}
     meta = {"fragments": json.dumps([f.to_json() for f in fragments]),
             "rng": json.dumps(rng_meta), "coords": json.dumps(coords)}
     w = SafetensorsWriter(path, entries, meta)
@@ -99,12 +101,43 @@ class FragmentSource:
         self.verify_checksums = verify_checksums
         self.tensors: dict[str, list[SourceTensor]] = {}
         self.steps: dict[str, float] = {}
-        for rank in range(manifest["layout_world_size"]):
-            path = self.dir / rank_file_name(rank)
-            meta = self.reader.metadata(path)
-            for d in json.loads(meta.get("fragments", "[]")):
-                self._add(Fragment.from_json(d, path))
+        self._crcs: dict[Path, dict[tuple[str, int], dict[str, int]]] = {}  # from rank file headers
+        if all("slices" in p for p in manifest["params"].values()):  # version 3: the manifest indexes
+            with paused_gc():                                        # them, no rank file is opened
+                self._from_index()
+        else:  # versions 1 and 2: every rank file's header lists its fragments
+            for rank in range(manifest["layout_world_size"]):
+                path = self.dir / rank_file_name(rank)
+                for d in json.loads(self.reader.metadata(path).get("fragments", "[]")):
+                    self._add(Fragment.from_json(d, path))
         self._check_coverage()
+
+    def _from_index(self) -> None:
+        files = [self.dir / f for f in self.manifest["files"]]
+        for name, p in self.manifest["params"].items():
+            self.steps[name] = p["step"]
+            for s in p["slices"]:
+                shape, pieces = tuple(s["local_shape"]), [Piece.from_json(x) for x in s["pieces"]]
+                try:
+                    frags = [Fragment(name, shape, pieces, a, b, p["step"], file=files[i])
+                             for i, a, b in s["fragments"]]
+                except (IndexError, TypeError, ValueError) as e:
+                    raise UCPError(f"{self.dir / 'manifest.json'}: parameter {name}: bad fragment "
+                                   f"entry ({e}); the manifest is damaged") from e
+                self.tensors.setdefault(name, []).append(SourceTensor(shape, pieces, frags))
+
+    def _crc(self, f: Fragment, state: str) -> int:
+        """A fragment's checksum, from its rank file's header (read when the file is opened)."""
+        if not f.crc:
+            if f.file not in self._crcs:
+                self._crcs[f.file] = {(d["name"], d["range"][0]): d["crc32"] for d in json.loads(
+                    self.reader.metadata(f.file).get("fragments", "[]"))}
+            crc = self._crcs[f.file].get((f.name, f.start))
+            if crc is None:
+                raise UCPError(f"{f.file}: has no fragment of {f.name} at element {f.start}, which "
+                               "the manifest puts there; the file is from another save")
+            f.crc = crc
+        return f.crc[state]
 
     def _add(self, f: Fragment) -> None:
         if f.name in self.steps and self.steps[f.name] != f.step:
@@ -151,9 +184,10 @@ class FragmentSource:
             _check_tiling(self.dir, name, [p for st in sts for p in st.pieces])
             for st in sts:
                 for f in st.fragments:
-                    for state in f.crc:
-                        self._read_flat(name, state, st, f.start, f.end)
-                        n += 1
+                    for state in states_of(self.manifest["params"][name]):
+                        if self._crc(f, state) is not None:
+                            self._read_flat(name, state, st, f.start, f.end)
+                            n += 1
         return n
 
     def _read_whole(self, name: str, state: str, st: SourceTensor) -> torch.Tensor:
@@ -178,7 +212,7 @@ class FragmentSource:
             key = f"{name}/{state}"
             if s == f.start and e == f.end:
                 t = self.reader.read(f.file, key)
-                if self.verify_checksums and crc32(t) != f.crc[state]:
+                if self.verify_checksums and crc32(t) != self._crc(f, state):
                     raise UCPError(f"{f.file}: checksum mismatch in tensor {key!r}; the file is "
                                    "corrupt: restore it or load an earlier iteration")
             else:

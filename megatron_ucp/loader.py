@@ -8,6 +8,7 @@ optimizer's own main->model copy and DP all-gather, exactly as after a training 
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from megatron_ucp.optimizer_state import OptimizerIndex
 from megatron_ucp.param_spec import LocalParam, local_params
 from megatron_ucp.sources import open_source
 from megatron_ucp.spec import STATES, Piece
+from megatron_ucp.staging import collective_device
 from megatron_ucp.validation import check_layout, check_model_config, model_config
 
 
@@ -33,6 +35,7 @@ class LoadResult:
     source_layout: Layout
     rng_restored: bool  # False: layout changed, generators re-derived from the seed
     bytes_read: int  # by this rank
+    files_opened: int = 0  # checkpoint data files this rank opened
 
 
 def read_local(source, lp: LocalParam, state: str, a: int, b: int) -> torch.Tensor:
@@ -48,6 +51,13 @@ def read_local(source, lp: LocalParam, state: str, a: int, b: int) -> torch.Tens
         if lp.spec.vocab_rows:
             shape[0] = max(0, min(shape[0], saved_rows - pc.offset[0]))
         if 0 in shape:
+            continue
+        if pc.contiguous:  # exactly the elements [a, b): no neighbouring rank's bytes are read
+            lo, hi = max(a, pc.start) - pc.start, min(b, pc.start + math.prod(shape)) - pc.start
+            for box_offset, box_shape in flat_range_boxes(tuple(shape), lo, hi):
+                sub = Piece(pc.start + sum(o * st for o, st in zip(box_offset, pc.strides)),
+                            tuple(o + p for o, p in zip(box_offset, pc.offset)), box_shape, pc.strides)
+                parts.append((sub, source.read(lp.spec.name, state, sub.offset, box_shape)))
             continue
         # narrow the outermost (largest-stride) dim to the indices that can reach [a, b)
         d = max(range(len(shape)), key=lambda k: pc.strides[k])
@@ -70,6 +80,29 @@ def read_local(source, lp: LocalParam, state: str, a: int, b: int) -> torch.Tens
     return buf[a - lo:b - lo]
 
 
+def flat_range_boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple, tuple]]:
+    """Boxes (offset, shape) that cover elements [lo, hi) of a row-major tensor of `shape`, in
+    order, each contiguous: a partial first row, whole rows, a partial last row (recursively)."""
+    if hi <= lo:
+        return []
+    if len(shape) == 1:
+        return [((lo,), (hi - lo,))]
+    inner = math.prod(shape[1:])
+    first, last = lo // inner, (hi - 1) // inner
+    if first == last:
+        return [((first, *o), (1, *sh)) for o, sh in flat_range_boxes(shape[1:], lo % inner,
+                                                                       hi - first * inner)]
+    out = []
+    if lo % inner:
+        out += [((first, *o), (1, *sh)) for o, sh in flat_range_boxes(shape[1:], lo % inner, inner)]
+        first += 1
+    if hi // inner > first:
+        out.append(((first,) + (0,) * (len(shape) - 1), (hi // inner - first, *shape[1:])))
+    if hi % inner:
+        out += [((hi // inner, *o), (1, *sh)) for o, sh in flat_range_boxes(shape[1:], 0, hi % inner)]
+    return out
+
+
 def _check_params(source, params: list[LocalParam], strict: bool) -> None:
     saved = source.manifest["params"]
     where = source.dir
@@ -88,9 +121,14 @@ def _check_params(source, params: list[LocalParam], strict: bool) -> None:
             if spec[k] != mine:
                 raise UCPError(f"{where}: parameter {lp.spec.name}: checkpoint {k}={spec[k]}, "
                                f"model {k}={mine}; the model architecture differs")
-    names = [None] * dist.get_world_size()
-    dist.all_gather_object(names, sorted({lp.spec.name for lp in params}))
-    extra = sorted(set(saved) - set().union(*names))
+    # Which saved tensors some rank's model holds: one flag per saved tensor, OR-reduced, so the
+    # traffic does not grow with the number of ranks (no all-to-all of names).
+    order = {name: i for i, name in enumerate(sorted(saved))}
+    held = torch.zeros(len(order), dtype=torch.uint8)
+    held[[order[lp.spec.name] for lp in params]] = 1
+    held = held.to(collective_device())
+    dist.all_reduce(held, op=dist.ReduceOp.MAX)
+    extra = [name for name, flag in zip(sorted(saved), held.cpu().tolist()) if not flag]
     if extra and strict:
         raise UCPError(f"{where}: the checkpoint has parameters the model lacks: {extra[:5]}"
                        f"{' ...' if len(extra) > 5 else ''} ({len(extra)} in all); build the same "
@@ -159,4 +197,4 @@ def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: 
         print(f"[megatron-ucp] loaded iteration {manifest['iteration']} ({manifest['kind']}, saved "
               f"at {source_layout}) at {layout} in {time.perf_counter() - t0:.2f}s", flush=True)
     return LoadResult(manifest["iteration"], manifest.get("extra", {}), source.dir, source_layout,
-                      bool(rng_tensors), source.reader.bytes_read)
+                      bool(rng_tensors), source.reader.bytes_read, len(source.reader.handles))

@@ -12,10 +12,13 @@ import json
 from pathlib import Path
 
 from megatron_ucp.errors import UCPError
+from megatron_ucp.fragment_index import paused_gc
 from megatron_ucp.storage import write_text_atomic
 
 FORMAT = "megatron-ucp"
-VERSION = 2  # 2: fragment pieces carry strides (version 1: blocks of rows, still read)
+# 3: the manifest indexes every fragment (which file holds which range); 2: fragment pieces carry
+# strides; 1: blocks of rows. Versions 1 and 2 are still read (their index is in the rank files).
+VERSION = 3
 MANIFEST = "manifest.json"
 LATEST = "latest"
 
@@ -62,7 +65,8 @@ def _complete(root: Path) -> str:
 def read(ckpt_dir: Path) -> dict:
     path = Path(ckpt_dir) / MANIFEST
     try:
-        manifest = json.loads(path.read_text())
+        with paused_gc():  # a fragment index is millions of small lists
+            manifest = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise UCPError(f"{path}: cannot read the manifest ({e}); the checkpoint is damaged: "
                        "restore the file or load another iteration") from e
@@ -74,8 +78,15 @@ def read(ckpt_dir: Path) -> dict:
     return manifest
 
 
+def encode(manifest: dict) -> str:
+    """Compact JSON: a fragment index at thousands of ranks is tens of MB (`python -m json.tool`
+    or `megatron-ucp inspect` show it readably)."""
+    with paused_gc():
+        return json.dumps(manifest, sort_keys=True, separators=(",", ":"))
+
+
 def write(ckpt_dir: Path, manifest: dict) -> None:
-    write_text_atomic(Path(ckpt_dir) / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+    write_text_atomic(Path(ckpt_dir) / MANIFEST, encode(manifest))
 
 
 def write_latest(root: Path, ckpt_name: str) -> None:

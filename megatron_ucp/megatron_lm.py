@@ -194,10 +194,30 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
     models = model if isinstance(model, list) else [model]
     _print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {args.save} in megatron-ucp "
                   "fragment format")
+    # --async-save: the commit happens in the maybe_finalize_async_save hook (below), which the
+    # training loop calls each iteration; only install() puts it in place (not the patch route)
+    async_save = bool(getattr(args, "async_save", False))
+    if async_save and "maybe_finalize_async_save" not in _ORIGINALS:
+        _print_rank_0("  --async-save: megatron_ucp.megatron_lm.install() is not in effect (patch "
+                      "route), so this save is synchronous")
+        async_save = False
     megatron_ucp.save(models, optimizer, opt_param_scheduler, args.save, iteration, extra=extra,
-                      seed=int(getattr(args, "seed", 1234)), vocab_size=true_vocab_size(args))
+                      seed=int(getattr(args, "seed", 1234)), vocab_size=true_vocab_size(args),
+                      async_save=async_save)
     _print_rank_0(f"  successfully saved checkpoint from iteration {iteration:7d} to {args.save} "
                   "[megatron-ucp]")
+
+
+def maybe_finalize_async_save(*args, **kwargs):
+    """Megatron-LM's `maybe_finalize_async_save` (same arguments): its own queue first, then a
+    pending megatron-ucp asynchronous save (committed once every rank has written its file; with
+    blocking=True, as at the end of training, it waits). The training loop calls it on every rank
+    each iteration, which is what megatron_ucp.finalize needs."""
+    out = _original("maybe_finalize_async_save")(*args, **kwargs)
+    import megatron_ucp
+
+    megatron_ucp.finalize(blocking=bool(kwargs.get("blocking", args[0] if args else False)))
+    return out
 
 
 def _find_checkpoint(path: str | None) -> Path | None:
@@ -328,6 +348,14 @@ def install() -> None:
             _ORIGINALS[name] = current
         setattr(ckpt, name, hook)
         setattr(training, name, hook)
+    import megatron.training.async_utils as async_utils
+
+    current = async_utils.maybe_finalize_async_save
+    if current is not maybe_finalize_async_save:
+        _ORIGINALS["maybe_finalize_async_save"] = current
+    for module in (async_utils, training, ckpt):
+        if hasattr(module, "maybe_finalize_async_save"):
+            module.maybe_finalize_async_save = maybe_finalize_async_save
     arguments.parse_args = _wrap_parse_args(arguments.parse_args)
     initialize.parse_args = _wrap_parse_args(initialize.parse_args)
 

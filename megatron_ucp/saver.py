@@ -31,11 +31,12 @@ import torch.distributed as dist
 from megatron_ucp import manifest as mf
 from megatron_ucp import rng
 from megatron_ucp.errors import UCPError
+from megatron_ucp.fragment_index import build_index, merge_specs, paused_gc
 from megatron_ucp.fragments import Fragment, rank_file_name, write_rank_file
 from megatron_ucp.layout import Layout
 from megatron_ucp.optimizer_state import OptimizerIndex
 from megatron_ucp.param_spec import local_params
-from megatron_ucp.staging import HostStager, steps_to_floats
+from megatron_ucp.staging import HostStager, collective_device, steps_to_floats
 from megatron_ucp.storage import fsync_dir
 from megatron_ucp.validation import model_config
 
@@ -75,11 +76,6 @@ _PENDING: PendingSave | None = None
 before_background_write: Callable[[PendingSave], None] | None = None
 
 
-def _collective_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
-        else torch.device("cpu")
-
-
 def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: int, *,
          extra: dict | None = None, seed: int = 1234, vocab_size: int | None = None,
          async_save: bool = False) -> Path:
@@ -111,7 +107,7 @@ def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: 
     dist.barrier()
 
     index = OptimizerIndex(optimizer)
-    params = local_params(model_chunks)
+    params, specs = _model_specs(model_chunks)
     fragments, steps = [], []
     for lp in params:
         if lp.spec.buffer and lp.canonical:
@@ -133,6 +129,8 @@ def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: 
         steps.append(step)
     for f, step in zip(fragments, steps_to_floats(steps)):
         f.step = step
+    from megatron.core import parallel_state as ps
+
     # Device state -> host, once. A synchronous save on the CPU writes the optimizer's own tensors
     # (training waits for it); an asynchronous one writes copies while training goes on.
     flat = [t for f in fragments for t in f.tensors.values()]
@@ -140,21 +138,38 @@ def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: 
     for f in fragments:
         f.tensors = {s: next(staged) for s in f.tensors}
     rng_tensors, rng_meta = rng.capture()
-    from megatron.core import parallel_state as ps
-
     coords = {"tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
               "dp": ps.get_data_parallel_rank()}
-    # Metadata only: each rank's parameter specs (names, shapes, split axes).
-    specs = [lp.spec.to_json() for lp in params]
+    # Metadata only, O(fragments + tensors) at rank 0: every rank's fragment records, and the specs
+    # from one data-parallel replica of each model-parallel position (DP replicas hold the same).
+    records = [(f.name, list(f.local_shape), [p.to_json() for p in f.pieces], f.start, f.end, f.step)
+               for f in fragments]
+    dense_first = ps.get_data_parallel_rank(with_context_parallel=True) == 0
+    expert_first = ps.get_expert_data_parallel_rank() == 0
+    mine = [spec for lp, spec in zip(params, specs)
+            if (expert_first if getattr(lp.param, "allreduce", True) is False else dense_first)]
     gathered = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(specs, gathered, dst=0)
-    manifest = None
+    dist.gather_object((mine, records), gathered, dst=0)
+    manifest, error = None, None
+    if rank == 0:
+        try:
+            with paused_gc():
+                indexed = build_index(merge_specs([g[0] for g in gathered]), [g[1] for g in gathered],
+                                      where=f"saving iteration {iteration} to {final}")
+        except UCPError as e:
+            error = str(e)
+    problem = [error]
+    dist.broadcast_object_list(problem, src=0)  # a broken layout fails on every rank, uncommitted
+    if problem[0] is not None:
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise UCPError(problem[0] + f"; nothing was committed ({root / mf.LATEST} is unchanged)")
     if rank == 0:
         manifest = {
             "format": mf.FORMAT, "version": mf.VERSION, "kind": "fragments",
             "iteration": iteration, "layout": layout.to_json(), "layout_world_size": dist.get_world_size(),
             "model": {**model_config(model_chunks), "unpadded_vocab_size": vocab_size},
-            "params": _merge_specs(gathered),
+            "params": indexed,
             "optimizer": {"param_groups": index.param_groups(), "grad_scaler": index.grad_scaler()},
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "extra": extra or {}, "seed": seed,
@@ -176,6 +191,21 @@ def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: 
     return final
 
 
+_SPECS: dict[tuple, tuple[list, list[dict]]] = {}  # model identity -> (local params, their specs)
+
+
+def _model_specs(model_chunks: list) -> tuple[list, list[dict]]:
+    """`local_params` and their JSON specs, derived once per model: the derivation walks
+    megatron-core's sharded_state_dict (tens of ms), which would otherwise stall every save."""
+    # (megatron DDP has a `buffers` attribute: its grad buffers, so call the Module method)
+    key = tuple(id(t) for m in model_chunks for t in [m, *m.parameters(), *torch.nn.Module.buffers(m)])
+    if key not in _SPECS:
+        _SPECS.clear()  # one model per process; a rebuilt model gets a fresh derivation
+        params = local_params(model_chunks)
+        _SPECS[key] = (params, [lp.spec.to_json() for lp in params])
+    return _SPECS[key]
+
+
 def finalize(blocking: bool = True) -> bool:
     """Commit the pending asynchronous save once every rank has written its file.
 
@@ -192,7 +222,7 @@ def finalize(blocking: bool = True) -> bool:
         p.done.wait()
     failed = p.error is not None
     status = torch.tensor([0 if p.done.is_set() else 1, int(failed), p.nbytes], dtype=torch.int64,
-                          device=_collective_device())
+                          device=collective_device())
     dist.all_reduce(status)  # [ranks still writing, ranks that failed, bytes written]
     running, n_failed, nbytes = (int(x) for x in status.cpu().tolist())
     if running and not n_failed:
@@ -211,7 +241,7 @@ def finalize(blocking: bool = True) -> bool:
                 _commit(p, nbytes)
             except OSError as e:
                 commit_error = e
-    flag = torch.tensor([int(commit_error is not None)], device=_collective_device())
+    flag = torch.tensor([int(commit_error is not None)], device=collective_device())
     dist.all_reduce(flag)  # every rank returns only after rank 0 has committed (or failed to)
     if n_failed:
         mine = f"here: {p.error!r}" if failed else "this rank's file was written"
@@ -271,13 +301,3 @@ def _finalize_at_exit() -> None:
           f"before destroy_process_group); {p.root / mf.LATEST} still names the previous checkpoint",
           file=sys.stderr, flush=True)
 
-
-def _merge_specs(gathered: list) -> dict:
-    merged: dict[str, dict] = {}
-    for specs in gathered:
-        for spec in specs:
-            prev = merged.setdefault(spec["name"], {**spec, "aliases": []})
-            if {**prev, "aliases": []} != {**spec, "aliases": []}:
-                raise UCPError(f"parameter {spec['name']}: ranks disagree on its spec ({prev} vs {spec})")
-            prev["aliases"] = sorted(set(prev["aliases"]) | set(spec["aliases"]))
-    return dict(sorted(merged.items()))

@@ -91,3 +91,12 @@ def steps_to_floats(steps: Sequence[float | int | torch.Tensor]) -> list[float]:
                 out[i] = float(v)
     return out  # type: ignore[return-value]
 
+
+
+def collective_device() -> torch.device:
+    """Where a small tensor for a collective must live: the GPU under NCCL, else the host."""
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -13,6 +13,7 @@ import os
 import struct
 import zlib
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -46,6 +47,16 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 def crc32(t: torch.Tensor) -> int:
     return zlib.crc32(tensor_bytes(t))
+
+
+def crc32_many(tensors: list[torch.Tensor], workers: int | None = None) -> list[int]:
+    """crc32 of each tensor, computed by a few threads (zlib releases the GIL on large buffers):
+    a rank file's checksums go into its header, so they are all needed before its first byte."""
+    workers = workers or min(8, os.cpu_count() or 1)
+    if workers <= 1 or len(tensors) <= 1:
+        return [crc32(t) for t in tensors]
+    with ThreadPoolExecutor(workers, thread_name_prefix="megatron-ucp-crc") as pool:
+        return list(pool.map(crc32, tensors))
 
 
 class SafetensorsWriter:

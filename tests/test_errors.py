@@ -172,11 +172,23 @@ def test_extra_parameters_are_named(ckpt):
 
 def test_parameter_in_manifest_but_in_no_rank_file(ckpt):
     fake = "decoder.layers.0.mlp.extra_proj.weight"
+    # the index (format 3) points at fragments the rank file does not have: found when read
     edit_manifest(ckpt, lambda m: m["params"].__setitem__(
         fake, {**m["params"][FINAL_LN], "name": fake}))
+    msg = raises_ucp(lambda: open_source(ckpt).verify())
+    assert "rank_00000.safetensors: has no fragment of " + fake in msg, msg
+    assert "from another save" in msg
+    # a manifest without the index (format 2): the rank file headers decide, at open
+    edit_manifest(ckpt, lambda m: [p.pop("slices") for p in m["params"].values()])
     msg = raises_ucp(lambda: open_source(ckpt))
     assert f"no rank file holds parameter {fake}" in msg and str(ckpt / ITER) in msg, msg
     assert "incomplete" in msg
+
+
+def test_index_entry_out_of_range(ckpt):
+    edit_manifest(ckpt, lambda m: m["params"][FINAL_LN]["slices"][0]["fragments"][0].__setitem__(0, 99))
+    msg = raises_ucp(lambda: open_source(ckpt))
+    assert f"parameter {FINAL_LN}: bad fragment entry" in msg and "manifest.json" in msg, msg
 
 
 # ---- damaged files ----------------------------------------------------------------------------
@@ -207,7 +219,8 @@ def test_checksum_mismatch_in_universal(source, tmp_path):
 def test_truncated_rank_file(ckpt, tmp_path):
     path = ckpt / ITER / "rank_00001.safetensors"
     os.truncate(path, path.stat().st_size // 2)
-    for attempt in (lambda: open_source(ckpt),
+    # format 3: the manifest indexes the fragments, so a rank file is first opened when read
+    for attempt in (lambda: open_source(ckpt).verify(),
                     lambda: ucp.convert(ckpt, tmp_path / "universal", progress=False)):
         msg = raises_ucp(attempt)
         assert str(path) in msg and "truncated or corrupt" in msg, msg
@@ -217,7 +230,7 @@ def test_truncated_rank_file(ckpt, tmp_path):
 def test_missing_rank_file(ckpt):
     path = ckpt / ITER / "rank_00001.safetensors"
     path.unlink()
-    msg = raises_ucp(lambda: open_source(ckpt))
+    msg = raises_ucp(lambda: open_source(ckpt).verify())
     assert f"{path}: file is missing" in msg and "incomplete" in msg, msg
 
 

@@ -41,7 +41,9 @@ def _megatron_args(**kw) -> argparse.Namespace:
 # ------------------------------------------------------------------------- launched ranks
 
 def rank_train_and_save(save_dir: str) -> dict:
-    """TP2: train, save through the save hook (--ucp-save), then one more step (the reference)."""
+    """TP2: train, save through the save hook (--ucp-save --async-save), then one more step (the
+    reference); the commit comes from the training loop's maybe_finalize_async_save hook."""
+    from megatron_ucp import saver
     from megatron_ucp.layout import Layout
     from megatron_ucp.testing import tiny_gpt as tg
 
@@ -50,14 +52,19 @@ def rank_train_and_save(save_dir: str) -> dict:
     st = tg.build(tg.TinyGPTConfig(**CFG), layout)
     for _ in range(STEPS):
         tg.train_step(st)
-    args = _megatron_args(ucp_save=True, save=save_dir, seed=st.config.seed,
+    args = _megatron_args(ucp_save=True, save=save_dir, seed=st.config.seed, async_save=True,
                           consumed_train_samples=STEPS * CFG["global_batch_size"],
                           skipped_train_samples=3, consumed_valid_samples=5)
     megatron_lm.set_args_source(lambda: args)
+    megatron_lm._ORIGINALS["maybe_finalize_async_save"] = lambda *a, **k: calls.append((a, k))
+    calls: list = []
     megatron_lm.save_checkpoint(st.iteration, st.model, st.optimizer, st.scheduler, FLOPS)
+    pending = saver.pending()
     continued = tg.train_step(st)
+    megatron_lm.maybe_finalize_async_save(blocking=True, terminate=True)  # end of training
     tg.destroy()
-    return {"continued": continued}
+    return {"continued": continued, "pending_after_save": pending, "pending_after_finalize":
+            saver.pending(), "original_calls": [[list(a), k] for a, k in calls]}
 
 
 def rank_load_and_train(load_dir: str, empty_dir: str) -> dict:
@@ -159,6 +166,9 @@ def test_save_hook_then_load_hook_at_another_layout(tmp_path):
     save_dir, empty = tmp_path / "ckpt", tmp_path / "empty"
     empty.mkdir()
     src = launch(2, f"{THIS}:rank_train_and_save", {"save_dir": str(save_dir)}, env=env)
+    for r in src:  # --async-save: committed by the finalize hook, which also ran Megatron-LM's own
+        assert r["pending_after_save"] == STEPS and r["pending_after_finalize"] is None
+        assert r["original_calls"] == [[[], {"blocking": True, "terminate": True}]]
     manifest = json.loads((save_dir / "iter_0000002" / "manifest.json").read_text())
     assert (save_dir / "latest").read_text().strip() == "iter_0000002"
     assert manifest["model"]["unpadded_vocab_size"] == 251

@@ -137,7 +137,12 @@ def init_distributed(layout: Layout) -> None:
 def transformer_config(cfg: TinyGPTConfig, layout: Layout) -> TransformerConfig:
     bf16, fp16 = cfg.dtype == "bf16", cfg.dtype == "fp16"
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.dtype, torch.float32)
-    return TransformerConfig(
+    return TransformerConfig(**{**_config_fields(cfg, layout, bf16, fp16, dtype), **cfg.extra})
+
+
+def _config_fields(cfg: TinyGPTConfig, layout: Layout, bf16: bool, fp16: bool, dtype) -> dict:
+    """TransformerConfig fields for `cfg` at `layout` (cfg.extra may override any of them)."""
+    return dict(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
@@ -178,7 +183,6 @@ def transformer_config(cfg: TinyGPTConfig, layout: Layout) -> TransformerConfig:
         # backward gradient with a forward activation of the same shape.
         batch_p2p_comm=not layout.vpp,
         overlap_p2p_comm=bool(layout.vpp),
-        **cfg.extra,
     )
 
 
