@@ -98,9 +98,9 @@ def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: 
     root = Path(path)
     final = root / mf.iteration_dir_name(iteration)
     partial = root / f".{final.name}.partial"
+    if root.exists() and not root.is_dir():  # every rank sees it (one filesystem): all raise
+        raise UCPError(f"{root}: the save root is a file; pass a directory")
     if rank == 0:
-        if root.exists() and not root.is_dir():
-            raise UCPError(f"{root}: the save root is a file; pass a directory")
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir()

@@ -39,6 +39,16 @@ def test_model_built_for_another_layout_is_refused_before_commit(tmp_path):
     assert root.is_dir() and list(root.iterdir()) == []  # no latest, no iter_*, no .partial
 
 
+def test_save_root_that_is_a_file_fails_on_every_rank(tmp_path):
+    root = tmp_path / "not_a_dir"
+    root.write_text("x")
+    with pytest.raises(LaunchError) as ei:
+        launch(2, f"{SCENARIOS}:train_and_save",
+               {"layout": "tp2", "cfg": {}, "steps": 1, "save_dir": str(root)}, timeout=120)
+    assert f"{root}: the save root is a file; pass a directory" in str(ei.value)
+    assert "exit codes [1, 1]" in str(ei.value)  # both ranks raised; none waits in a collective
+
+
 def test_load_opens_only_the_files_holding_its_bytes(source_runs):
     source = source_runs.get("tp2", {"dtype": "fp32"})
     same = launch(2, f"{SCENARIOS}:load_and_train",
