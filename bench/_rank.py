@@ -40,6 +40,7 @@ import megatron_ucp as ucp
 from bench._measure import PeakMemory, dir_bytes, drop_page_cache, proc_io
 from megatron_ucp.layout import Layout
 from megatron_ucp.optimizer_state import STATES, OptimizerIndex
+from megatron_ucp.param_spec import local_params
 
 UCP = "ucp"
 UCP_ASYNC = "ucp_async"
@@ -285,8 +286,11 @@ class CopyAnchors:
 
     def __init__(self, st: tg.TrainState) -> None:
         index = OptimizerIndex(st.optimizer)
-        numel = sum(r[1] - r[0] for m in st.model for p in m.parameters()
-                    if (r := index.shard_range(p)) is not None)
+        numel = 0  # what megatron_ucp.save writes: canonical copies only (not TP replicas, tied output)
+        for lp in local_params(st.model):
+            r = index.shard_range(lp.param) if lp.canonical and not lp.spec.buffer else None
+            if r is not None:
+                numel += max(0, min(r[1], lp.base + lp.numel) - max(r[0], lp.base))
         self.nbytes = numel * 4 * len(STATES)
         self.on_gpu = REAL_CUDA
         device = torch.device("cuda", torch.cuda.current_device()) if REAL_CUDA else torch.device("cpu")
