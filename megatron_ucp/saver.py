@@ -2,16 +2,19 @@
 
 One path for synchronous and asynchronous saves:
 1. `save` stages the rank's fragment tensors on the host (`staging.HostStager`: pinned buffers and
-   one synchronize on a GPU), gathers the parameter specs (metadata only) and starts writing its
-   rank file into `<root>/.iter_XXXXXXX.partial/` (fsynced), inline or in a background thread.
+   one synchronize on a GPU) and starts writing its rank file into
+   `<root>/.iter_XXXXXXX.partial/` (fsynced), inline or in a background thread. No collective
+   but the barrier after rank 0 prepares the directory.
 2. `finalize` (the commit; collective) checks with one small all-reduce that every rank's file is
-   written; then rank 0 writes manifest.json, fsyncs, renames the directory to `iter_XXXXXXX` and
-   atomically replaces `<root>/latest`. A synchronous save finalizes before returning; an
+   written, gathers every rank's fragment records (metadata) to rank 0, which builds the fragment
+   index (`fragment_index`: every element saved exactly once, or nothing is committed), writes
+   manifest.json, fsyncs, renames the directory to `iter_XXXXXXX` and atomically replaces
+   `<root>/latest`; the outcome is broadcast. A synchronous save finalizes before returning; an
    asynchronous one when the next save starts, when `finalize()` is called (Megatron-LM calls it
    each iteration through `maybe_finalize_async_save`), or at interpreter exit.
-A failed write is raised on every rank by the finalize that sees it, once, and nothing is
-committed; a crash at any point leaves `latest` on the previous checkpoint, and a `.partial`
-directory is never loaded.
+A failed write or a broken index is raised on every rank by the finalize that sees it, once, and
+nothing is committed; a crash at any point leaves `latest` on the previous checkpoint, and a
+`.partial` directory is never loaded.
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ class PendingSave:
     root: Path
     partial: Path
     final: Path
-    manifest: dict | None  # rank 0 only: everything but the byte count
+    manifest: dict | None  # rank 0 only: everything but the parameters' index and the byte count
+    index_part: tuple  # (specs, fragment records) this rank contributes to the index at commit
     started: float
     stage_seconds: float
     thread: threading.Thread | None = None
@@ -140,43 +144,28 @@ def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: 
     rng_tensors, rng_meta = rng.capture()
     coords = {"tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
               "dp": ps.get_data_parallel_rank()}
-    # Metadata only, O(fragments + tensors) at rank 0: every rank's fragment records, and the specs
-    # from one data-parallel replica of each model-parallel position (DP replicas hold the same).
+    # What this rank adds to the fragment index at commit: its fragment records, and the specs if it
+    # is the first data-parallel replica of its model-parallel position (DP replicas hold the same).
     records = [(f.name, list(f.local_shape), [p.to_json() for p in f.pieces], f.start, f.end, f.step)
                for f in fragments]
     dense_first = ps.get_data_parallel_rank(with_context_parallel=True) == 0
     expert_first = ps.get_expert_data_parallel_rank() == 0
     mine = [spec for lp, spec in zip(params, specs)
             if (expert_first if getattr(lp.param, "allreduce", True) is False else dense_first)]
-    gathered = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object((mine, records), gathered, dst=0)
-    manifest, error = None, None
-    if rank == 0:
-        try:
-            with paused_gc():
-                indexed = build_index(merge_specs([g[0] for g in gathered]), [g[1] for g in gathered],
-                                      where=f"saving iteration {iteration} to {final}")
-        except UCPError as e:
-            error = str(e)
-    problem = [error]
-    dist.broadcast_object_list(problem, src=0)  # a broken layout fails on every rank, uncommitted
-    if problem[0] is not None:
-        if rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-        raise UCPError(problem[0] + f"; nothing was committed ({root / mf.LATEST} is unchanged)")
-    if rank == 0:
+    manifest = None
+    if rank == 0:  # the state at the save: the scheduler and optimizer hyper-parameters move on
         manifest = {
             "format": mf.FORMAT, "version": mf.VERSION, "kind": "fragments",
             "iteration": iteration, "layout": layout.to_json(), "layout_world_size": dist.get_world_size(),
             "model": {**model_config(model_chunks), "unpadded_vocab_size": vocab_size},
-            "params": indexed,
             "optimizer": {"param_groups": index.param_groups(), "grad_scaler": index.grad_scaler()},
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "extra": extra or {}, "seed": seed,
             "files": [rank_file_name(r) for r in range(dist.get_world_size())],
         }
     global _PENDING
-    _PENDING = PendingSave(iteration, root, partial, final, manifest, t0, time.perf_counter() - t0)
+    _PENDING = PendingSave(iteration, root, partial, final, manifest, (mine, records), t0,
+                           time.perf_counter() - t0)
     job = (fragments, rng_tensors, rng_meta, coords)
     if async_save:
         _PENDING.thread = threading.Thread(target=_PENDING.write, args=job, daemon=True,
@@ -232,27 +221,31 @@ def finalize(blocking: bool = True) -> bool:
     _PENDING = None
     if p.thread is not None:
         p.thread.join()
-    commit_error = None
-    if dist.get_rank() == 0:
-        if n_failed:
-            shutil.rmtree(p.partial, ignore_errors=True)
-        else:
+    problem = [None]
+    if not n_failed:
+        # Metadata only, O(fragments + tensors) at rank 0. Rank 0 builds the fragment index, checks
+        # that it tiles every tensor exactly and commits; every rank then learns the outcome.
+        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(p.index_part, gathered, dst=0)
+        if dist.get_rank() == 0:
             try:
-                _commit(p, nbytes)
-            except OSError as e:
-                commit_error = e
-    flag = torch.tensor([int(commit_error is not None)], device=collective_device())
-    dist.all_reduce(flag)  # every rank returns only after rank 0 has committed (or failed to)
+                with paused_gc():
+                    indexed = build_index(merge_specs([g[0] for g in gathered]), [g[1] for g in gathered],
+                                          where=f"saving iteration {p.iteration} to {p.final}")
+                _commit(p, indexed, nbytes)
+            except (UCPError, OSError) as e:
+                problem = [f"{e}; nothing was committed ({p.root / mf.LATEST} is unchanged)"]
+        dist.broadcast_object_list(problem, src=0)  # every rank returns after rank 0's commit
+    if dist.get_rank() == 0 and (n_failed or problem[0]):
+        shutil.rmtree(p.partial, ignore_errors=True)
     if n_failed:
         mine = f"here: {p.error!r}" if failed else "this rank's file was written"
         raise UCPError(f"saving iteration {p.iteration} to {p.final} failed on {n_failed} rank(s) "
                        f"({mine}); nothing was committed and {p.root / mf.LATEST} still names the "
                        "previous checkpoint. Fix the cause (disk space, permissions) and save again"
                        ) from p.error
-    if int(flag.item()):
-        raise UCPError(f"committing iteration {p.iteration} to {p.final} failed on rank 0"
-                       + (f": {commit_error}" if commit_error else "") + "; the previous checkpoint "
-                       "is still the latest")
+    if problem[0]:
+        raise UCPError(problem[0])
     if dist.get_rank() == 0:
         blocked = p.stage_seconds if p.thread is not None else time.perf_counter() - p.started
         print(f"[megatron-ucp] saved iteration {p.iteration} to {p.final} ({nbytes / 2**20:.1f} MiB) in "
@@ -260,9 +253,9 @@ def finalize(blocking: bool = True) -> bool:
     return True
 
 
-def _commit(p: PendingSave, nbytes: int) -> None:
+def _commit(p: PendingSave, params: dict, nbytes: int) -> None:
     """Manifest last, fsync, rename into place, then move `latest` (rank 0)."""
-    mf.write(p.partial, {**p.manifest, "bytes": nbytes})
+    mf.write(p.partial, {**p.manifest, "params": params, "bytes": nbytes})
     fsync_dir(p.partial)
     if p.final.exists():  # re-saving an iteration: swap, never delete the old one first
         old = p.root / f".{p.final.name}.old"
