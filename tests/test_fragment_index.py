@@ -39,14 +39,15 @@ def test_model_built_for_another_layout_is_refused_before_commit(tmp_path):
     assert root.is_dir() and list(root.iterdir()) == []  # no latest, no iter_*, no .partial
 
 
-def test_save_root_that_is_a_file_fails_on_every_rank(tmp_path):
+def test_save_root_that_is_a_file_is_refused(tmp_path):
     root = tmp_path / "not_a_dir"
     root.write_text("x")
     with pytest.raises(LaunchError) as ei:
         launch(2, f"{SCENARIOS}:train_and_save",
                {"layout": "tp2", "cfg": {}, "steps": 1, "save_dir": str(root)}, timeout=120)
+    # (the launcher kills the other rank once one fails, so exit codes do not show that both
+    # raised; each rank checks the root itself before any collective)
     assert f"{root}: the save root is a file; pass a directory" in str(ei.value)
-    assert "exit codes [1, 1]" in str(ei.value)  # both ranks raised; none waits in a collective
 
 
 def test_load_opens_only_the_files_holding_its_bytes(source_runs):
