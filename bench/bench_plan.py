@@ -37,10 +37,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megatron_ucp import manifest as mf  # noqa: E402
-from megatron_ucp.fragment_index import build_index, merge_specs, paused_gc  # noqa: E402
-from megatron_ucp.fragments import FragmentSource, rank_file_name  # noqa: E402
-from megatron_ucp.loader import read_local  # noqa: E402
+from megatron_ucp.formats import manifest as mf  # noqa: E402
+from megatron_ucp.formats.fragments import FragmentSource, build_index, merge_specs  # noqa: E402
+from megatron_ucp.formats.manifest import Manifest, paused_gc  # noqa: E402
+from megatron_ucp.layout import Layout  # noqa: E402
+from megatron_ucp.local_slice import read_local  # noqa: E402
 from megatron_ucp.param_spec import LocalParam  # noqa: E402
 from megatron_ucp.spec import ParamSpec, Piece  # noqa: E402
 from megatron_ucp.storage import Reader  # noqa: E402
@@ -160,9 +161,10 @@ def main(argv: list[str] | None = None) -> dict:
         t1 = time.perf_counter()
         params = build_index(specs, [g[1] for g in gathered])
     t2 = time.perf_counter()
-    manifest = {"format": "megatron-ucp", "version": 3, "kind": "fragments",
-                "layout_world_size": args.ranks, "params": params, "model": {},
-                "files": [rank_file_name(r) for r in range(args.ranks)]}
+    manifest = Manifest.fragments(iteration=0, layout=Layout(tp=tp, pp=pp, dp=dp),
+                                  world_size=args.ranks, model={}, optimizer={"param_groups": []},
+                                  scheduler=None, extra={}, seed=0)
+    manifest.params = params
     text = mf.encode(manifest)  # what the save writes
     save_index_s = time.perf_counter() - t0
     save_parts = {"merge_specs_s": t1 - t0, "build_index_s": t2 - t1,
@@ -175,20 +177,19 @@ def main(argv: list[str] | None = None) -> dict:
     (s, d, t) = next(k for k, v in rank_of.items() if v == load_rank)
     _, needs = rank_records(stages[s], tp, t, dp, d)
     ckpt = Path(tempfile.gettempdir()) / "ucp_plan"
-    paths = [ckpt / f for f in json.loads(text)["files"]]
-    lengths = {(paths[i], name): b - a for name, p_ in params.items()
-               for sl in p_["slices"] for i, a, b in sl["fragments"]}
-    del params
+    paths = [ckpt / f for f in manifest.files]
+    lengths = {(paths[f.file], name): f.end - f.start for name, p_ in params.items()
+               for sl in p_.slices for f in sl.fragments}
+    del params, manifest
     t0 = time.perf_counter()
     with paused_gc():  # as manifest.read does
-        manifest = json.loads(text)
+        manifest = Manifest.from_json(json.loads(text), str(ckpt / mf.MANIFEST))
     t1 = time.perf_counter()
-    reader = PlanReader(lengths)
-    source = FragmentSource(ckpt, manifest, reader, verify_checksums=False)
+    source = FragmentSource(ckpt, manifest, verify_checksums=False)
+    source.reader = reader = PlanReader(lengths)
     t2 = time.perf_counter()
     for name, local, piece, a, b in needs:
-        spec = ParamSpec(name, tuple(manifest["params"][name]["shape"]), "bfloat16",
-                         manifest["params"][name]["tp_axis"])
+        spec = ParamSpec(name, manifest.params[name].shape, "bfloat16", manifest.params[name].spec.tp_axis)
         lp = LocalParam(spec, torch.empty(local, device="meta"), 0, name, [piece], True)
         read_local(source, lp, "param", a, b)
     load_plan_s = time.perf_counter() - t0
@@ -198,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
     # and TP rank 0's for TP-replicated tensors, whose DP ranges line up with this rank's)
     holding = {rank_of[(s, d, t)]} | ({rank_of[(s, d, 0)]} if any(
         dict((n, ax) for n, _, ax in stages[s])[name] is None for name, *_ in needs) else set())
-    opened = {ckpt / f for f in manifest["files"]}
+    opened = {ckpt / f for f in manifest.files}
     files_opened = len([f for f in reader.handles if f in opened])
 
     res = {"ranks": args.ranks, "layout": f"TP{tp}xPP{pp}xDP{dp}", "tensors": n_tensors,

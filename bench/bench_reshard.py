@@ -60,8 +60,7 @@ def scaled_legacy_checkpoint(tmp: Path) -> Path:
     with megatron-core, saved by megatron_ucp, written as legacy with the fixture's args scaled."""
     import torch
 
-    from megatron_ucp.consolidate import convert
-    from megatron_ucp.megatron_legacy import write_legacy
+    from megatron_ucp.reshard import convert, write_legacy
     from megatron_ucp.testing.launch import launch
 
     launch(4, "megatron_ucp.testing.scenarios:train_and_save",

@@ -12,7 +12,7 @@ _EXPORTS = {
     "finalize": "megatron_ucp.saver",
     "load": "megatron_ucp.loader",
     "LoadResult": "megatron_ucp.loader",
-    "convert": "megatron_ucp.consolidate",
+    "convert": "megatron_ucp.reshard",
     "check_layout": "megatron_ucp.validation",
     "inspect": "megatron_ucp.inspector",
     "Layout": "megatron_ucp.layout",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+IMPORTS = {"import-legacy": "megatron_torch", "import-torch-dist": "megatron_torch_dist"}
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-ucp", description=__doc__)
@@ -35,27 +37,34 @@ def main(argv: list[str] | None = None) -> int:
                        "(any supported format and layout)")
     p.add_argument("a")
     p.add_argument("b")
-    p = sub.add_parser("import-legacy", help="convert a Megatron-LM --ckpt-format torch checkpoint "
-                       "(distributed optimizer) into a universal directory")
-    p.add_argument("load_dir", help="Megatron-LM save root (with latest_checkpointed_iteration.txt) "
-                   "or an iter_XXXXXXX directory")
-    p.add_argument("universal_dir", help="new output directory")
-    p.add_argument("--no-progress", action="store_true")
-    p = sub.add_parser("import-torch-dist", help="convert a Megatron-LM --ckpt-format torch_dist "
-                       "checkpoint (distributed optimizer) into a universal directory")
-    p.add_argument("load_dir", help="Megatron-LM save root (with latest_checkpointed_iteration.txt) "
-                   "or an iter_XXXXXXX directory")
-    p.add_argument("universal_dir", help="new output directory")
-    p.add_argument("--no-progress", action="store_true")
+    for command, what in (("import-legacy", "torch"), ("import-torch-dist", "torch_dist")):
+        p = sub.add_parser(command, help=f"convert a Megatron-LM --ckpt-format {what} checkpoint "
+                           "(distributed optimizer) into a universal directory")
+        p.add_argument("load_dir", help="Megatron-LM save root (with "
+                       "latest_checkpointed_iteration.txt) or an iter_XXXXXXX directory")
+        p.add_argument("universal_dir", help="new output directory")
+        p.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
+
+    import logging
+
+    from tqdm import tqdm
 
     from megatron_ucp.errors import UCPError
 
+    # the library reports through the `megatron_ucp` logger; here its INFO lines go to stderr
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[megatron-ucp] %(message)s"))
+    logger = logging.getLogger("megatron_ucp")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    progress = False if getattr(args, "no_progress", False) else tqdm
+
     try:
         if args.command == "convert":
-            from megatron_ucp.consolidate import convert
+            from megatron_ucp.reshard import convert
 
-            convert(args.fragments_dir, args.universal_dir, progress=not args.no_progress)
+            convert(args.fragments_dir, args.universal_dir, progress=progress)
         elif args.command == "inspect":
             from megatron_ucp.inspector import inspect
 
@@ -68,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             target = (Layout(**{d: v for d, v in sizes.items() if v is not None})
                       if any(v is not None for v in sizes.values()) else None)
             print(reshard(args.load, args.save, target, args.target_format,
-                          progress=not args.no_progress,
+                          progress=progress,
                           first_stage_layers=args.target_first_stage_layers,
                           last_stage_layers=args.target_last_stage_layers, workers=args.workers))
         elif args.command == "verify":
@@ -79,17 +88,15 @@ def main(argv: list[str] | None = None) -> int:
             from megatron_ucp.checks import diff, format_diff
 
             print(format_diff(diff(args.a, args.b)))
-        elif args.command == "import-legacy":
-            from megatron_ucp.megatron_legacy import convert_legacy
+        elif args.command in IMPORTS:
+            from megatron_ucp.reshard import convert
 
-            convert_legacy(args.load_dir, args.universal_dir, progress=not args.no_progress)
-        elif args.command == "import-torch-dist":
-            from megatron_ucp.megatron_dist import convert_torch_dist
-
-            convert_torch_dist(args.load_dir, args.universal_dir, progress=not args.no_progress)
+            convert(args.load_dir, args.universal_dir, progress=progress, fmt=IMPORTS[args.command])
     except UCPError as e:
         print(f"megatron-ucp: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        logger.removeHandler(handler)
     return 0
 
 

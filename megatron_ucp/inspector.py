@@ -5,35 +5,33 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from megatron_ucp import manifest as mf
-from megatron_ucp.layout import Layout
+from megatron_ucp.formats import manifest as mf
 
 
 def inspect(path: str | Path) -> str:
     ckpt = mf.resolve(path)
     m = mf.read(ckpt)
-    layout = Layout.from_json(m["layout"])
-    params = m["params"]
-    numel = sum(math.prod(p["shape"]) for p in params.values())
+    params = m.params
+    numel = sum(math.prod(p.shape) for p in params.values())
     files = sorted(ckpt.glob("*.safetensors"))
     size = sum(f.stat().st_size for f in files)
-    cfg = m.get("model", {})
+    cfg = m.model
     lines = [
         f"checkpoint   {ckpt}",
-        f"kind         {m['kind']} (format {m['format']} v{m['version']})",
-        f"iteration    {m['iteration']}",
-        f"saved at     {layout} ({m.get('layout_world_size', '?')} ranks)",
+        f"kind         {m.kind} (format {mf.FORMAT} v{m.version})",
+        f"iteration    {m.iteration}",
+        f"saved at     {m.layout} ({m.layout_world_size} ranks)",
         f"model        {cfg.get('num_layers')} layers, hidden {cfg.get('hidden_size')}, "
         f"heads {cfg.get('num_attention_heads')} (groups {cfg.get('num_query_groups')}), "
         f"ffn {cfg.get('ffn_hidden_size')}, vocab {cfg.get('vocab_size')}",
         f"parameters   {len(params)} tensors, {numel:,} elements",
         f"files        {len(files)} safetensors, {size / 2**20:.2f} MiB",
-        f"extra        {m.get('extra')}",
+        f"extra        {m.extra}",
         "",
         f"{'name':<64} {'shape':>14} {'dtype':>9} {'tp_axis':>7} {'blocks':>6}",
     ]
     for name, p in params.items():
-        shape = "x".join(map(str, p["shape"]))
-        tp = "-" if p["tp_axis"] is None else str(p["tp_axis"])
-        lines.append(f"{name:<64} {shape:>14} {p['dtype']:>9} {tp:>7} {p['tp_blocks']:>6}")
+        shape = "x".join(map(str, p.shape))
+        tp = "-" if p.spec.tp_axis is None else str(p.spec.tp_axis)
+        lines.append(f"{name:<64} {shape:>14} {p.spec.dtype:>9} {tp:>7} {p.spec.tp_blocks:>6}")
     return "\n".join(lines)

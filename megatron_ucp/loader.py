@@ -8,7 +8,7 @@ optimizer's own main->model copy and DP all-gather, exactly as after a training 
 
 from __future__ import annotations
 
-import math
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,13 +18,16 @@ import torch.distributed as dist
 
 from megatron_ucp import rng
 from megatron_ucp.errors import UCPError
+from megatron_ucp.formats import open_megatron_ucp
 from megatron_ucp.layout import Layout
+from megatron_ucp.local_slice import read_local
 from megatron_ucp.optimizer_state import OptimizerIndex
 from megatron_ucp.param_spec import LocalParam, local_params
-from megatron_ucp.sources import open_source
-from megatron_ucp.spec import STATES, Piece
+from megatron_ucp.spec import STATES
 from megatron_ucp.staging import collective_device
 from megatron_ucp.validation import check_layout, check_model_config, model_config
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -38,89 +41,25 @@ class LoadResult:
     files_opened: int = 0  # checkpoint data files this rank opened
 
 
-def read_local(source, lp: LocalParam, state: str, a: int, b: int) -> torch.Tensor:
-    """Elements [a, b) of this rank's flattened region of `lp`, assembled from universal boxes.
-
-    Vocab padding rows the checkpoint does not hold (the target pads more, or the universal form
-    dropped them) are zero in the weight and in both Adam moments: they start as unused rows.
-    """
-    saved_rows = source.manifest["params"][lp.spec.name]["shape"][0]
-    parts = []  # (sub-piece, its values): every element of [a, b) lies in one of them
-    for pc in lp.pieces:
-        shape = list(pc.shape)
-        if lp.spec.vocab_rows:
-            shape[0] = max(0, min(shape[0], saved_rows - pc.offset[0]))
-        if 0 in shape:
-            continue
-        if pc.contiguous:  # exactly the elements [a, b): no neighbouring rank's bytes are read
-            lo, hi = max(a, pc.start) - pc.start, min(b, pc.start + math.prod(shape)) - pc.start
-            for box_offset, box_shape in flat_range_boxes(tuple(shape), lo, hi):
-                sub = Piece(pc.start + sum(o * st for o, st in zip(box_offset, pc.strides)),
-                            tuple(o + p for o, p in zip(box_offset, pc.offset)), box_shape, pc.strides)
-                parts.append((sub, source.read(lp.spec.name, state, sub.offset, box_shape)))
-            continue
-        # narrow the outermost (largest-stride) dim to the indices that can reach [a, b)
-        d = max(range(len(shape)), key=lambda k: pc.strides[k])
-        step = pc.strides[d] or 1
-        rest = sum((n - 1) * s for k, (n, s) in enumerate(zip(shape, pc.strides)) if k != d)
-        lo, hi = max(0, -(-(a - pc.start - rest) // step)), min(shape[d], (b - 1 - pc.start) // step + 1)
-        if hi <= lo:
-            continue
-        shape[d] = hi - lo
-        sub = Piece(pc.start + lo * pc.strides[d], pc.offset, tuple(shape), pc.strides)
-        offset = tuple(o + (lo if k == d else 0) for k, o in enumerate(pc.offset))
-        parts.append((sub, source.read(lp.spec.name, state, offset, sub.shape)))
-    # write each part through its strided view of a buffer spanning them all, then cut [a, b):
-    # pieces never overlap, so elements outside [a, b) that a part brings along are just dropped
-    lo = min([a, *(sub.start for sub, _ in parts)])
-    hi = max([b, *(sub.span((0,) * len(sub.shape), sub.shape)[1] + 1 for sub, _ in parts)])
-    buf = torch.zeros(hi - lo, dtype=torch.float32)
-    for sub, values in parts:
-        buf.as_strided(sub.shape, sub.strides, sub.start - lo).copy_(values)
-    return buf[a - lo:b - lo]
-
-
-def flat_range_boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple, tuple]]:
-    """Boxes (offset, shape) that cover elements [lo, hi) of a row-major tensor of `shape`, in
-    order, each contiguous: a partial first row, whole rows, a partial last row (recursively)."""
-    if hi <= lo:
-        return []
-    if len(shape) == 1:
-        return [((lo,), (hi - lo,))]
-    inner = math.prod(shape[1:])
-    first, last = lo // inner, (hi - 1) // inner
-    if first == last:
-        return [((first, *o), (1, *sh)) for o, sh in flat_range_boxes(shape[1:], lo % inner,
-                                                                       hi - first * inner)]
-    out = []
-    if lo % inner:
-        out += [((first, *o), (1, *sh)) for o, sh in flat_range_boxes(shape[1:], lo % inner, inner)]
-        first += 1
-    if hi // inner > first:
-        out.append(((first,) + (0,) * (len(shape) - 1), (hi // inner - first, *shape[1:])))
-    if hi % inner:
-        out += [((hi // inner, *o), (1, *sh)) for o, sh in flat_range_boxes(shape[1:], 0, hi % inner)]
-    return out
-
-
 def _check_params(source, params: list[LocalParam], strict: bool) -> None:
-    saved = source.manifest["params"]
+    saved = source.manifest.params
     where = source.dir
-    true_vocab = source.manifest["model"].get("unpadded_vocab_size")
+    true_vocab = source.manifest.true_vocab
     for lp in params:
-        spec = saved.get(lp.spec.name)
-        if spec is None:
+        entry = saved.get(lp.spec.name)
+        if entry is None:
             raise UCPError(f"{where}: the model's parameter {lp.spec.name} (local name "
                            f"{lp.local_name}) is not in the checkpoint; the model has a module the "
                            "saved run did not have: build the checkpoint's architecture")
         for k in ("shape", "tp_axis", "tp_blocks"):
-            mine = list(lp.spec.shape) if k == "shape" else getattr(lp.spec, k)
-            if (k == "shape" and lp.spec.vocab_rows and true_vocab and spec[k][1:] == mine[1:]
+            theirs, mine = getattr(entry.spec, k), getattr(lp.spec, k)
+            if (k == "shape" and lp.spec.vocab_rows and true_vocab and theirs[1:] == mine[1:]
                     and mine[0] >= true_vocab):
-                continue  # only the vocab padding differs; read_rows re-pads
-            if spec[k] != mine:
-                raise UCPError(f"{where}: parameter {lp.spec.name}: checkpoint {k}={spec[k]}, "
-                               f"model {k}={mine}; the model architecture differs")
+                continue  # only the vocab padding differs; read_local re-pads
+            if theirs != mine:
+                fmt = list if k == "shape" else (lambda x: x)
+                raise UCPError(f"{where}: parameter {lp.spec.name}: checkpoint {k}={fmt(theirs)}, "
+                               f"model {k}={fmt(mine)}; the model architecture differs")
     # Which saved tensors some rank's model holds: one flag per saved tensor, OR-reduced, so the
     # traffic does not grow with the number of ranks (no all-to-all of names).
     order = {name: i for i, name in enumerate(sorted(saved))}
@@ -141,11 +80,11 @@ def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: 
     and RNG from `path` (a save root with `latest`, a fragment directory or a universal directory).
     Collective: call on every rank after building model, optimizer and scheduler."""
     t0 = time.perf_counter()
-    source = open_source(path, verify_checksums)
+    source = open_megatron_ucp(path, verify_checksums=verify_checksums)
     manifest = source.manifest
     layout = Layout.current()
-    check_layout(manifest["model"], layout, str(source.dir))
-    check_model_config(manifest["model"], model_config(model_chunks), str(source.dir))
+    check_layout(manifest.model, layout, str(source.dir))
+    check_model_config(manifest.model, model_config(model_chunks), str(source.dir))
     params = local_params(model_chunks)
     _check_params(source, params, strict)
 
@@ -180,21 +119,21 @@ def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: 
                            f"checkpoint gives them different Adam steps ({steps}); it mixes iterations")
         index.set(param, states, next(iter(steps.values()))[0])
     index.copy_main_to_model(model_chunks)
-    index.load_param_groups(manifest["optimizer"]["param_groups"])
-    index.load_grad_scaler(manifest["optimizer"].get("grad_scaler"))
-    if scheduler is not None and manifest.get("scheduler"):
+    index.load_param_groups(manifest.optimizer["param_groups"])
+    index.load_grad_scaler(manifest.optimizer.get("grad_scaler"))
+    if scheduler is not None and manifest.scheduler:
         scheduler.num_steps = 0  # load_state_dict advances by the saved count
-        scheduler.load_state_dict(manifest["scheduler"])
+        scheduler.load_state_dict(manifest.scheduler)
 
-    source_layout = Layout.from_json(manifest["layout"])
+    source_layout = manifest.layout
     same = source_layout == layout
     rng_tensors, rng_meta = source.rng(dist.get_rank()) if same else ({}, {})
     if rng_tensors:
         rng.restore(rng_tensors, rng_meta)
     else:
-        rng.rederive(manifest.get("seed", 1234), manifest["iteration"])
+        rng.rederive(manifest.seed, manifest.iteration)
     if dist.get_rank() == 0:
-        print(f"[megatron-ucp] loaded iteration {manifest['iteration']} ({manifest['kind']}, saved "
-              f"at {source_layout}) at {layout} in {time.perf_counter() - t0:.2f}s", flush=True)
-    return LoadResult(manifest["iteration"], manifest.get("extra", {}), source.dir, source_layout,
-                      bool(rng_tensors), source.reader.bytes_read, len(source.reader.handles))
+        log.info("loaded iteration %d (%s, saved at %s) at %s in %.2fs", manifest.iteration,
+                 manifest.kind, source_layout, layout, time.perf_counter() - t0)
+    return LoadResult(manifest.iteration, manifest.extra, source.dir, source_layout,
+                      bool(rng_tensors), source.bytes_read, source.files_opened)

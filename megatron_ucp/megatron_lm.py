@@ -222,7 +222,7 @@ def maybe_finalize_async_save(*args, **kwargs):
 
 def _find_checkpoint(path: str | None) -> Path | None:
     """The checkpoint directory `path` names (save root, fragment or universal dir), or None."""
-    from megatron_ucp import manifest as mf
+    from megatron_ucp.formats import manifest as mf
 
     if not path:
         return None
@@ -266,7 +266,7 @@ def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg='load', 
                            "supported yet: resume it with --load")
     if ckpt is None:
         if getattr(args, "universal_checkpoint", False) or getattr(args, "exit_on_missing_checkpoint", False):
-            from megatron_ucp import manifest as mf
+            from megatron_ucp.formats import manifest as mf
 
             mf.resolve(load_dir or "")  # raises the precise reason
         _print_rank_0(f"WARNING: no megatron-ucp checkpoint under --{load_arg.replace('_', '-')} "

@@ -183,7 +183,7 @@ def _split_experts(local_key: str, param: torch.Tensor, pieces: list[Piece]):
                for pc in pcs):
             raise UCPError(f"parameter {local_key!r}: expert {expert} is not a contiguous range of "
                            "the fused weight; no rule maps it")
-        yield expert, base, numel, [replace(pc, start=pc.start - base) for pc in pcs]
+        yield expert, base, numel, [pc._replace(start=pc.start - base) for pc in pcs]
 
 
 def _flatten(x) -> list:
@@ -203,7 +203,7 @@ def _strided_index(pc: Piece, dtype: torch.dtype) -> torch.Tensor:
     return index
 
 
-def _sharded_pieces(local_key: str, param: torch.Tensor, entry) -> list[ShardedTensor]:
+def sharded_pieces(local_key: str, param: torch.Tensor, entry) -> list[ShardedTensor]:
     """The ShardedTensors an entry declares. A factory's build function copies (SwiGLU halves,
     GroupedMLP's transposed experts), so it is run on a tensor holding each element's own flat
     index instead of the parameter: the built pieces then hold the local index of every element."""
@@ -216,7 +216,8 @@ def _sharded_pieces(local_key: str, param: torch.Tensor, entry) -> list[ShardedT
     return _flatten(entry.build_fn(entry.key, probe, entry.replica_id, entry.flattened_range))
 
 
-def _pieces(local_key: str, param: torch.Tensor, subs: list[ShardedTensor], probed: bool) -> list[Piece]:
+def strided_pieces(local_key: str, param: torch.Tensor, subs: list[ShardedTensor],
+                   probed: bool) -> list[Piece]:
     """Each sharded piece as a strided view of the flattened parameter: a plain ShardedTensor's
     data is the parameter or a view of it (its strides say where it lives); a probed piece holds
     local indices, from which start and strides are read and then checked element by element."""
@@ -283,7 +284,7 @@ def local_params(model_chunks: list) -> list[LocalParam]:
                                "parameter nor a buffer of the model; no rule maps it")
             name_in_model, param = (buffers if is_buffer else params)[id(entry.data)]
             seen.add(id(param))
-            subs = _sharded_pieces(local_key, param, entry)
+            subs = sharded_pieces(local_key, param, entry)
             first = subs[0]
             p = first.prepend_axis_num
             name = universal_name(local_key, first.key, tuple(first.global_offset[:p]))
@@ -308,7 +309,7 @@ def local_params(model_chunks: list) -> list[LocalParam]:
                 vocab_rows=id(param) in vocab,
                 buffer=is_buffer,
             )
-            pieces = _pieces(local_key, param, subs, isinstance(entry, ShardedTensorFactory))
+            pieces = strided_pieces(local_key, param, subs, isinstance(entry, ShardedTensorFactory))
             # a buffer is not sharded by the optimizer: one DP replica writes it
             canonical = _canonical(first.replica_id) and not (is_buffer and _dp_copy(first.replica_id))
             if fused:

@@ -1,27 +1,36 @@
-"""Offline reshard on a CPU box: any supported checkpoint -> universal, checked against a target layout,
-or (target_format="torch") a Megatron-LM legacy checkpoint -> a Megatron-LM legacy checkpoint at the target,
-or (target_format="torch_dist") a Megatron-LM checkpoint -> a Megatron-LM torch_dist checkpoint at the target.
+"""Offline conversions on a CPU box: any supported checkpoint -> any writable format.
 
-The universal form is layout-free, so "resharding" offline means consolidating once and checking
-that the target layout can hold the model; the target run then loads it directly at its layout
-(`megatron_ucp.load`, or Megatron-LM with `--universal-checkpoint`).
+A reader (`formats.open_source`) yields universal tensors and a writer consumes them; the registry
+picks both by format name. The universal form is layout-free, so "resharding" to it means
+consolidating once and checking that the target layout can hold the model; the target run then
+loads it directly at its layout (`megatron_ucp.load`, or Megatron-LM with `--universal-checkpoint`).
+The Megatron-LM targets (`torch`, `torch_dist`) are written at the target layout and need the
+source run's args, so their source must be a Megatron-LM checkpoint.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_ucp import manifest as mf
-from megatron_ucp.checks import detect
+from megatron_ucp import formats
 from megatron_ucp.errors import UCPError
+from megatron_ucp.formats import manifest as mf
 from megatron_ucp.layout import Layout
+from megatron_ucp.progress import Progress
+from megatron_ucp.storage import refuse_non_empty
 from megatron_ucp.validation import check_layout
 
-TARGET_FORMATS = ("universal", "torch", "torch_dist")
+log = logging.getLogger(__name__)
+# --target-format value -> format name
+TARGET_FORMATS = {"universal": "universal", "torch": "megatron_torch",
+                  "torch_dist": "megatron_torch_dist"}
+# Megatron-LM targets carry the source run's args: the source formats each can take them from
+MEGATRON_SOURCES = {"torch": ("megatron_torch",), "torch_dist": ("megatron_torch", "megatron_torch_dist")}
 
 
 @dataclass
@@ -41,131 +50,128 @@ class ReshardSummary:
                 f"{self.seconds:.2f}s ({mib / max(self.seconds, 1e-9):.1f} MiB/s)")
 
 
+def convert(load: str | Path, universal_dir: str | Path, *, progress: Progress = True,
+            max_file_bytes: int = 2**31, workers: int = 1, fmt: str | None = None) -> Path:
+    """Consolidate a checkpoint (a fragment checkpoint, or a Megatron-LM one) into a new universal
+    directory; returns its path. fmt: the source format (detected when None).
+
+    Every fragment of a fragment checkpoint is read whole once and its checksum checked. Peak
+    memory is about one parameter state per writer, not the model. workers > 1 writes the data
+    files in forked processes.
+    """
+    refuse_non_empty(Path(universal_dir))  # before a possibly long source rebuild
+    fmt = fmt or formats.detect(load)
+    if fmt == "universal":
+        raise UCPError(f"{mf.resolve(load)}: already a universal checkpoint; nothing to convert")
+    source = formats.open_source(load, fmt, progress=progress, verify_fragments=True)
+    return formats.get("universal").write(source, universal_dir, progress=progress,
+                                   max_file_bytes=max_file_bytes, workers=workers)
+
+
+def convert_legacy(load_dir: str | Path, universal_dir: str | Path, progress: Progress = True,
+                   workers: int = 1) -> Path:
+    """A Megatron-LM `--ckpt-format torch` checkpoint -> a universal directory."""
+    return convert(load_dir, universal_dir, progress=progress, workers=workers,
+                   fmt="megatron_torch")
+
+
+def convert_torch_dist(load_dir: str | Path, universal_dir: str | Path, progress: Progress = True,
+                       max_file_bytes: int = 2**31, workers: int = 1) -> Path:
+    """A Megatron-LM `--ckpt-format torch_dist` checkpoint -> a universal directory."""
+    return convert(load_dir, universal_dir, progress=progress, max_file_bytes=max_file_bytes,
+                   workers=workers, fmt="megatron_torch_dist")
+
+
+def write_legacy(universal_dir: str | Path, save_dir: str | Path, target: Layout, args_template,
+                 **options) -> Path:
+    """A megatron-ucp checkpoint -> Megatron-LM `--ckpt-format torch` at `target`
+    (`formats.megatron_legacy.write` documents the options)."""
+    return formats.get("megatron_torch").write(formats.open_megatron_ucp(universal_dir), save_dir,
+                                               target, args_template, **options)
+
+
+def write_torch_dist(universal_dir: str | Path, save_dir: str | Path, target: Layout,
+                     args_template, **options) -> Path:
+    """A megatron-ucp checkpoint -> Megatron-LM `--ckpt-format torch_dist` at `target`
+    (`formats.megatron_dist.write` documents the options)."""
+    return formats.get("megatron_torch_dist").write(formats.open_megatron_ucp(universal_dir),
+                                                    save_dir, target, args_template, **options)
+
+
 def reshard(load: str | Path, save: str | Path, target: Layout | None = None,
-            target_format: str = "universal", progress: bool = True, *,
+            target_format: str = "universal", progress: Progress = True, *,
             first_stage_layers: int | None = None,
             last_stage_layers: int | None = None, workers: int = 1) -> ReshardSummary:
     """Convert `load` to `target_format` at `target`.
 
-    target_format "torch": a stock Megatron-LM `--ckpt-format torch` checkpoint at `target`; the
-    source must be a Megatron-LM legacy checkpoint (its args describe the run). first/last_stage_
-    layers set an uneven pipeline split at the target (default: the source's when PP is unchanged,
-    else an even split).
-    target_format "torch_dist": a Megatron-LM `--ckpt-format torch_dist` checkpoint with the
-    optimizer in the `fully_reshardable` form (resume with --dist-ckpt-optim-fully-reshardable);
-    the source must be a Megatron-LM checkpoint, legacy or torch_dist (its args describe the run).
+    target_format "torch": a stock Megatron-LM `--ckpt-format torch` checkpoint at `target`;
+    "torch_dist": a Megatron-LM `--ckpt-format torch_dist` checkpoint with the optimizer in the
+    `fully_reshardable` form (resume with --dist-ckpt-optim-fully-reshardable). Both need a
+    Megatron-LM source (its args describe the run). first/last_stage_layers set an uneven pipeline
+    split at the target (default: the source's when PP is unchanged, else an even split).
     workers: processes writing the universal data files (the scratch copy for Megatron targets)."""
     t0 = time.perf_counter()
     if target_format not in TARGET_FORMATS:
-        raise UCPError(f"--target-format {target_format}: unknown; choose one of {TARGET_FORMATS}")
-    kind = detect(load)
+        raise UCPError(f"--target-format {target_format}: unknown; choose one of {list(TARGET_FORMATS)}")
+    kind = formats.detect(load)
     out = Path(save)
     if target_format != "universal":
-        return _reshard_to_megatron(load, out, target, kind, target_format, progress,
-                                    first_stage_layers, last_stage_layers, t0, workers)
-    if kind == "universal":
-        if out.exists():
-            raise UCPError(f"{out} exists; choose a new directory")
-        shutil.copytree(mf.resolve(load), out)
+        manifest = _reshard_to_megatron(load, out, target, kind, target_format, progress,
+                                        first_stage_layers, last_stage_layers, workers)
     else:
-        _to_universal(load, out, kind, progress, workers)
-    manifest = mf.read(out)
-    if target is not None:
-        try:
-            check_layout(manifest["model"], target, str(out))
-        except UCPError:
-            shutil.rmtree(out)  # a universal dir the target cannot use is not left behind
-            raise
-    files = list(out.glob("*.safetensors"))
-    return ReshardSummary(kind, out, len(manifest["params"]),
-                          sum(math.prod(p["shape"]) for p in manifest["params"].values()),
-                          sum(f.stat().st_size for f in files), time.perf_counter() - t0)
+        if kind == "universal":
+            refuse_non_empty(out)
+            shutil.copytree(mf.resolve(load), out, dirs_exist_ok=True)
+        else:
+            convert(load, out, progress=progress, workers=workers, fmt=kind)
+        manifest = mf.read(out)
+        if target is not None:
+            try:
+                check_layout(manifest.model, target, str(out))
+            except UCPError:
+                shutil.rmtree(out)  # a universal dir the target cannot use is not left behind
+                raise
+    files = [f for f in out.rglob("*") if f.is_file()]
+    return ReshardSummary(kind, out, len(manifest.params),
+                          sum(math.prod(p.shape) for p in manifest.params.values()),
+                          sum(f.stat().st_size for f in files), time.perf_counter() - t0,
+                          target_format=target_format)
 
 
-def _legacy_rng_by_rank(rng: dict[str, list] | None, args) -> dict | None:
-    """Legacy rank-directory name -> rng list, as {(pp_rank, tp_rank): rng list}."""
-    if not rng:
-        return None
-    out = {}
-    pp = args.pipeline_model_parallel_size
-    for name, value in rng.items():
-        parts = [int(x) for x in name.removeprefix("mp_rank_").split("_")]
-        out[(parts[1] if pp > 1 else 0, parts[0])] = value
-    return out
-
-
-def _to_universal(load, out: Path, kind: str, progress: bool, workers: int) -> None:
-    if kind == "fragments":
-        from megatron_ucp.consolidate import convert
-
-        convert(load, out, progress=progress, workers=workers)
-    elif kind == "megatron_torch":
-        from megatron_ucp.megatron_legacy import convert_legacy
-
-        convert_legacy(load, out, progress=progress, workers=workers)
-    else:
-        from megatron_ucp.megatron_dist import convert_torch_dist
-
-        convert_torch_dist(load, out, progress=progress, workers=workers)
-
-
-def _megatron_source(load, kind: str, target_format: str) -> dict:
-    """args, per-rank rng states (keyed as the target writer wants them), layout, flops."""
-    if target_format == "torch" and kind != "megatron_torch" or kind not in (
-            "megatron_torch", "megatron_torch_dist"):
-        need = "`--ckpt-format torch`" if target_format == "torch" else "checkpoint (torch or torch_dist)"
+def _reshard_to_megatron(load, out: Path, target: Layout | None, kind: str, target_format: str,
+                         progress: Progress, first: int | None, last: int | None,
+                         workers: int) -> mf.Manifest:
+    """Megatron-LM -> universal (scratch next to `out`) -> Megatron-LM `target_format` at target."""
+    if kind not in MEGATRON_SOURCES[target_format]:
+        need = ("`--ckpt-format torch`" if target_format == "torch"
+                else "checkpoint (torch or torch_dist)")
         raise UCPError(f"{load}: --target-format {target_format} needs a Megatron-LM {need} source, "
                        f"this is a {kind} checkpoint. A Megatron-LM checkpoint stores the run's "
                        "args (model architecture, optimizer and run settings) that the written "
                        f"checkpoint must carry; a {kind} checkpoint has no Megatron-LM args. "
                        "Convert the original Megatron-LM checkpoint instead, or call "
-                       "megatron_ucp.megatron_legacy.write_legacy / megatron_dist.write_torch_dist "
-                       "with an args template")
-    if kind == "megatron_torch":
-        from megatron_ucp.megatron_legacy import legacy_source_fields
-
-        src = legacy_source_fields(load)
-        if target_format == "torch_dist":  # rank-dir names -> (pp, tp) shards
-            src["rng_state"] = _legacy_rng_by_rank(src["rng_state"], src["args"])
-        return src
-    from megatron_ucp.megatron_dist import torch_dist_source_fields
-
-    return torch_dist_source_fields(load)
-
-
-def _reshard_to_megatron(load, out: Path, target: Layout | None, kind: str, target_format: str,
-                         progress: bool, first: int | None, last: int | None, t0: float,
-                         workers: int) -> ReshardSummary:
-    """Megatron-LM -> universal (scratch next to `out`) -> Megatron-LM `target_format` at target."""
-    src = _megatron_source(load, kind, target_format)
+                       "megatron_ucp.reshard.write_legacy / write_torch_dist with an args template")
     if target is None:
         raise UCPError(f"--target-format {target_format}: writing a Megatron-LM checkpoint needs a "
                        "target layout (rank files, flat buffers and args depend on it); pass "
                        "target=Layout(...) (CLI: --target-tp/--target-pp/--target-dp ...)")
-    if out.exists() and any(out.iterdir()):
-        raise UCPError(f"{out} exists and is not empty; choose a new directory")
+    refuse_non_empty(out)
+    src = formats.get(kind).run_fields(load)
     if first is None and last is None and src["layout"].pp == target.pp:
         first = getattr(src["args"], "decoder_first_pipeline_num_layers", None)
         last = getattr(src["args"], "decoder_last_pipeline_num_layers", None)
-    rng = src["rng_state"]
+    rng = src["rng_by_position"]
     if rng and src["layout"] != target:  # per-rank states belong to the source ranks: rank 0's
         rng = rng.get((0, 0), next(iter(rng.values())))
-    if target_format == "torch":
-        from megatron_ucp.megatron_legacy import write_legacy as write
-    else:
-        from megatron_ucp.megatron_dist import write_torch_dist as write
     scratch = out.with_name(f".{out.name}.universal")
     shutil.rmtree(scratch, ignore_errors=True)
     try:
-        _to_universal(load, scratch, kind, progress, workers)
-        manifest = mf.read(scratch)
-        write(scratch, out, target, src["args"], rng_state=rng,
-              num_floating_point_operations_so_far=src["num_floating_point_operations_so_far"],
-              first_stage_layers=first, last_stage_layers=last, progress=progress)
+        convert(load, scratch, progress=progress, workers=workers, fmt=kind)
+        source = formats.open_megatron_ucp(scratch)
+        formats.get(TARGET_FORMATS[target_format]).write(
+            source, out, target, src["args"], rng_state=rng,
+            num_floating_point_operations_so_far=src["num_floating_point_operations_so_far"],
+            first_stage_layers=first, last_stage_layers=last, progress=progress)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    files = [f for f in out.rglob("*") if f.is_file()]
-    return ReshardSummary(kind, out, len(manifest["params"]),
-                          sum(math.prod(p["shape"]) for p in manifest["params"].values()),
-                          sum(f.stat().st_size for f in files), time.perf_counter() - t0,
-                          target_format=target_format)
+    return source.manifest

@@ -20,8 +20,7 @@ nothing is committed; a crash at any point leaves `latest` on the previous check
 from __future__ import annotations
 
 import atexit
-import shutil
-import sys
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -31,18 +30,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_ucp import manifest as mf
 from megatron_ucp import rng
 from megatron_ucp.errors import UCPError
-from megatron_ucp.fragment_index import build_index, merge_specs, paused_gc
-from megatron_ucp.fragments import Fragment, rank_file_name, write_rank_file
+from megatron_ucp.formats import manifest as mf
+from megatron_ucp.formats.fragments import Fragment, build_index, merge_specs, rank_file_name, write_rank_file
+from megatron_ucp.formats.manifest import Manifest, paused_gc
 from megatron_ucp.layout import Layout
 from megatron_ucp.optimizer_state import OptimizerIndex
 from megatron_ucp.param_spec import local_params
 from megatron_ucp.staging import HostStager, collective_device, steps_to_floats
-from megatron_ucp.storage import fsync_dir
+from megatron_ucp.storage import StagedDir
 from megatron_ucp.validation import model_config
 
+log = logging.getLogger(__name__)
 STAGER = HostStager()  # one per process: its host buffer is reused by every save
 
 
@@ -52,9 +52,8 @@ class PendingSave:
 
     iteration: int
     root: Path
-    partial: Path
-    final: Path
-    manifest: dict | None  # rank 0 only: everything but the parameters' index and the byte count
+    staged: StagedDir  # <root>/.iter_XXXXXXX.partial -> <root>/iter_XXXXXXX
+    manifest: Manifest | None  # rank 0 only: everything but the parameters' index and the byte count
     index_part: tuple  # (specs, fragment records) this rank contributes to the index at commit
     started: float
     stage_seconds: float
@@ -67,8 +66,8 @@ class PendingSave:
         try:
             if self.thread is not None and before_background_write is not None:
                 before_background_write(self)
-            self.nbytes = write_rank_file(self.partial / rank_file_name(dist.get_rank()), fragments,
-                                          rng_tensors, rng_meta, coords)
+            self.nbytes = write_rank_file(self.staged.partial / rank_file_name(dist.get_rank()),
+                                          fragments, rng_tensors, rng_meta, coords)
         except BaseException as e:  # kept for finalize: a background error must not be lost
             self.error = e
         finally:
@@ -100,14 +99,12 @@ def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: 
     rank = dist.get_rank()
     layout = Layout.current()
     root = Path(path)
-    final = root / mf.iteration_dir_name(iteration)
-    partial = root / f".{final.name}.partial"
+    target = StagedDir(root / mf.iteration_dir_name(iteration))
+    final = target.final
     if root.exists() and not root.is_dir():  # every rank sees it (one filesystem): all raise
         raise UCPError(f"{root}: the save root is a file; pass a directory")
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir()
+        target.create(replace=True)  # re-saving an iteration replaces it at the commit
     dist.barrier()
 
     index = OptimizerIndex(optimizer)
@@ -146,25 +143,21 @@ def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: 
               "dp": ps.get_data_parallel_rank()}
     # What this rank adds to the fragment index at commit: its fragment records, and the specs if it
     # is the first data-parallel replica of its model-parallel position (DP replicas hold the same).
-    records = [(f.name, list(f.local_shape), [p.to_json() for p in f.pieces], f.start, f.end, f.step)
-               for f in fragments]
+    records = [f.record() for f in fragments]
     dense_first = ps.get_data_parallel_rank(with_context_parallel=True) == 0
     expert_first = ps.get_expert_data_parallel_rank() == 0
     mine = [spec for lp, spec in zip(params, specs)
             if (expert_first if getattr(lp.param, "allreduce", True) is False else dense_first)]
     manifest = None
     if rank == 0:  # the state at the save: the scheduler and optimizer hyper-parameters move on
-        manifest = {
-            "format": mf.FORMAT, "version": mf.VERSION, "kind": "fragments",
-            "iteration": iteration, "layout": layout.to_json(), "layout_world_size": dist.get_world_size(),
-            "model": {**model_config(model_chunks), "unpadded_vocab_size": vocab_size},
-            "optimizer": {"param_groups": index.param_groups(), "grad_scaler": index.grad_scaler()},
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "extra": extra or {}, "seed": seed,
-            "files": [rank_file_name(r) for r in range(dist.get_world_size())],
-        }
+        manifest = Manifest.fragments(
+            iteration=iteration, layout=layout, world_size=dist.get_world_size(),
+            model={**model_config(model_chunks), "unpadded_vocab_size": vocab_size},
+            optimizer={"param_groups": index.param_groups(), "grad_scaler": index.grad_scaler()},
+            scheduler=scheduler.state_dict() if scheduler is not None else None,
+            extra=extra or {}, seed=seed)
     global _PENDING
-    _PENDING = PendingSave(iteration, root, partial, final, manifest, (mine, records), t0,
+    _PENDING = PendingSave(iteration, root, target, manifest, (mine, records), t0,
                            time.perf_counter() - t0)
     job = (fragments, rng_tensors, rng_meta, coords)
     if async_save:
@@ -172,8 +165,8 @@ def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: 
                                            name=f"megatron-ucp-save-{iteration}")
         _PENDING.thread.start()
         if rank == 0:
-            print(f"[megatron-ucp] staged iteration {iteration} at {layout} in "
-                  f"{_PENDING.stage_seconds:.3f}s; writing {final} in the background", flush=True)
+            log.info("staged iteration %d at %s in %.3fs; writing %s in the background", iteration,
+                     layout, _PENDING.stage_seconds, final)
     else:
         _PENDING.write(*job)
         finalize(blocking=True)
@@ -231,16 +224,16 @@ def finalize(blocking: bool = True) -> bool:
             try:
                 with paused_gc():
                     indexed = build_index(merge_specs([g[0] for g in gathered]), [g[1] for g in gathered],
-                                          where=f"saving iteration {p.iteration} to {p.final}")
+                                          where=f"saving iteration {p.iteration} to {p.staged.final}")
                 _commit(p, indexed, nbytes)
             except (UCPError, OSError) as e:
                 problem = [f"{e}; nothing was committed ({p.root / mf.LATEST} is unchanged)"]
         dist.broadcast_object_list(problem, src=0)  # every rank returns after rank 0's commit
     if dist.get_rank() == 0 and (n_failed or problem[0]):
-        shutil.rmtree(p.partial, ignore_errors=True)
+        p.staged.abort()
     if n_failed:
         mine = f"here: {p.error!r}" if failed else "this rank's file was written"
-        raise UCPError(f"saving iteration {p.iteration} to {p.final} failed on {n_failed} rank(s) "
+        raise UCPError(f"saving iteration {p.iteration} to {p.staged.final} failed on {n_failed} rank(s) "
                        f"({mine}); nothing was committed and {p.root / mf.LATEST} still names the "
                        "previous checkpoint. Fix the cause (disk space, permissions) and save again"
                        ) from p.error
@@ -248,25 +241,18 @@ def finalize(blocking: bool = True) -> bool:
         raise UCPError(problem[0])
     if dist.get_rank() == 0:
         blocked = p.stage_seconds if p.thread is not None else time.perf_counter() - p.started
-        print(f"[megatron-ucp] saved iteration {p.iteration} to {p.final} ({nbytes / 2**20:.1f} MiB) in "
-              f"{time.perf_counter() - p.started:.2f}s, training blocked {blocked:.2f}s", flush=True)
+        log.info("saved iteration %d to %s (%.1f MiB) in %.2fs, training blocked %.2fs", p.iteration,
+                 p.staged.final, nbytes / 2**20, time.perf_counter() - p.started, blocked)
     return True
 
 
 def _commit(p: PendingSave, params: dict, nbytes: int) -> None:
-    """Manifest last, fsync, rename into place, then move `latest` (rank 0)."""
-    mf.write(p.partial, {**p.manifest, "params": params, "bytes": nbytes})
-    fsync_dir(p.partial)
-    if p.final.exists():  # re-saving an iteration: swap, never delete the old one first
-        old = p.root / f".{p.final.name}.old"
-        shutil.rmtree(old, ignore_errors=True)
-        p.final.rename(old)
-        p.partial.rename(p.final)
-        shutil.rmtree(old)
-    else:
-        p.partial.rename(p.final)
-    fsync_dir(p.root)
-    mf.write_latest(p.root, p.final.name)
+    """Manifest last, fsync, rename into place, then move `latest` (rank 0). Each rank fsynced its
+    own file before reporting it written."""
+    p.manifest.params, p.manifest.bytes = params, nbytes
+    mf.write(p.staged.partial, p.manifest)
+    p.staged.commit(fsync_files=False)
+    mf.write_latest(p.root, p.staged.final.name)
 
 
 def pending() -> int | None:
@@ -286,11 +272,10 @@ def _finalize_at_exit() -> None:
             finalize(blocking=True)
             return
         except Exception as e:  # at exit nobody can catch it: say it loudly
-            print(f"[megatron-ucp] ERROR: the asynchronous save of iteration {p.iteration} failed at "
-                  f"exit: {e}", file=sys.stderr, flush=True)
+            log.error("the asynchronous save of iteration %d failed at exit: %s", p.iteration, e)
             return
-    print(f"[megatron-ucp] WARNING: the asynchronous save of iteration {p.iteration} was written but "
-          "not committed (the process group was destroyed first: call megatron_ucp.finalize() "
-          f"before destroy_process_group); {p.root / mf.LATEST} still names the previous checkpoint",
-          file=sys.stderr, flush=True)
+    log.warning("the asynchronous save of iteration %d was written but not committed (the process "
+                "group was destroyed first: call megatron_ucp.finalize() before "
+                "destroy_process_group); %s still names the previous checkpoint", p.iteration,
+                p.root / mf.LATEST)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -11,8 +12,8 @@ STATES = ("param", "exp_avg", "exp_avg_sq")  # fp32 master weight and Adam momen
 BUFFER_STATES = ("param",)  # a persistent buffer (e.g. MoE router expert_bias): its value only
 
 
-def states_of(spec: dict) -> tuple[str, ...]:
-    return BUFFER_STATES if spec.get("buffer") else STATES
+def states_of(spec: ParamSpec) -> tuple[str, ...]:
+    return BUFFER_STATES if spec.buffer else STATES
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -23,13 +24,13 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-@dataclass(frozen=True)
-class Piece:
+class Piece(NamedTuple):
     """The box [offset, offset + shape) of a universal tensor is a strided view of a local tensor:
     box element i is element `start + sum(i[d] * strides[d])` of the flattened local tensor.
 
     Most pieces are blocks of rows (contiguous strides); a GroupedMLP expert weight is a
-    transposed view of the fused local tensor."""
+    transposed view of the fused local tensor. (A NamedTuple: a fragment index at thousands of
+    ranks parses hundreds of thousands of them.)"""
 
     start: int
     offset: tuple[int, ...]

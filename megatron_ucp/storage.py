@@ -1,4 +1,5 @@
-"""Bytes in and out: streaming safetensors writer, sliced reader that counts bytes, fsync helpers.
+"""Bytes in and out: streaming safetensors writer, sliced reader that counts bytes, and the one
+commit sequence every writer uses (`staged_dir`: stage, fsync, rename).
 
 safetensors layout (https://github.com/huggingface/safetensors): 8-byte little-endian header length
 N, N bytes of JSON header {name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__":
@@ -8,11 +9,13 @@ shapes lets us stream one tensor at a time instead of holding the whole file in 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import struct
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -110,6 +113,20 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor],
     w.close()
 
 
+class ReadsFiles:
+    """What a checkpoint source reports of its reads: bytes and files (through `self.reader`)."""
+
+    reader: Reader
+
+    @property
+    def bytes_read(self) -> int:
+        return self.reader.bytes_read
+
+    @property
+    def files_opened(self) -> int:
+        return len(self.reader.handles)
+
+
 class Reader:
     """Reads whole tensors or slices from safetensors files, opening each file once, counting bytes."""
 
@@ -144,7 +161,8 @@ class Reader:
         return t
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a directory: its entries, e.g. a rename into it)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -161,4 +179,77 @@ def write_text_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_dir(path.parent)
+    fsync_path(path.parent)
+
+
+def fsync_tree(root: Path) -> None:
+    """Every file below `root`, then every directory bottom-up (a rename is durable only once the
+    entries it moves are)."""
+    dirs = []
+    for here, _subdirs, files in os.walk(root):
+        for name in files:
+            fsync_path(Path(here) / name)
+        dirs.append(Path(here))
+    for d in reversed(dirs):
+        fsync_path(d)
+
+
+def refuse_non_empty(path: Path) -> None:
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise UCPError(f"{path} exists and is not empty; choose a new directory")
+
+
+class StagedDir:
+    """A directory that appears whole or not at all: written as `.<name>.partial` next to it,
+    fsynced, then renamed to `final`. Split into steps for writers whose steps run on different
+    ranks (`save`); single-process writers use the `staged_dir` context manager."""
+
+    def __init__(self, final: Path):
+        self.final = Path(final)
+        self.partial = self.final.with_name(f".{self.final.name}.partial")
+
+    def create(self, replace: bool = False) -> Path:
+        """A fresh partial directory. replace=False refuses a non-empty `final`."""
+        if not replace:
+            refuse_non_empty(self.final)
+        self.final.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(self.partial, ignore_errors=True)  # left by a crashed writer
+        self.partial.mkdir()
+        return self.partial
+
+    def commit(self, fsync_files: bool = True) -> None:
+        """fsync (every file unless their writers did), then rename into place. An existing
+        `final` (re-saving an iteration) is swapped out, never deleted before the new one is in."""
+        if fsync_files:
+            fsync_tree(self.partial)
+        else:
+            fsync_path(self.partial)
+        if self.final.exists() and not (self.final.is_dir() and not any(self.final.iterdir())):
+            old = self.final.with_name(f".{self.final.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            self.final.rename(old)
+            self.partial.rename(self.final)
+            shutil.rmtree(old)
+        else:
+            if self.final.exists():
+                self.final.rmdir()  # an empty directory the caller allowed
+            self.partial.rename(self.final)
+        fsync_path(self.final.parent)
+
+    def abort(self) -> None:
+        shutil.rmtree(self.partial, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged_dir(final: str | Path) -> Iterator[Path]:
+    """Write a new directory atomically: yields the partial directory to write into; on success
+    every file and the directory are fsynced and it is renamed to `final`; on any error it is
+    removed. A non-empty `final` is refused before anything is written."""
+    staged = StagedDir(Path(final))
+    partial = staged.create()
+    try:
+        yield partial
+        staged.commit()
+    except BaseException:
+        staged.abort()
+        raise

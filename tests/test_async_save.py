@@ -16,7 +16,7 @@ import torch
 from conftest import SCENARIOS, STEPS
 from reference import assemble, compare_to_reference
 
-from megatron_ucp import manifest as mf
+from megatron_ucp.formats import manifest as mf
 from megatron_ucp.staging import HostStager, steps_to_floats
 from megatron_ucp.storage import tensor_bytes
 from megatron_ucp.testing.launch import launch

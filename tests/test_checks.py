@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 import megatron_ucp as ucp
-from megatron_ucp import manifest as mf
-from megatron_ucp.checks import detect, diff, verify
+from megatron_ucp.checks import diff, verify
 from megatron_ucp.cli import main
+from megatron_ucp.formats import detect
+from megatron_ucp.formats import manifest as mf
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron_lm"
 
@@ -52,7 +53,7 @@ def test_diff_names_the_changed_tensor(saved, tmp_path):
     from safetensors.torch import load_file, save_file
 
     udir = ucp.convert(saved, tmp_path / "u", progress=False)
-    m = mf.read(udir)
+    m = mf.read(udir).to_json()
     entry = m["params"]["decoder.final_layernorm.weight"]["tensors"]["exp_avg"]
     tensors = load_file(udir / entry["file"])
     tensors[entry["key"]][3] += 0.5
@@ -65,11 +66,11 @@ def test_diff_names_the_changed_tensor(saved, tmp_path):
 def test_diff_megatron_torch_dist_against_its_import(tmp_path):
     src = FIXTURES / "torch_dist_pp2_fullyreshardable" / "ckpt"
     assert detect(src) == "megatron_torch_dist"
-    from megatron_ucp.megatron_dist import convert_torch_dist
+    from megatron_ucp.reshard import convert_torch_dist
 
     udir = convert_torch_dist(src, tmp_path / "u", progress=False)
     rows = diff(src, udir)
-    assert len(rows) == 3 * len(mf.read(udir)["params"]) and all(r.max_abs == 0 for r in rows)
+    assert len(rows) == 3 * len(mf.read(udir).params) and all(r.max_abs == 0 for r in rows)
 
 
 def test_detect_rejects_unknown(tmp_path):

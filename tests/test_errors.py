@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 import megatron_ucp as ucp
+from megatron_ucp.formats import open_source
 from megatron_ucp.layout import Layout
-from megatron_ucp.sources import open_source
 from megatron_ucp.testing.launch import LaunchError, launch
 from megatron_ucp.validation import check_layout, check_model_config
 

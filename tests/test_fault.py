@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import megatron_ucp as ucp
-from megatron_ucp.sources import open_source
+from megatron_ucp.formats import open_source
 from megatron_ucp.storage import Reader
 from megatron_ucp.testing.launch import LaunchError, launch
 

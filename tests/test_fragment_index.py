@@ -21,9 +21,9 @@ from conftest import SCENARIOS, STEPS
 from reference import assemble, compare_to_reference
 
 import megatron_ucp as ucp
-from megatron_ucp.fragment_index import build_index
-from megatron_ucp.loader import flat_range_boxes
-from megatron_ucp.sources import open_source
+from megatron_ucp.formats import open_source
+from megatron_ucp.formats.fragments import build_index
+from megatron_ucp.local_slice import flat_range_boxes
 from megatron_ucp.testing.launch import LaunchError, launch
 
 
@@ -80,7 +80,7 @@ def test_format_2_checkpoint_without_index_still_loads_bitwise(source_runs, tmp_
     assert compare_to_reference(tmp_path / "dump", assemble(source["dump"], False), False) > 0
 
 
-SPEC = {"w": {"name": "w", "shape": [4, 2]}}
+SPEC = {"w": {"name": "w", "shape": [4, 2], "dtype": "float32", "tp_axis": 0}}
 ROWS = [[0, [0, 0], [2, 2], [2, 1]]]  # rows 0-1 of a [2, 2] local slice
 ROWS_2 = [[0, [2, 0], [2, 2], [2, 1]]]  # rows 2-3
 
@@ -88,8 +88,8 @@ ROWS_2 = [[0, [2, 0], [2, 2], [2, 1]]]  # rows 2-3
 def test_index_builder_accepts_an_exact_tiling():
     out = build_index(SPEC, [[("w", [2, 2], ROWS, 0, 3, 5.0)], [("w", [2, 2], ROWS, 3, 4, 5.0),
                                                                 ("w", [2, 2], ROWS_2, 0, 4, 5.0)]])
-    assert out["w"]["step"] == 5.0
-    assert [s["fragments"] for s in out["w"]["slices"]] == [[[0, 0, 3], [1, 3, 4]], [[1, 0, 4]]]
+    assert out["w"].to_json()["step"] == 5.0
+    assert [s["fragments"] for s in out["w"].to_json()["slices"]] == [[[0, 0, 3], [1, 3, 4]], [[1, 0, 4]]]
 
 
 @pytest.mark.parametrize("records,expected", [

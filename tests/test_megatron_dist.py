@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from megatron_ucp.errors import UCPError
-from megatron_ucp.megatron_dist import convert_torch_dist
+from megatron_ucp.reshard import convert_torch_dist
 from megatron_ucp.storage import Reader
 from megatron_ucp.testing.launch import launch
 
@@ -181,7 +181,9 @@ def test_args_and_tensors_must_agree():
     """The TP1 model built from args and the stored tensors are matched both ways, by name."""
     import argparse
 
-    from megatron_ucp.megatron_dist import DistReader, _check_names, _plan_model
+    from megatron_ucp.formats.megatron_dist.layout import DistReader
+    from megatron_ucp.formats.megatron_dist.layout import plan_model as _plan_model
+    from megatron_ucp.formats.megatron_dist.reader import check_names as _check_names
 
     ckpt = FIXTURES / "torch_dist_pp2_fullyreshardable" / "ckpt" / "iter_0000006"
     reader = DistReader(ckpt)

@@ -23,16 +23,11 @@ import torch
 from safetensors import safe_open
 
 from megatron_ucp import UCPError
+from megatron_ucp.formats.megatron_dist import iteration_dir as resolve_iter_dir
+from megatron_ucp.formats.megatron_dist import run_fields as torch_dist_source_fields
+from megatron_ucp.formats.megatron_dist.layout import DistReader
 from megatron_ucp.layout import Layout
-from megatron_ucp.megatron_dist import (
-    DistReader,
-    convert_torch_dist,
-    resolve_iter_dir,
-    torch_dist_source_fields,
-    write_torch_dist,
-)
-from megatron_ucp.megatron_legacy import convert_legacy
-from megatron_ucp.reshard import reshard
+from megatron_ucp.reshard import convert_legacy, convert_torch_dist, reshard, write_torch_dist
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "megatron_lm"

@@ -1,4 +1,4 @@
-"""Megatron-LM `--ckpt-format torch` checkpoints -> universal directory (megatron_ucp.megatron_legacy).
+"""Megatron-LM `--ckpt-format torch` checkpoints -> universal directory (formats.megatron_legacy).
 
 The fixtures in tests/fixtures/megatron_lm/<set>/ckpt are real saves of Megatron-LM core_v0.16.1
 (CPU, gloo; /work/shared/fixtures/megatron_lm/README.md describes them), iteration 6 only.
@@ -26,7 +26,7 @@ from safetensors import safe_open
 
 from megatron_ucp import UCPError, convert
 from megatron_ucp.cli import main as cli_main
-from megatron_ucp.megatron_legacy import convert_legacy
+from megatron_ucp.reshard import convert_legacy
 from megatron_ucp.testing.launch import launch
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron_lm"
@@ -398,8 +398,8 @@ def test_rebuild_of_a_grouped_gemm_run_names_experts_like_sequential_mlp():
     SequentialMLP run's, so checkpoints convert between the two."""
     import argparse
 
-    from megatron_ucp.megatron_legacy import legacy_source_fields
-    from megatron_ucp.megatron_rebuild import build_chunks, source_rank
+    from megatron_ucp.formats.megatron_legacy import run_fields as legacy_source_fields
+    from megatron_ucp.formats.megatron_rebuild import build_chunks, source_rank
     from megatron_ucp.param_spec import local_params
 
     args = legacy_source_fields(FIXTURES / "torch_moe_ep2" / "ckpt")["args"]

@@ -1,4 +1,4 @@
-"""Universal -> Megatron-LM `--ckpt-format torch` checkpoints (megatron_ucp.megatron_legacy.write_legacy).
+"""Universal -> Megatron-LM `--ckpt-format torch` checkpoints (megatron_ucp.reshard.write_legacy).
 
 (1) Same layout: fixture -> universal -> legacy at the fixture's own layout reproduces every tensor
     of every file bitwise (model weights, flat buffers including their zero gaps, rng states) and
@@ -23,9 +23,9 @@ import torch
 from safetensors import safe_open
 
 from megatron_ucp import UCPError
+from megatron_ucp.formats.megatron_legacy import run_fields as legacy_source_fields
 from megatron_ucp.layout import Layout
-from megatron_ucp.megatron_legacy import convert_legacy, legacy_source_fields, write_legacy
-from megatron_ucp.reshard import reshard
+from megatron_ucp.reshard import convert_legacy, reshard, write_legacy
 from megatron_ucp.testing.launch import launch
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -80,7 +80,8 @@ def test_factory_pieces_are_probed_and_must_be_strided_views():
     import torch
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-    from megatron_ucp.param_spec import _pieces, _sharded_pieces
+    from megatron_ucp.param_spec import sharded_pieces as _sharded_pieces
+    from megatron_ucp.param_spec import strided_pieces as _pieces
     from megatron_ucp.spec import Piece
 
     param = torch.nn.Parameter(torch.randn(4, 6))

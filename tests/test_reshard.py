@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 import megatron_ucp as ucp
-from megatron_ucp import manifest as mf
 from megatron_ucp.checks import diff, verify
+from megatron_ucp.formats import manifest as mf
 from megatron_ucp.layout import Layout
 from megatron_ucp.reshard import reshard
 
@@ -25,7 +25,7 @@ def test_reshard_tool_legacy_checkpoint(tmp_path):
                         "--workers", "2", "--no-progress"], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "resharded megatron_torch -> universal" in r.stdout and "MiB/s" in r.stdout
-    m = mf.read(out)
+    m = mf.read(out).to_json()
     assert m["kind"] == "universal" and m["iteration"] == 6
     assert len(list(out.glob("params_*.safetensors"))) >= 2  # --workers 2: files split for 2 writers
     assert verify(out).startswith("OK")
@@ -35,7 +35,7 @@ def test_reshard_tool_legacy_checkpoint(tmp_path):
 def test_reshard_fragments_and_impossible_target(source_runs, tmp_path):
     saved = source_runs.get("tp2", {"dtype": "fp32"})["ckpt"]
     s = reshard(saved, tmp_path / "ok", Layout(tp=4), progress=False)
-    assert s.source_kind == "fragments" and s.params == len(mf.read(tmp_path / "ok")["params"])
+    assert s.source_kind == "fragments" and s.params == len(mf.read(tmp_path / "ok").params)
     with pytest.raises(ucp.UCPError, match="num_attention_heads=4 is not divisible by TP=3"):
         reshard(saved, tmp_path / "bad", Layout(tp=3), progress=False)
     assert not (tmp_path / "bad").exists()

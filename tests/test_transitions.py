@@ -9,6 +9,10 @@ steps within the tolerance measured for reduction-order noise (see test_noise_fl
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import FULL, REPORT, SCENARIOS, STEPS, nprocs
@@ -16,7 +20,7 @@ from reference import assemble, compare_to_reference
 from safetensors import safe_open
 
 import megatron_ucp as ucp
-from megatron_ucp import manifest as mf
+from megatron_ucp.formats import manifest as mf
 from megatron_ucp.layout import Layout
 from megatron_ucp.testing.launch import LaunchError, launch
 
@@ -47,7 +51,7 @@ def _cases():
 
 def universal_tensors(ckpt_root, out_dir) -> dict[str, torch.Tensor]:
     udir = ucp.convert(ckpt_root, out_dir, progress=False)
-    manifest = mf.read(udir)
+    manifest = mf.read(udir).to_json()
     tensors = {}
     for name, p in manifest["params"].items():
         for state, e in p["tensors"].items():
@@ -186,3 +190,22 @@ def test_negative_control_scheduler_not_restored(source_runs, tmp_path):
                   "steps": STEPS, "sabotage": "scheduler"})
     rel = [abs(g - r) / abs(r) for g, r in zip(res[0]["losses"], source["continued"])]
     assert max(rel) > 100 * RTOL["fp32"][1], rel
+
+
+
+def test_convert_checks_every_fragment_it_touches(source_runs, tmp_path):
+    """A SwiGLU fc1 fragment spans two pieces (gate and up halves): convert reads each half as
+    part of the fragment and must still check the fragment's checksum (a flipped byte)."""
+    ckpt = Path(shutil.copytree(mf.resolve(source_runs.get("tp2", LLAMA)["ckpt"]), tmp_path / "c"))
+    name = "decoder.layers.0.mlp.linear_fc1.weight"
+    path, key = ckpt / "rank_00000.safetensors", f"{name}/exp_avg"
+    raw = bytearray(path.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    fragment = next(f for f in json.loads(header["__metadata__"]["fragments"]) if f["name"] == name)
+    assert len(fragment["pieces"]) == 2  # one fragment, two pieces
+    raw[8 + n + header[key]["data_offsets"][0] + 5] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ucp.UCPError, match=f"rank_00000.safetensors: checksum mismatch in tensor {key!r}"):
+        ucp.convert(ckpt, tmp_path / "u", progress=False)
+    assert not (tmp_path / "u").exists()

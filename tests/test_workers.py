@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import megatron_ucp as ucp
-from megatron_ucp import manifest as mf
 from megatron_ucp.checks import diff, verify
-from megatron_ucp.megatron_legacy import convert_legacy
+from megatron_ucp.formats import manifest as mf
+from megatron_ucp.reshard import convert_legacy
 
 LEGACY = Path(__file__).parent / "fixtures" / "megatron_lm" / "torch_tp2_pp2" / "ckpt"
 
@@ -20,7 +20,7 @@ def test_consolidate_with_workers_matches_one_process(source_runs, tmp_path):
     assert len(list(two.glob("params_*.safetensors"))) >= 2
     assert verify(two).startswith("OK")
     assert all(d.max_abs == 0 for d in diff(one, two))
-    assert mf.read(one)["params"].keys() == mf.read(two)["params"].keys()
+    assert mf.read(one).params.keys() == mf.read(two).params.keys()
 
 
 def test_legacy_import_with_workers(tmp_path):

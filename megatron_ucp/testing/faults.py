@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megatron_ucp import fragments
+from megatron_ucp.formats.fragments import rank_file as fragments
 from megatron_ucp.testing import scenarios  # installs the CPU shim before megatron.core
 from megatron_ucp.testing import tiny_gpt as tg
 

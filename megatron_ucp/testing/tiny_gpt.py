@@ -142,17 +142,12 @@ def transformer_config(cfg: TinyGPTConfig, layout: Layout) -> TransformerConfig:
 
 def _config_fields(cfg: TinyGPTConfig, layout: Layout, bf16: bool, fp16: bool, dtype) -> dict:
     """TransformerConfig fields for `cfg` at `layout` (cfg.extra may override any of them)."""
+    same = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+            "ffn_hidden_size", "normalization", "add_bias_linear", "qk_layernorm")
     return dict(
-        num_layers=cfg.num_layers,
-        hidden_size=cfg.hidden_size,
-        num_attention_heads=cfg.num_attention_heads,
-        num_query_groups=cfg.num_query_groups,
-        ffn_hidden_size=cfg.ffn_hidden_size,
+        **{k: getattr(cfg, k) for k in same},
         gated_linear_unit=cfg.swiglu,
         activation_func=torch.nn.functional.silu if cfg.swiglu else torch.nn.functional.gelu,
-        normalization=cfg.normalization,
-        add_bias_linear=cfg.add_bias_linear,
-        qk_layernorm=cfg.qk_layernorm,
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,

@@ -4,42 +4,21 @@
 the parameter specs from one replica of each model-parallel position, so rank 0 holds
 O(tensors + fragments), not O(world x tensors). Rank 0 checks that the fragments tile every
 universal tensor exactly (no gap, no overlap: a broken layout is refused before anything is
-committed) and writes the index into the manifest (format version 3, docs/FORMAT.md):
-
-    params[name]["step"]   = the Adam step of the tensor
-    params[name]["slices"] = [{"local_shape": [...], "pieces": [[start, offset, shape, strides], ...],
-                               "fragments": [[file index, start, end], ...]}, ...]
-
-A load then opens only the files that hold its bytes; checksums stay in each rank file's header,
-which is read when that file is opened anyway.
+committed) and writes the index into the manifest (`ParamEntry.slices`, docs/FORMAT.md). A load
+then opens only the files that hold its bytes; checksums stay in each rank file's header, which
+is read when that file is opened anyway.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import math
-from collections.abc import Iterator
 
 from megatron_ucp.errors import UCPError
-from megatron_ucp.spec import Piece
+from megatron_ucp.formats.manifest import FragmentEntry, ParamEntry, SliceEntry
+from megatron_ucp.spec import ParamSpec, Piece
 
 # name, local shape, pieces (JSON), start, end, step
 Record = tuple[str, list[int], list, int, int, float]
-
-
-@contextlib.contextmanager
-def paused_gc() -> Iterator[None]:
-    """No cyclic garbage collection while building or parsing metadata: it allocates millions of
-    small containers and no cycles, and the collector's passes over them would cost seconds
-    (measured 5x on the 4096-rank plan benchmark)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def merge_specs(spec_lists: list[list[dict] | None]) -> dict[str, dict]:
@@ -54,12 +33,14 @@ def merge_specs(spec_lists: list[list[dict] | None]) -> dict[str, dict]:
     return dict(sorted(merged.items()))
 
 
-def build_index(params: dict[str, dict], records_per_file: list[list[Record]],
-                where: str = "save") -> dict[str, dict]:
-    """`params` (merged specs) with "step" and "slices" added from every file's records; raises
-    UCPError naming the tensor and the ranks when the fragments do not tile a tensor exactly."""
-    slices: dict[str, dict[str, dict]] = {name: {} for name in params}
+def build_index(specs: dict[str, dict], records_per_file: list[list[Record]],
+                where: str = "save") -> dict[str, ParamEntry]:
+    """The manifest's params (merged specs, each with its step and slices) from every file's
+    records; raises UCPError naming the tensor and the ranks when the fragments do not tile a
+    tensor exactly."""
+    slices: dict[str, dict[tuple, SliceEntry]] = {name: {} for name in specs}
     steps: dict[str, tuple[float, int]] = {}
+    pieces_of: dict[tuple, list[Piece]] = {}  # parsed once per distinct piece list
     for file_index, records in enumerate(records_per_file):
         for name, local_shape, pieces, start, end, step in records:
             if name not in slices:
@@ -71,46 +52,59 @@ def build_index(params: dict[str, dict], records_per_file: list[list[Record]],
                                "mixes iterations")
             steps.setdefault(name, (step, file_index))
             key = (tuple(local_shape), tuple((p[0], *map(tuple, p[1:])) for p in pieces))
-            entry = slices[name].setdefault(key, {"local_shape": list(local_shape), "pieces": pieces,
-                                                  "fragments": []})
-            entry["fragments"].append([file_index, start, end])
+            entry = slices[name].get(key)
+            if entry is None:
+                parsed = pieces_of.setdefault(key[1], [Piece.from_json(p) for p in pieces])
+                entry = slices[name][key] = SliceEntry(key[0], parsed, [])
+            entry.fragments.append(FragmentEntry(file_index, start, end))
     out = {}
-    for name, spec in params.items():
+    for name, spec in specs.items():
         if name not in steps:
             raise UCPError(f"{where}: no rank saved any element of {name}; every rank holding it "
                            "skipped it (is its optimizer state missing?)")
         entries = list(slices[name].values())
         for e in entries:
-            e["fragments"].sort(key=lambda f: f[1])
+            e.fragments.sort(key=lambda f: f.start)
         check_tiling(where, name, spec["shape"], entries)
-        out[name] = {**spec, "step": steps[name][0], "slices": entries}
+        out[name] = ParamEntry(ParamSpec.from_json(spec), steps[name][0], slices=entries)
     return out
 
 
-def check_tiling(where: str, name: str, shape: list[int], entries: list[dict]) -> None:
+def check_tiling(where: str, name: str, shape: tuple[int, ...] | list[int], entries: list[SliceEntry],
+                 overlap: bool = True) -> None:
     """Every element of the tensor is saved exactly once: fragments tile each saved slice and the
-    slices' pieces tile the universal tensor."""
+    slices' pieces tile the universal tensor (overlap=False: only the volume, for a load that
+    trusts the index its save checked)."""
     pieces = []
     for e in entries:
         pos, owners = 0, []
-        for file_index, start, end in e["fragments"]:
-            if start != pos:
-                what = "twice" if start < pos else "by no rank"
+        for f in e.fragments:
+            if f.start != pos:
+                what = "twice" if f.start < pos else "by no rank"
                 raise UCPError(
-                    f"{where}: parameter {name}: elements [{min(pos, start)}, {max(pos, start)}) of "
-                    f"a saved slice are saved {what} (ranks {owners[-1:] + [file_index]}); "
+                    f"{where}: parameter {name}: elements [{min(pos, f.start)}, {max(pos, f.start)}) "
+                    f"of a saved slice are saved {what} (ranks {owners[-1:] + [f.file]}); "
                     + ("two ranks hold the same part of the model: is the model built for this "
                        "layout (TransformerConfig.pipeline_model_parallel_size and friends)?"
-                       if start < pos else "the checkpoint is incomplete"))
-            pos = end
-            owners.append(file_index)
-        if pos != math.prod(e["local_shape"]):
+                       if f.start < pos else "the checkpoint is incomplete"))
+            pos = f.end
+            owners.append(f.file)
+        if pos != math.prod(e.local_shape):
             raise UCPError(f"{where}: parameter {name}: a saved slice ends at element {pos} of "
-                           f"{math.prod(e['local_shape'])}; the checkpoint is incomplete")
-        pieces += [(Piece.from_json(p), owners) for p in e["pieces"]]
+                           f"{math.prod(e.local_shape)}; the checkpoint is incomplete")
+        pieces += [(p, owners) for p in e.pieces]
+    if overlap:
+        _check_no_overlap(where, name, shape, pieces)
+    covered = sum(p.numel for p, _ in pieces)
+    if covered != math.prod(shape):
+        raise UCPError(f"{where}: parameter {name}: saved slices cover {covered} of "
+                       f"{math.prod(shape)} elements; the checkpoint is incomplete")
+
+
+def _check_no_overlap(where: str, name: str, shape, pieces: list[tuple[Piece, list[int]]]) -> None:
     # sweep along the dim the slices are spread over: only boxes that meet on it can overlap
     d = max(range(len(shape)), key=lambda k: len({p.offset[k] for p, _ in pieces})) if shape else 0
-    pieces.sort(key=lambda x: x[0].offset[d] if shape else 0)
+    pieces = sorted(pieces, key=lambda x: x[0].offset[d] if shape else 0)
     for i, (a, ranks_a) in enumerate(pieces):
         for b, ranks_b in pieces[i + 1:]:
             if shape and b.offset[d] >= a.offset[d] + a.shape[d]:
@@ -122,7 +116,3 @@ def check_tiling(where: str, name: str, shape: list[int], entries: list[dict]) -
                     f"saved overlapping slices at {list(a.offset)} and {list(b.offset)}; two ranks "
                     "hold the same part of the model: is the model built for this layout "
                     "(TransformerConfig.pipeline_model_parallel_size and friends)?")
-    covered = sum(p.numel for p, _ in pieces)
-    if covered != math.prod(shape):
-        raise UCPError(f"{where}: parameter {name}: saved slices cover {covered} of "
-                       f"{math.prod(shape)} elements; the checkpoint is incomplete")

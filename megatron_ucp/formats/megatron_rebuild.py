@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import types
 from collections.abc import Iterator
 
 import torch
@@ -27,7 +28,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_ucp.errors import UCPError
-from megatron_ucp.layout import Layout
+from megatron_ucp.formats.megatron_common import layout, rank_order, world
+from megatron_ucp.validation import model_config as config_of
 
 # TransformerConfig settings for the rebuild. The fusions change nothing about parameter names,
 # shapes or order but would need CUDA extensions or TransformerEngine. Initialisation stays on (on
@@ -48,32 +50,6 @@ REBUILD_SETTINGS = {
     "use_te_rng_tracker": False,
     "config_logger_dir": "",
 }
-
-
-# ----------------------------------------------------------------------------------------------
-# the saving run's layout, from args
-
-
-def world(args) -> int:
-    """The saving run's world size (args.world_size, else the product of the parallel sizes)."""
-    return getattr(args, "world_size", None) or (
-        args.tensor_model_parallel_size * args.pipeline_model_parallel_size
-        * getattr(args, "context_parallel_size", 1) * getattr(args, "data_parallel_size", 1))
-
-
-def layout(args) -> Layout:
-    """The saving run's parallel layout; DP is derived from the world size when args lack it."""
-    tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                  getattr(args, "context_parallel_size", 1))
-    dp = getattr(args, "data_parallel_size", None) or world(args) // (tp * pp * cp)
-    return Layout(tp=tp, pp=pp, dp=dp,
-                  vpp=getattr(args, "virtual_pipeline_model_parallel_size", None), cp=cp,
-                  ep=getattr(args, "expert_model_parallel_size", 1))
-
-
-def rank_order(args) -> str:
-    """The rank order megatron.training.initialize passes to initialize_model_parallel."""
-    return "tp-cp-ep-pp-dp" if getattr(args, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-dp-pp"
 
 
 def single_rank_args(args):
@@ -188,12 +164,18 @@ def build_chunks(args) -> list:
     """This rank's model chunks (one per VPP stage) as Megatron-LM's get_model builds them
     (gpt_builders, local spec; MoE through the decoder block spec), Float16Module-wrapped when the
     run trained in fp16/bf16. Call inside `source_rank`."""
-    if getattr(args, "moe_grouped_gemm", False):
-        # GroupedMLP's constructor asserts the CUDA grouped_gemm library is importable; the rebuild
-        # runs no forward, so without it the CPU reference implementation stands in.
-        from megatron_ucp.testing import grouped_gemm_cpu
+    from megatron.core.transformer.module import Float16Module
 
-        grouped_gemm_cpu.install()
+    config = transformer_config(args)
+    vpp = layout(args).vpp
+    with _grouped_gemm_importable(getattr(args, "moe_grouped_gemm", False)):
+        chunks = [_build_chunk(args, config, i if vpp else None) for i in range(vpp or 1)]
+    if args.fp16 or args.bf16:
+        chunks = [Float16Module(config, c) for c in chunks]
+    return chunks
+
+
+def _build_chunk(args, config, vp: int | None):
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
@@ -201,42 +183,59 @@ def build_chunks(args) -> list:
         get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
     )
-    from megatron.core.transformer.module import Float16Module
 
-    config = transformer_config(args)
-    vpp = layout(args).vpp
-    chunks = []
-    for i in range(vpp or 1):
-        vp = i if vpp else None
-        if getattr(args, "num_experts", None):
-            spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
-                                              normalization=args.normalization,
-                                              qk_l2_norm=getattr(args, "qk_l2_norm", False), vp_stage=vp)
-        else:
-            spec = get_gpt_layer_local_spec(
-                num_experts=None, moe_grouped_gemm=getattr(args, "moe_grouped_gemm", False),
-                qk_layernorm=getattr(args, "qk_layernorm", False),
-                multi_latent_attention=getattr(args, "multi_latent_attention", False),
-                moe_use_legacy_grouped_gemm=getattr(args, "moe_use_legacy_grouped_gemm", False),
-                normalization=args.normalization, qk_l2_norm=getattr(args, "qk_l2_norm", False))
-        model = GPTModel(
-            config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
-            max_sequence_length=args.max_position_embeddings,
-            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
-            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
-            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            position_embedding_type=args.position_embedding_type,
-            rotary_percent=getattr(args, "rotary_percent", 1.0),
-            rotary_base=getattr(args, "rotary_base", 10000),
-            rope_scaling=getattr(args, "use_rope_scaling", False),
-            vp_stage=vp,
-        )
-        for p in model.parameters():
-            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
-        chunks.append(model)
-    if args.fp16 or args.bf16:
-        chunks = [Float16Module(config, c) for c in chunks]
-    return chunks
+    if getattr(args, "num_experts", None):
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                          normalization=args.normalization,
+                                          qk_l2_norm=getattr(args, "qk_l2_norm", False), vp_stage=vp)
+    else:
+        spec = get_gpt_layer_local_spec(
+            num_experts=None, moe_grouped_gemm=getattr(args, "moe_grouped_gemm", False),
+            qk_layernorm=getattr(args, "qk_layernorm", False),
+            multi_latent_attention=getattr(args, "multi_latent_attention", False),
+            moe_use_legacy_grouped_gemm=getattr(args, "moe_use_legacy_grouped_gemm", False),
+            normalization=args.normalization, qk_l2_norm=getattr(args, "qk_l2_norm", False))
+    model = GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+        post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=getattr(args, "rotary_percent", 1.0),
+        rotary_base=getattr(args, "rotary_base", 10000),
+        rope_scaling=getattr(args, "use_rope_scaling", False),
+        vp_stage=vp,
+    )
+    for p in model.parameters():
+        tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
+    return model
+
+
+@contextlib.contextmanager
+def _grouped_gemm_importable(needed: bool) -> Iterator[None]:
+    """GroupedMLP's constructor asserts that the CUDA `grouped_gemm` library is importable. The
+    rebuild builds modules on the meta device and runs no forward, so while it builds, a module
+    whose `gmm` refuses to run stands in when the library is absent (only megatron-core's handle
+    to it is set, and restored afterwards)."""
+    from megatron.core.transformer.moe import grouped_gemm_util as util
+
+    if not needed or util.grouped_gemm is not None:
+        yield
+        return
+
+    def gmm(*_a, **_k):
+        raise UCPError("grouped_gemm is not installed: a model rebuilt by megatron-ucp from "
+                       "checkpoint args has no forward")
+
+    stand_in = types.ModuleType("grouped_gemm")
+    stand_in.ops = types.SimpleNamespace(gmm=gmm)
+    saved = (util.grouped_gemm, util.ops)
+    util.grouped_gemm, util.ops = stand_in, stand_in.ops
+    try:
+        yield
+    finally:
+        util.grouped_gemm, util.ops = saved
 
 
 def wrap_ddp(chunks: list, args) -> list:
@@ -268,8 +267,6 @@ def wrap_ddp(chunks: list, args) -> list:
 def model_config(chunks: list, args) -> dict:
     """The manifest's model config of the rebuilt chunks, recording the run's own values for the
     rebuild switches (not ours) and keeping the padded vocabulary (Megatron-LM trains its rows)."""
-    from megatron_ucp.validation import model_config as config_of
-
     cfg = config_of(chunks)
     for k in REBUILD_SETTINGS:
         if k in cfg and hasattr(args, k):

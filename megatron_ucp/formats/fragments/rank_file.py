@@ -1,0 +1,78 @@
+"""One rank's file of a fragment checkpoint: `rank_XXXXX.safetensors`.
+
+It holds, for every parameter copy the rank owns canonically, the rank's distributed-optimizer
+range [start, end) of the flattened local (TP-sliced) tensor: tensors `<name>/param` (fp32 master
+weight), `<name>/exp_avg`, `<name>/exp_avg_sq` (a persistent buffer: `<name>/param` only, the whole
+local tensor, from DP rank 0). Its safetensors `__metadata__` key `fragments` is JSON: for each
+fragment the local shape, the range, the Adam step, the crc32 of each tensor and the pieces
+(strided views of the local tensor -> boxes of the universal tensor). `rng/*` tensors and the
+`rng` metadata key hold the rank's generator states; `coords` its TP/PP/DP ranks.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from megatron_ucp.spec import Piece
+from megatron_ucp.storage import Reader, SafetensorsWriter, crc32_many
+
+
+def rank_file_name(rank: int) -> str:
+    return f"rank_{rank:05d}.safetensors"
+
+
+@dataclass
+class Fragment:
+    name: str
+    local_shape: tuple[int, ...]
+    pieces: list[Piece]
+    start: int
+    end: int
+    step: float
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # state -> 1-D fp32
+    crc: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "local_shape": list(self.local_shape),
+                "pieces": [p.to_json() for p in self.pieces], "range": [self.start, self.end],
+                "step": self.step, "crc32": self.crc}
+
+    def record(self) -> tuple:
+        """What the fragment index needs of it (`index.Record`)."""
+        return (self.name, list(self.local_shape), [p.to_json() for p in self.pieces], self.start,
+                self.end, self.step)
+
+
+def write_rank_file(path: Path, fragments: list[Fragment], rng_tensors: dict[str, torch.Tensor],
+                    rng_meta: dict, coords: dict) -> int:
+    """Write one rank's fragments; returns bytes written. The file is fsynced before returning."""
+    entries = [(f"{f.name}/{s}", torch.float32, (f.end - f.start,)) for f in fragments for s in f.tensors]
+    entries += [(f"rng/{k}", v.dtype, tuple(v.shape)) for k, v in rng_tensors.items()]
+    crcs = iter(crc32_many([t for f in fragments for t in f.tensors.values()]))
+    for f in fragments:
+        f.crc = {s: next(crcs) for s in f.tensors}
+    meta = {"fragments": json.dumps([f.to_json() for f in fragments]),
+            "rng": json.dumps(rng_meta), "coords": json.dumps(coords)}
+    w = SafetensorsWriter(path, entries, meta)
+    for f in fragments:
+        for s, t in f.tensors.items():
+            w.write(f"{f.name}/{s}", t)
+    for k, v in rng_tensors.items():
+        w.write(f"rng/{k}", v)
+    w.close()
+    return w.nbytes
+
+
+def header_fragments(reader: Reader, path: Path) -> list[dict]:
+    """The `fragments` metadata of a rank file: name, local_shape, pieces, range, step, crc32."""
+    return json.loads(reader.metadata(path).get("fragments", "[]"))
+
+
+def read_rng(reader: Reader, path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    f = reader.open(path)
+    tensors = {k.removeprefix("rng/"): f.get_tensor(k) for k in f.keys() if k.startswith("rng/")}
+    return tensors, json.loads(reader.metadata(path).get("rng", "{}"))

@@ -1,0 +1,174 @@
+"""Read boxes of universal tensors out of a fragment checkpoint, touching only the bytes needed.
+
+The manifest's index (format 3) says which rank file holds which range of each saved slice, so
+opening the checkpoint opens no rank file; formats 1 and 2 list the fragments in each rank file's
+header instead, which is read at open. Checksums are in the headers and are checked for every
+fragment read whole (`verify_fragments=True`: for every fragment touched, as `convert` needs).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from megatron_ucp.errors import UCPError
+from megatron_ucp.formats.fragments.index import check_tiling
+from megatron_ucp.formats.fragments.rank_file import header_fragments, rank_file_name, read_rng
+from megatron_ucp.formats.manifest import FragmentEntry, Manifest, SliceEntry, paused_gc
+from megatron_ucp.spec import Piece
+from megatron_ucp.storage import Reader, ReadsFiles, crc32
+
+RECENT_BYTES = 256 * 2**20  # whole local tensors / fragments kept for reuse (oldest evicted first)
+
+
+class FragmentSource(ReadsFiles):
+    """Reads boxes of universal tensors out of a fragment checkpoint."""
+
+    def __init__(self, ckpt_dir: Path, manifest: Manifest, verify_checksums: bool = True,
+                 verify_fragments: bool = False):
+        self.dir = Path(ckpt_dir)
+        self.manifest = manifest
+        self.origin = {"kind": "fragments", "path": str(self.dir)}
+        self.reader = Reader()
+        self.verify_checksums = verify_checksums
+        # every fragment a read touches is read whole once and checked against its crc32, also
+        # when a read needs only part of it (a fragment can span several pieces)
+        self.verify_fragments = verify_fragments and verify_checksums
+        # whole local tensors (transposed pieces interleave) or fragments read for reuse
+        self._recent: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+        self._crcs: dict[int, dict[tuple[str, int], dict[str, int]]] = {}  # file -> from its header
+        files = manifest.files or [rank_file_name(r) for r in range(manifest.layout_world_size)]
+        self.files = [self.dir / f for f in files]
+        if all(p.slices is not None for p in manifest.params.values()):  # version 3: the index
+            self.slices = {name: p.slices for name, p in manifest.params.items()}
+            self.steps = {name: p.step for name, p in manifest.params.items()}
+        else:  # versions 1 and 2: every rank file's header lists its fragments
+            self._from_headers()
+        with paused_gc():
+            for name, p in manifest.params.items():
+                if not self.slices.get(name):
+                    raise UCPError(f"{self.dir}: no rank file holds parameter {name}; the checkpoint "
+                                   "is incomplete (a rank file is missing or from another save)")
+                check_tiling(str(self.dir), name, p.shape, self.slices[name], overlap=False)
+
+    def _from_headers(self) -> None:
+        self.slices: dict[str, list[SliceEntry]] = {}
+        self.steps: dict[str, float] = {}
+        for i, path in enumerate(self.files):
+            for d in header_fragments(self.reader, path):
+                name, step = d["name"], d["step"]
+                if name in self.steps and self.steps[name] != step:
+                    raise UCPError(f"{path}: parameter {name} has Adam step {step} but another "
+                                   f"rank saved {self.steps[name]}; the checkpoint mixes iterations")
+                self.steps[name] = step
+                self._crcs.setdefault(i, {})[(name, d["range"][0])] = d["crc32"]
+                shape, pieces = tuple(d["local_shape"]), [Piece.from_json(p) for p in d["pieces"]]
+                entries = self.slices.setdefault(name, [])
+                sl = next((s for s in entries if s.pieces == pieces), None)
+                if sl is None:
+                    entries.append(sl := SliceEntry(shape, pieces, []))
+                sl.fragments.append(FragmentEntry(i, *d["range"]))
+        for entries in self.slices.values():
+            for sl in entries:
+                sl.fragments.sort(key=lambda f: f.start)
+
+    def step(self, name: str) -> float:
+        return self.steps[name]
+
+    def _crc(self, name: str, f: FragmentEntry, state: str) -> int:
+        """A fragment's checksum, from its rank file's header (read when the file is opened)."""
+        if f.file not in self._crcs:
+            self._crcs[f.file] = {(d["name"], d["range"][0]): d["crc32"]
+                                  for d in header_fragments(self.reader, self.files[f.file])}
+        crc = self._crcs[f.file].get((name, f.start))
+        if crc is None:
+            raise UCPError(f"{self.files[f.file]}: has no fragment of {name} at element {f.start}, "
+                           "which the manifest puts there; the file is from another save")
+        return crc[state]
+
+    def _read_fragment(self, name: str, state: str, f: FragmentEntry) -> torch.Tensor:
+        """A whole fragment, its checksum checked."""
+        path, key = self.files[f.file], f"{name}/{state}"
+        crc = self._crc(name, f, state) if self.verify_checksums else None  # the header first
+        t = self.reader.read(path, key)
+        if crc is not None and crc32(t) != crc:
+            raise UCPError(f"{path}: checksum mismatch in tensor {key!r}; the file is corrupt: "
+                           "restore it or load an earlier iteration")
+        return t
+
+    def _cached(self, key: tuple, read: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if any(k[0] != key[0] for k in self._recent):  # only one tensor's pieces interleave
+            self._recent.clear()
+        if key in self._recent:
+            self._recent.move_to_end(key)
+            return self._recent[key]
+        t = self._recent[key] = read()
+        while len(self._recent) > 1 and sum(v.nbytes for v in self._recent.values()) > RECENT_BYTES:
+            self._recent.popitem(last=False)
+        return t
+
+    def verify(self) -> int:
+        """Read every fragment whole and check its crc32, and that the slices of every parameter
+        tile it exactly (no gap, no overlap). Returns tensors checked."""
+        n = 0
+        for name, p in self.manifest.params.items():
+            check_tiling(str(self.dir), name, p.shape, self.slices[name])
+            for sl in self.slices[name]:
+                for f in sl.fragments:
+                    for state in p.states:
+                        self._read_fragment(name, state, f)
+                        n += 1
+        return n
+
+    def _read_flat(self, name: str, state: str, sl: SliceEntry, a: int, b: int) -> torch.Tensor:
+        buf = torch.empty(b - a, dtype=torch.float32)
+        for f in sl.fragments:
+            s, e = max(a, f.start), min(b, f.end)
+            if e <= s:
+                continue
+            if s == f.start and e == f.end:
+                t = self._read_fragment(name, state, f)
+            elif self.verify_fragments:
+                whole = self._cached((name, state, "fragment", f.file, f.start),
+                                     lambda f=f: self._read_fragment(name, state, f))
+                t = whole[s - f.start:e - f.start]
+            else:
+                t = self.reader.read(self.files[f.file], f"{name}/{state}",
+                                     (slice(s - f.start, e - f.start),))
+            buf[s - a:e - a] = t
+        return buf
+
+    def read(self, name: str, state: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        """Box [offset, offset + shape) of universal tensor `name`, state `state`, as fp32."""
+        out = torch.empty(shape, dtype=torch.float32)
+        filled = 0
+        for sl in self.slices[name]:
+            for pc in sl.pieces:
+                lo = [max(o, p) for o, p in zip(offset, pc.offset)]
+                hi = [min(o + n, p + m) for o, n, p, m in zip(offset, shape, pc.offset, pc.shape)]
+                if any(h <= lo_ for lo_, h in zip(lo, hi)):
+                    continue
+                first, last = pc.span(tuple(a - p for a, p in zip(lo, pc.offset)),
+                                      tuple(b - p for b, p in zip(hi, pc.offset)))
+                if pc.contiguous:
+                    flat = self._read_flat(name, state, sl, first, last + 1)
+                else:  # a transposed piece interleaves with its neighbours: read the tensor once
+                    flat = self._cached((name, state, "slice", id(sl)), lambda sl=sl: self._read_flat(
+                        name, state, sl, 0, math.prod(sl.local_shape)))[first:]
+                region = flat.as_strided([h - lo_ for lo_, h in zip(lo, hi)], pc.strides)
+                out[tuple(slice(lo_ - o, h - o) for lo_, h, o in zip(lo, hi, offset))] = region
+                filled += region.numel()
+        if filled != out.numel():
+            raise UCPError(f"{self.dir}: parameter {name}: only {filled} of {out.numel()} requested "
+                           "elements are saved; checkpoint incomplete")
+        return out
+
+    def rng_ranks(self) -> range:
+        return range(self.manifest.layout_world_size)
+
+    def rng(self, rank: int) -> tuple[dict[str, torch.Tensor], dict]:
+        return read_rng(self.reader, self.files[rank])

@@ -1,0 +1,448 @@
+"""The manifest of megatron-ucp's own formats (`fragments`, `universal`) and the `latest` pointer.
+
+One JSON file, `manifest.json`, makes a directory a checkpoint. It is written last, so a save that
+died half-way is never loaded. Both kinds carry the same top-level fields; the per-parameter
+storage differs: `fragments` (written by `save`) indexes which rank file holds which range of
+each saved slice (`slices`), `universal` (written by conversions) names the file and key of each
+state's full tensor (`tensors`). docs/FORMAT.md is the specification; the dataclasses below
+are its only reader and writer, and `from_json` refuses what the specification does not allow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import math
+from array import array
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from itertools import chain
+from pathlib import Path
+from typing import NamedTuple
+
+from megatron_ucp.errors import UCPError
+from megatron_ucp.layout import Layout
+from megatron_ucp.spec import STATES, ParamSpec, Piece, states_of
+from megatron_ucp.storage import write_text_atomic
+
+FORMAT = "megatron-ucp"
+# 3: the manifest indexes every fragment (which file holds which range); 2: fragment pieces carry
+# strides; 1: blocks of rows. Versions 1 and 2 are still read (their index is in the rank files).
+VERSION = 3
+MANIFEST = "manifest.json"
+LATEST = "latest"
+KINDS = ("fragments", "universal")
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """No cyclic garbage collection while building or parsing metadata: it allocates millions of
+    small containers and no cycles, and the collector's passes over them would cost seconds
+    (measured 5x on the 4096-rank plan benchmark)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+# ----------------------------------------------------------------------------------- validation
+
+
+class _Check:
+    """Type checks for one JSON object; errors name the manifest file and the field's path."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def fail(self, path: str, problem: str) -> UCPError:
+        return UCPError(f"{self.where}: {path}: {problem}; the manifest is damaged or from an "
+                        "incompatible writer: restore it or load another iteration")
+
+    def obj(self, d, path: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict:
+        if not isinstance(d, dict):
+            raise self.fail(path, f"expected an object, got {type(d).__name__}")
+        missing = [k for k in required if k not in d]
+        if missing:
+            raise self.fail(path, f"required field(s) {missing} missing")
+        unknown = sorted(set(d) - set(required) - set(optional))
+        if unknown:
+            raise self.fail(path, f"unknown field(s) {unknown} (this megatron-ucp reads format "
+                                  f"version {VERSION}; a newer writer must raise the version)")
+        return d
+
+    def typed(self, v, path: str, types: type | tuple, none: bool = False):
+        if (v is None and none) or (isinstance(v, types) and not (isinstance(v, bool)
+                                                                    and bool not in _tuple(types))):
+            return v
+        raise self.fail(path, f"expected {_names(types)}{' or null' if none else ''}, got {v!r}")
+
+    def ints(self, v, path: str, n: int | None = None) -> list[int]:
+        if not isinstance(v, list) or (n is not None and len(v) != n) or not all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
+            raise self.fail(path, f"expected a list of {n or ''} non-negative integers, got {v!r}")
+        return v
+
+    def name(self, v, path: str) -> str:
+        self.typed(v, path, str)
+        if not v or "/" in v or "\\" in v or ".." in v or v.startswith("."):
+            raise self.fail(path, f"{v!r} is not a plain name (no '/', '..' or leading '.')")
+        return v
+
+
+def _tuple(t) -> tuple:
+    return t if isinstance(t, tuple) else (t,)
+
+
+def _names(types) -> str:
+    return " or ".join(t.__name__ for t in _tuple(types))
+
+
+# ------------------------------------------------------------------------------------- entries
+
+
+@dataclass(slots=True)
+class TensorEntry:
+    """universal: where one state's full tensor is (a safetensors file and key) and its crc32."""
+
+    file: str
+    key: str
+    crc32: int
+
+    def to_json(self) -> dict:
+        return {"file": self.file, "key": self.key, "crc32": self.crc32}
+
+
+class FragmentEntry(NamedTuple):
+    """fragments: elements [start, end) of a saved slice are in file `files[file]`."""
+
+    file: int
+    start: int
+    end: int
+
+    def to_json(self) -> list:
+        return list(self)
+
+
+@dataclass(slots=True)
+class SliceEntry:
+    """fragments: one saved local tensor (a TP slice) of a parameter, the pieces that place it in
+    the universal tensor, and the fragments that hold its flattened elements in order."""
+
+    local_shape: tuple[int, ...]
+    pieces: list[Piece]
+    fragments: list[FragmentEntry]
+
+    def to_json(self) -> dict:
+        return {"local_shape": list(self.local_shape), "pieces": [p.to_json() for p in self.pieces],
+                "fragments": [list(f) for f in self.fragments]}
+
+
+_SPEC_REQUIRED = ("name", "shape", "dtype", "tp_axis")
+_SPEC_OPTIONAL = ("tp_blocks", "aliases", "vocab_rows", "buffer")
+
+
+@dataclass
+class ParamEntry:
+    """One universal tensor: its layout-free spec, its Adam step and where its bytes are."""
+
+    spec: ParamSpec
+    step: float | None = None  # None only in fragment manifests of versions 1 and 2
+    tensors: dict[str, TensorEntry] | None = None  # universal
+    slices: list[SliceEntry] | None = None  # fragments, version 3
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.spec.shape
+
+    @property
+    def states(self) -> tuple[str, ...]:
+        return states_of(self.spec)
+
+    def to_json(self) -> dict:
+        d = self.spec.to_json()
+        if self.step is not None:
+            d["step"] = self.step
+        if self.tensors is not None:
+            d["tensors"] = {s: t.to_json() for s, t in self.tensors.items()}
+        if self.slices is not None:
+            d["slices"] = [s.to_json() for s in self.slices]
+        return d
+
+    @classmethod
+    def from_json(cls, d, kind: str, n_files: int, check: _Check, path: str) -> ParamEntry:
+        storage = ("tensors",) if kind == "universal" else ("slices",)
+        check.obj(d, path, _SPEC_REQUIRED + (("step",) + storage if kind == "universal" else ()),
+                  _SPEC_OPTIONAL + ("step",) + storage)
+        check.name(d["name"], f"{path}.name")
+        shape = check.ints(d["shape"], f"{path}.shape")
+        check.typed(d["dtype"], f"{path}.dtype", str)
+        if d["dtype"] not in ("float32", "bfloat16", "float16"):
+            raise check.fail(f"{path}.dtype", f"{d['dtype']!r} is not float32, bfloat16 or float16")
+        tp_axis = check.typed(d["tp_axis"], f"{path}.tp_axis", int, none=True)
+        if tp_axis is not None and not 0 <= tp_axis < len(shape):
+            raise check.fail(f"{path}.tp_axis", f"{tp_axis} is not a dimension of shape {shape}")
+        blocks = check.typed(d.get("tp_blocks", 1), f"{path}.tp_blocks", int)
+        aliases = d.get("aliases", [])
+        for i, a in enumerate(check.typed(aliases, f"{path}.aliases", list)):
+            check.typed(a, f"{path}.aliases[{i}]", str)
+        spec = ParamSpec(d["name"], tuple(shape), d["dtype"], tp_axis, blocks, list(aliases),
+                         check.typed(d.get("vocab_rows", False), f"{path}.vocab_rows", bool),
+                         check.typed(d.get("buffer", False), f"{path}.buffer", bool))
+        step = d.get("step")
+        if step is not None:
+            step = check.typed(step, f"{path}.step", (int, float))
+        entry = cls(spec, step)
+        if "tensors" in d:
+            check.obj(d["tensors"], f"{path}.tensors", states_of(spec))
+            entry.tensors = {}
+            for s, t in d["tensors"].items():
+                check.obj(t, f"{path}.tensors.{s}", ("file", "key", "crc32"))
+                entry.tensors[s] = TensorEntry(check.name(t["file"], f"{path}.tensors.{s}.file"),
+                                               check.typed(t["key"], f"{path}.tensors.{s}.key", str),
+                                               check.typed(t["crc32"], f"{path}.tensors.{s}.crc32", int))
+        if "slices" in d:
+            entry.slices = [_slice_from_json(s, n_files, check, f"{path}.slices[{i}]", spec.name)
+                            for i, s in enumerate(check.typed(d["slices"], f"{path}.slices", list))]
+        return entry
+
+
+def _slice_from_json(d, n_files: int, check: _Check, path: str, name: str) -> SliceEntry:
+    # one pass, no per-field helper calls: an index at thousands of ranks has ~10^5 slices
+    if type(d) is not dict or len(d) != 3:
+        check.obj(d, path, ("local_shape", "pieces", "fragments"))
+    try:
+        local = tuple(d["local_shape"])
+        size = math.prod(local)
+        pieces = [Piece(p[0], tuple(p[1]), tuple(p[2]), tuple(p[3])) for p in d["pieces"]]
+        frags = [FragmentEntry(*f) for f in d["fragments"]]
+    except (KeyError, TypeError, IndexError, ValueError) as e:
+        raise check.fail(path, f"malformed slice entry ({type(e).__name__}: {e}); expected "
+                         "{local_shape: [int], pieces: [[start, offset, shape, strides]], "
+                         "fragments: [[file, start, end]]}") from e
+    # the common case in bulk (every number a non-negative int, every piece and fragment inside
+    # the local tensor), at C speed where possible; only a failure pays for finding the entry
+    try:
+        numbers = array("q", local)
+        for p in d["pieces"]:
+            numbers.append(p[0])
+            numbers.extend(p[1])
+            numbers.extend(p[2])
+            numbers.extend(p[3])
+        numbers.extend(chain.from_iterable(d["fragments"]))
+        ints = min(numbers, default=0) >= 0  # (array("q") refuses floats and strings)
+    except (TypeError, OverflowError):
+        ints = False
+    if (ints and all(len(pc.offset) == len(pc.shape) == len(pc.strides)
+                     and pc.span((0,) * len(pc.shape), pc.shape)[1] < size for pc in pieces)
+            and all(f.file < n_files and f.start < f.end <= size for f in frags)):
+        return SliceEntry(local, pieces, frags)
+    if not _nonneg_ints(local):
+        raise check.fail(f"{path}.local_shape", f"expected non-negative integers, got {list(local)}")
+    for i, pc in enumerate(pieces):
+        n = len(pc.shape)
+        if not (len(pc.offset) == n == len(pc.strides) and _nonneg_ints((pc.start, *pc.offset,
+                                                                        *pc.shape, *pc.strides))
+                and pc.span((0,) * n, pc.shape)[1] < size):
+            raise check.fail(f"{path}.pieces[{i}]", f"{pc.to_json()} is not [start, offset, "
+                             f"shape, strides] inside the local shape {list(local)}")
+    for i, (file, start, end) in enumerate(frags):
+        if not (_nonneg_ints((file, start, end)) and file < n_files and start < end <= size):
+            raise check.fail(f"parameter {name}", f"bad fragment entry {[file, start, end]} at "
+                             f"{path}.fragments[{i}] (expected [file index < {n_files}, start, "
+                             "end] inside the local shape)")
+    raise check.fail(path, "malformed slice entry")
+
+
+def _nonneg_ints(values) -> bool:
+    return all(type(x) is int and x >= 0 for x in values)
+
+
+# ------------------------------------------------------------------------------------ manifest
+
+_REQUIRED = ("format", "version", "kind", "iteration", "layout", "layout_world_size", "model",
+             "params", "optimizer", "scheduler", "extra", "seed")
+_OPTIONAL = {"fragments": ("files", "bytes"), "universal": ("converted_from",)}
+
+
+@dataclass
+class Manifest:
+    kind: str  # "fragments" | "universal"
+    iteration: int
+    layout: Layout  # the saving run's layout
+    layout_world_size: int  # ranks of the saving run (= rank files of a fragment checkpoint)
+    model: dict  # TransformerConfig scalars and GPT-level fields; `unpadded_vocab_size`
+    params: dict[str, ParamEntry]
+    optimizer: dict  # {"param_groups": [...], "grad_scaler": {...} | None}
+    scheduler: dict | None  # OptimizerParamScheduler.state_dict()
+    extra: dict = field(default_factory=dict)  # the caller's JSON training state
+    seed: int = 1234
+    files: list[str] | None = None  # fragments: the rank files, by index
+    bytes: int | None = None  # fragments: bytes of all rank files
+    converted_from: dict | None = None  # universal: {"kind": ..., "path": ..., ...}
+    version: int = VERSION
+
+    @classmethod
+    def fragments(cls, *, iteration: int, layout: Layout, world_size: int, model: dict,
+                  optimizer: dict, scheduler: dict | None, extra: dict, seed: int) -> Manifest:
+        """What `save` commits, before its params (the fragment index) are known."""
+        return cls("fragments", iteration, layout, world_size, model, {}, optimizer, scheduler,
+                   extra, seed, files=[f"rank_{r:05d}.safetensors" for r in range(world_size)])
+
+    @classmethod
+    def universal(cls, header: Manifest, params: dict[str, ParamEntry],
+                  converted_from: dict) -> Manifest:
+        """A universal manifest with the run state of `header` (any source's manifest)."""
+        return cls("universal", header.iteration, header.layout, header.layout_world_size,
+                   header.model, params, header.optimizer, header.scheduler, header.extra,
+                   header.seed, converted_from=converted_from)
+
+    @property
+    def true_vocab(self) -> int | None:
+        return self.model.get("unpadded_vocab_size")
+
+    def to_json(self) -> dict:
+        d = {"format": FORMAT, "version": self.version, "kind": self.kind,
+             "iteration": self.iteration, "layout": self.layout.to_json(),
+             "layout_world_size": self.layout_world_size, "model": self.model,
+             "params": {n: p.to_json() for n, p in self.params.items()},
+             "optimizer": self.optimizer, "scheduler": self.scheduler, "extra": self.extra,
+             "seed": self.seed}
+        for k in _OPTIONAL[self.kind]:
+            if getattr(self, k) is not None:
+                d[k] = getattr(self, k)
+        return d
+
+    @classmethod
+    def from_json(cls, d, where: str) -> Manifest:
+        check = _Check(where)
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise UCPError(f"{where}: not a {FORMAT} manifest")
+        version = check.typed(d.get("version"), "version", int)
+        if version > VERSION:
+            raise UCPError(f"{where}: format version {version} is newer than this megatron-ucp "
+                           f"understands ({VERSION}); upgrade megatron-ucp")
+        if version < 1:
+            raise check.fail("version", f"{version} is not a format version")
+        if d.get("kind") not in KINDS:
+            raise UCPError(f"{where}: unknown checkpoint kind {d.get('kind')!r}")
+        kind = d["kind"]
+        check.obj(d, "manifest", _REQUIRED, _OPTIONAL[kind])
+        layout = check.obj(d["layout"], "layout", (), tuple(f.name for f in
+                                                              Layout.__dataclass_fields__.values()))
+        for k, v in layout.items():
+            check.typed(v, f"layout.{k}", int, none=k == "vpp")
+            if v is not None and v < 1:
+                raise check.fail(f"layout.{k}", f"{v} is not a parallel size")
+        files = d.get("files")
+        if files is not None:
+            for i, f in enumerate(check.typed(files, "files", list)):
+                check.name(f, f"files[{i}]")
+        n_files = len(files) if files is not None else 0
+        params = {}
+        for name, p in check.typed(d["params"], "params", dict).items():
+            entry = ParamEntry.from_json(p, kind, n_files, check, f"params[{name!r}]")
+            if entry.name != name:
+                raise check.fail(f"params[{name!r}].name", f"{entry.name!r} differs from its key")
+            params[name] = entry
+        optimizer = check.obj(d["optimizer"], "optimizer", ("param_groups",), ("grad_scaler",))
+        for i, g in enumerate(check.typed(optimizer["param_groups"], "optimizer.param_groups", list)):
+            check.typed(g, f"optimizer.param_groups[{i}]", dict)
+        return cls(kind, check.typed(d["iteration"], "iteration", int), Layout(**layout),
+                   check.typed(d["layout_world_size"], "layout_world_size", int),
+                   check.typed(d["model"], "model", dict), params, optimizer,
+                   check.typed(d["scheduler"], "scheduler", dict, none=True),
+                   check.typed(d["extra"], "extra", dict), check.typed(d["seed"], "seed", int),
+                   files, check.typed(d.get("bytes"), "bytes", int, none=True),
+                   check.typed(d.get("converted_from"), "converted_from", dict, none=True), version)
+
+
+class NotACheckpoint(UCPError):
+    """A directory with nothing of a megatron-ucp checkpoint in it."""
+
+
+def iteration_dir_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def resolve(path: str | Path) -> Path:
+    """A checkpoint directory itself, or a save root whose `latest` names one."""
+    path = Path(path)
+    if (path / MANIFEST).exists():
+        return path
+    if (path / LATEST).exists():
+        target = path / (path / LATEST).read_text().strip()
+        if not (target / MANIFEST).exists():
+            why = ("does not exist" if not target.exists()
+                   else f"has no {MANIFEST} (its save did not complete)")
+            raise UCPError(f"{path / LATEST} points to {target.name}, which {why}; "
+                           f"pass a complete checkpoint directory instead ({_complete(path)})")
+        return target
+    if not path.exists():
+        raise UCPError(f"{path} does not exist; pass a save root (the directory given to save, with "
+                       f"a '{LATEST}' file) or one of its iter_* directories")
+    if path.name.startswith(".iter_") and path.name.endswith(".partial"):
+        raise UCPError(f"{path} is an interrupted save (no {MANIFEST}: it was never committed) and "
+                       f"cannot be loaded; pass its save root {path.parent}, whose '{LATEST}' names "
+                       "the last complete checkpoint")
+    if any(path.glob("iter_*/" + MANIFEST)):
+        raise UCPError(f"{path} has no '{LATEST}' file; pass one of its iter_* directories "
+                       f"({_complete(path)})")
+    raise NotACheckpoint(f"{path} is not a megatron-ucp checkpoint (no {MANIFEST} and no '{LATEST}' "
+                         "file in it); pass a directory written by megatron_ucp.save (or one of its "
+                         "iter_* directories) or by `megatron-ucp convert`")
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    """A megatron-ucp checkpoint directory or save root (it may still fail to resolve)."""
+    return (Path(path) / MANIFEST).exists() or (Path(path) / LATEST).exists()
+
+
+def _complete(root: Path) -> str:
+    """The committed iter_* checkpoints under `root`, for error messages."""
+    names = sorted(p.parent.name for p in root.glob("iter_*/" + MANIFEST))
+    return (f"complete checkpoints under {root}: {', '.join(names)}" if names
+            else f"there is no complete checkpoint under {root}")
+
+
+def read(ckpt_dir: Path) -> Manifest:
+    path = Path(ckpt_dir) / MANIFEST
+    try:
+        with paused_gc():  # a fragment index is millions of small lists
+            return Manifest.from_json(json.loads(path.read_text()), str(path))
+    except (OSError, json.JSONDecodeError, RecursionError) as e:
+        raise UCPError(f"{path}: cannot read the manifest ({e}); the checkpoint is damaged: "
+                       "restore the file or load another iteration") from e
+
+
+def read_checkpoint(path: str | Path) -> tuple[Path, Manifest]:
+    """(checkpoint directory, its manifest) for a checkpoint directory or a save root."""
+    ckpt = resolve(path)
+    return ckpt, read(ckpt)
+
+
+def encode(manifest: Manifest) -> str:
+    """Compact JSON: a fragment index at thousands of ranks is tens of MB (`python -m json.tool`
+    or `megatron-ucp inspect` show it readably)."""
+    with paused_gc():
+        return json.dumps(manifest.to_json(), sort_keys=True, separators=(",", ":"))
+
+
+def write(ckpt_dir: Path, manifest: Manifest) -> None:
+    write_text_atomic(Path(ckpt_dir) / MANIFEST, encode(manifest))
+
+
+def write_latest(root: Path, ckpt_name: str) -> None:
+    write_text_atomic(Path(root) / LATEST, ckpt_name + "\n")
+
+
+__all__ = ["FORMAT", "VERSION", "MANIFEST", "LATEST", "STATES", "Manifest", "ParamEntry",
+           "SliceEntry", "FragmentEntry", "TensorEntry", "read", "write", "write_latest",
+           "resolve", "encode", "iteration_dir_name", "paused_gc"]

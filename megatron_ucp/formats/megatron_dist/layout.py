@@ -1,0 +1,189 @@
+"""The files of a Megatron-LM `--ckpt-format torch_dist` checkpoint.
+
+An iteration directory holds torch.distributed.checkpoint files (`.metadata`, `__*_*.distcp`),
+`common.pt` (args, iteration, optimizer param groups, scheduler, content metadata) and
+`metadata.json` (backend names). Model tensors are stored at global shape with layers stacked
+(`decoder.layers.self_attention.linear_qkv.weight` is [layers, ...]); the optimizer state is either
+`fully_reshardable` (`optimizer.state.<state>.<model key>`, global shape) or `dp_reshardable` (each
+model-parallel rank's flat DistributedOptimizer buckets, `optimizer.distributed.dp_group_idx_<k>.*`).
+Which stacked index holds which universal parameter is read off the model rebuilt from `args`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from megatron_ucp.errors import UCPError
+from megatron_ucp.formats.megatron_rebuild import build_chunks, model_config, single_rank_args, source_rank
+from megatron_ucp.param_spec import local_params
+
+COMMON_FILE = "common.pt"
+METADATA_FILE = ".metadata"
+SHARDINGS = ("dp_reshardable", "fully_reshardable")
+# common.pt['content_metadata'] of a `--dist-ckpt-optim-fully-reshardable` save (megatron-core 0.16)
+FULLY_RESHARDABLE_CONTENT = {"distrib_optim_sharding_type": "fully_reshardable",
+                             "distrib_optim_fully_reshardable_mem_efficient": False,
+                             "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                 "common_backend": "torch", "common_backend_version": 1}
+
+
+def is_iteration(path: Path) -> bool:
+    return (Path(path) / METADATA_FILE).exists()
+
+
+def state_key(state: str, model_key: str) -> str:
+    """fully_reshardable: the key of one optimizer state of a model tensor."""
+    return f"optimizer.state.{state}.{model_key}"
+
+
+def bucket_key(mp_rank: int, buffer: int, dtypes: tuple, bucket: int) -> str:
+    """dp_reshardable: the key prefix of one flat bucket of a model-parallel rank's buffer."""
+    return (f"optimizer.distributed.dp_group_idx_{mp_rank}.gbuf_idx_{buffer}."
+            f"dtype_({dtypes[0]}, {dtypes[1]}).bucket_idx_{bucket}")
+
+
+def param_groups_key(mp_rank: int) -> str:
+    return f"optimizer.distributed.dp_group_idx_{mp_rank}.optimizer/shard_0_1"
+
+
+class DistReader:
+    """Loads single keys of a torch_dist checkpoint without a process group, with a small cache.
+
+    Why a cache: universal parameters are per layer, but torch_dist stores all layers in one
+    stacked tensor (and the dp_reshardable optimizer in one flat bucket per rank), so consecutive
+    parameters hit the same stored tensor.
+    """
+
+    def __init__(self, ckpt_dir: Path, cache_entries: int = 8):
+        from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import (
+            CachedMetadataFileSystemReader,
+        )
+
+        self.dir = ckpt_dir
+        # one reader for every load: .metadata is parsed once, not once per key
+        self.storage = CachedMetadataFileSystemReader(str(ckpt_dir))
+        try:
+            self.metadata = self.storage.read_metadata()
+        except Exception as e:  # noqa: BLE001 - any unreadable .metadata is the same user error
+            raise UCPError(f"{ckpt_dir / '.metadata'}: cannot read torch_dist metadata ({e})") from e
+        self.meta = self.metadata.state_dict_metadata
+        files = sorted({s.relative_path for s in self.metadata.storage_data.values()})
+        missing = [f for f in files if not (ckpt_dir / f).exists()]
+        if missing:
+            raise UCPError(f"{ckpt_dir}: data file(s) {', '.join(missing)} listed in .metadata are "
+                           "missing; the checkpoint is incomplete (copy them back or use another "
+                           "iteration)")
+        self.cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.cache_entries = cache_entries
+        self.bytes_read = 0
+
+    def tensor_keys(self) -> list[str]:
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        return [k for k, v in self.meta.items() if isinstance(v, TensorStorageMetadata)]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.meta[key].size)
+
+    def tensor(self, key: str) -> torch.Tensor:
+        if key in self.cache:
+            self.cache.move_to_end(key)
+            return self.cache[key]
+        if key not in self.meta:
+            raise UCPError(f"{self.dir}: tensor {key!r} is not in the checkpoint")
+        m = self.meta[key]
+        t = torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        self._load({key: t})
+        self.bytes_read += t.numel() * t.element_size()
+        self.cache[key] = t
+        while len(self.cache) > self.cache_entries:
+            self.cache.popitem(last=False)
+        return t
+
+    def obj(self, key: str):
+        if key not in self.meta:
+            raise UCPError(f"{self.dir}: object {key!r} is not in the checkpoint")
+        sd = {key: io.BytesIO()}
+        self._load(sd)
+        return sd[key]
+
+    def _load(self, sd: dict) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        try:
+            dcp.load(sd, storage_reader=self.storage, no_dist=True)
+        except Exception as e:  # noqa: BLE001 - report which key and directory failed
+            raise UCPError(f"{self.dir}: cannot read {list(sd)} ({type(e).__name__}: {e}); the "
+                           "checkpoint files are damaged or incomplete") from e
+
+
+def storage_keys(model) -> dict[int, tuple[str, tuple[int, ...]]]:
+    """id(param) -> (torch_dist key, indices along its stacked axes), from sharded_state_dict."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    from megatron.core.utils import unwrap_model
+
+    out = {}
+    for entry in unwrap_model(model).sharded_state_dict().values():
+        if isinstance(entry, ShardedTensorFactory):
+            first = entry.build()
+            while isinstance(first, (dict, list, tuple)):
+                first = next(iter(first.values())) if isinstance(first, dict) else first[0]
+        elif isinstance(entry, ShardedTensor):
+            first = entry
+        else:
+            continue
+        p = first.prepend_axis_num
+        out[id(entry.data)] = (first.key, tuple(first.global_offset[:p]))
+    return out
+
+
+@dataclasses.dataclass
+class Param:
+    """Where one universal parameter lives in the torch_dist checkpoint."""
+
+    spec: dict
+    key: str  # torch_dist model key (stacked)
+    index: tuple[int, ...]  # position along the stacked axes
+    # dp_reshardable: (flat-bucket key prefix, start in that bucket, numel, pieces)
+    slabs: list = dataclasses.field(default_factory=list)
+
+
+def plan_model(args) -> tuple[dict[str, Param], dict]:
+    """Universal params (in storage-key order) and the model config, from the run's model rebuilt
+    whole on one rank (TP1/PP1, world 1, rank 0)."""
+    one = single_rank_args(args)
+    with source_rank(one, 0):
+        model = build_chunks(one)[0]
+        keys = storage_keys(model)
+        plan = {}
+        for lp in local_params([model]):
+            if id(lp.param) not in keys:
+                raise UCPError(f"parameter {lp.local_name!r} has no sharded_state_dict key")
+            key, index = keys[id(lp.param)]
+            plan[lp.spec.name] = Param(lp.spec.to_json(), key, (*index, *lp.stack_index))
+        cfg = model_config([model], args)
+        del model
+    plan = dict(sorted(plan.items(), key=lambda kv: (kv[1].key, kv[1].index)))
+    return plan, cfg
+
+
+def sharded_objects(model) -> dict[str, object]:
+    """unique key (e.g. `decoder.layers.mlp.linear_fc1._extra_state/shard_2_3`) -> data, for every
+    ShardedObject of the whole model rebuilt on one rank (the `_extra_state` entries)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.utils import unwrap_model
+
+    return {v.unique_key: v.data for v in unwrap_model(model).sharded_state_dict().values()
+            if isinstance(v, ShardedObject)}
+
+
+def object_value(data) -> list:
+    """A ShardedObject as megatron-core's torch_dist strategy stores it: `[data]` (it saves
+    torch.save([sh_obj.data]); DefaultSavePlanner torch.saves every non-tensor value itself)."""
+    return [data]

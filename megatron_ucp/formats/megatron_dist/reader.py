@@ -1,0 +1,285 @@
+"""Megatron-LM `--ckpt-format torch_dist` checkpoints as a source, offline, no real process group.
+
+A torch_dist checkpoint is readable only by a run with the same optimizer sharding machinery; its
+`dp_reshardable` optimizer state is a raw copy of each model-parallel rank's flat
+DistributedOptimizer buffer, so nothing outside megatron-core knows where a parameter lives in it.
+We therefore ask megatron-core itself rather than re-implementing its rules:
+
+* names, shapes, TP split axis, SwiGLU blocks and vocab rows come from `param_spec.local_params` on
+  a GPT model rebuilt from the checkpoint's `args` at TP1 (`layout.plan_model`);
+* for `dp_reshardable`, each parameter's offset in the flat buffer comes from megatron-core's own
+  `DistributedDataParallel` (`buffer.param_index_map`) built at the *source* layout for the source
+  model-parallel rank (fake process group of the source world size), and the TP-local slices are
+  put back together with that rank's `local_params` pieces;
+* `fully_reshardable` stores `optimizer.state.<state>.<model key>` at global shape: no layout math.
+
+Every master weight is checked against the stored model weight (bf16(master) == model tensor, bit
+for bit), so a wrong offset can never produce a silently wrong universal checkpoint. Only tensors
+that are needed are read; at most a few stacked tensors / flat buckets are in memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_ucp.errors import UCPError
+from megatron_ucp.formats.manifest import Manifest, ParamEntry
+from megatron_ucp.formats.megatron_common import (
+    group_json,
+    group_step,
+    layout,
+    resolve_iteration,
+    torch_load,
+)
+from megatron_ucp.formats.megatron_dist.layout import (
+    COMMON_FILE,
+    SHARDINGS,
+    DistReader,
+    Param,
+    bucket_key,
+    is_iteration,
+    param_groups_key,
+    plan_model,
+    state_key,
+)
+from megatron_ucp.formats.megatron_rebuild import build_chunks, source_rank, wrap_ddp
+from megatron_ucp.param_spec import local_params
+from megatron_ucp.progress import Progress
+from megatron_ucp.spec import STATES, ParamSpec
+
+log = logging.getLogger(__name__)
+
+
+def read_common(load_dir: str | Path) -> tuple[Path, dict, object]:
+    """(iteration directory, common.pt, the run's args)."""
+    ckpt, _ = resolve_iteration(load_dir, is_iteration, "--ckpt-format torch_dist")
+    common = torch_load(ckpt / COMMON_FILE, "the checkpoint is incomplete")
+    args = common.get("args") if isinstance(common, dict) else None
+    if args is None:
+        raise UCPError(f"{ckpt / COMMON_FILE} has no 'args'; only Megatron-LM training saves are "
+                       "supported")
+    return ckpt, common, args
+
+
+class TorchDistSource:
+    """A Megatron-LM torch_dist checkpoint read as universal tensors.
+
+    `load_dir` is a `--save` root (with latest_checkpointed_iteration.txt) or an iter directory.
+    Must run in a process without torch.distributed initialised (models are built on a fake group).
+    """
+
+    def __init__(self, load_dir: str | Path, progress: Progress = True):
+        t0 = time.perf_counter()
+        if dist.is_available() and dist.is_initialized():
+            raise UCPError("reading a Megatron-LM torch_dist checkpoint rebuilds its model on a "
+                           "private fake process group and cannot run inside a job that already has "
+                           "one; run it in a separate process (`megatron-ucp import-torch-dist`)")
+        ckpt, common, args = read_common(load_dir)
+        self.dir = ckpt
+        self.reader = reader = DistReader(ckpt)
+        opt = common.get("optimizer") or {}
+        sharding = opt.get("param_state_sharding_type") or (common.get("content_metadata") or {}).get(
+            "distrib_optim_sharding_type")
+        if sharding not in SHARDINGS:
+            raise UCPError(f"{ckpt}: optimizer sharding {sharding!r} is not supported (expected "
+                           "dp_reshardable or fully_reshardable from --use-distributed-optimizer)")
+        if getattr(args, "num_experts", None):
+            raise UCPError(f"{ckpt}: a MoE run (num_experts={args.num_experts}); torch_dist import "
+                           "supports dense GPT models only (its expert optimizer buffers are not "
+                           "mapped yet): save the run with --ckpt-format torch and convert that")
+        self.sharding = sharding
+        self.plan, model_cfg = plan_model(args)
+        check_names(reader, self.plan, sharding)
+        lay = layout(args)
+        if sharding == "fully_reshardable":
+            groups = opt.get("optimizer", {}).get("param_groups")
+            step = group_step(groups or [], str(ckpt))
+        else:
+            groups, step = None, None
+            for k in range(lay.tp * lay.pp):  # one optimizer per model-parallel rank
+                obj = reader.obj(param_groups_key(k))
+                g = (obj[0] if isinstance(obj, list) else obj)["param_groups"]
+                s = group_step(g, f"{ckpt}: model-parallel rank {k}")
+                if groups is not None and s != step:
+                    raise UCPError(f"{ckpt}: model-parallel rank {k} is at Adam step {s}, rank 0 "
+                                   f"at {step}")
+                groups, step = groups or g, step if groups else s
+            _plan_dp_reshardable(args, reader, self.plan)
+        _check_optimizer_keys(reader, self.plan, sharding)
+        if not groups:
+            raise UCPError(f"{ckpt}: no optimizer param groups found (was it saved without optimizer?)")
+        if step is None:
+            raise UCPError(f"{ckpt}: the optimizer param groups carry no Adam step")
+        self.origin = {"kind": f"megatron-lm torch_dist ({sharding})", "path": str(ckpt)}
+        # the step is per parameter in the manifest (as in every megatron-ucp form), not per group
+        self.manifest = Manifest(
+            "universal", int(common.get("iteration", getattr(args, "iteration", 0))), lay,
+            lay.world_size, model_cfg,
+            {n: ParamEntry(ParamSpec.from_json(p.spec), step) for n, p in self.plan.items()},
+            {"param_groups": [group_json(g, 0) for g in groups], "grad_scaler": None},
+            common.get("opt_param_scheduler"),
+            {"consumed_samples": int(getattr(args, "consumed_train_samples", 0) or 0)},
+            int(getattr(args, "seed", 1234)))
+        self._last: tuple[tuple[str, str], torch.Tensor] | None = None
+        log.info("planned %d parameters of %s (%s) in %.2fs", len(self.plan), ckpt, sharding,
+                 time.perf_counter() - t0)
+
+    @property
+    def bytes_read(self) -> int:
+        return self.reader.bytes_read
+
+    @property
+    def files_opened(self) -> int:
+        return len({s.relative_path for s in self.reader.metadata.storage_data.values()})
+
+    def step(self, name: str) -> float:
+        return self.manifest.params[name].step
+
+    def read(self, name: str, state: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        if self._last is None or self._last[0] != (name, state):
+            self._last = ((name, state), _read_full(self.reader, self.plan[name], state, self.sharding))
+        return self._last[1][tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+
+    def rng_ranks(self) -> list[int]:
+        return []  # per-rank generator states are Megatron-LM's, kept by its own writers (fields)
+
+
+def run_fields(load_dir: str | Path) -> dict:
+    """From a torch_dist checkpoint: its args, rng states {(pp, tp): rng list}, layout and flops
+    (what a Megatron-LM writer takes from the source run)."""
+    ckpt, common, args = read_common(load_dir)
+    reader = DistReader(ckpt)
+    rng = {}
+    for key in reader.meta:
+        if key.startswith("rng_state/shard_"):
+            offset = key.removeprefix("rng_state/shard_").split("_")[0].split(".")
+            data = reader.obj(key)
+            rng[tuple(int(i) for i in offset[:2])] = data[0] if isinstance(data, list) and len(
+                data) == 1 else data
+    return {"args": args, "rng_state": rng or None, "rng_by_position": rng or None,
+            "layout": layout(args),
+            "num_floating_point_operations_so_far": common.get("num_floating_point_operations_so_far")}
+
+
+def check_names(reader: DistReader, plan: dict[str, Param], sharding: str) -> None:
+    """Every universal name has its tensor in the checkpoint and every checkpoint tensor is used."""
+    stored = {k: reader.shape(k) for k in reader.tensor_keys() if not k.startswith("optimizer.")}
+    used: dict[str, set] = {}
+    for name, p in plan.items():
+        if p.key not in stored:
+            raise UCPError(f"{reader.dir}: the model built from the checkpoint's args has parameter "
+                           f"{name!r} (torch_dist key {p.key!r}) but the checkpoint has no such "
+                           "tensor; the args do not describe this checkpoint")
+        want = (*[i + 1 for i in p.index], *p.spec["shape"])
+        have = stored[p.key]
+        if len(have) != len(want) or tuple(have[len(p.index):]) != tuple(p.spec["shape"]) or any(
+                i >= n for i, n in zip(p.index, have)):
+            raise UCPError(f"{reader.dir}: tensor {p.key!r} has shape {list(have)} but parameter "
+                           f"{name!r} needs index {list(p.index)} of shape {p.spec['shape']}")
+        used.setdefault(p.key, set()).add(p.index)
+        if sharding == "fully_reshardable":
+            for s in STATES:
+                k = state_key(s, p.key)
+                if k not in reader.meta:
+                    raise UCPError(f"{reader.dir}: optimizer state {k!r} for parameter {name!r} "
+                                   "is missing")
+    for key, shape in stored.items():
+        if key not in used:
+            raise UCPError(f"{reader.dir}: checkpoint tensor {key!r} {list(shape)} is not a parameter "
+                           "of the model built from its args (an unsupported module or buffer?)")
+        stacked = len(next(iter(used[key])))
+        if len(used[key]) != math.prod(shape[:stacked]):
+            raise UCPError(f"{reader.dir}: checkpoint tensor {key!r} {list(shape)} has "
+                           f"{math.prod(shape[:stacked])} stacked entries but the model uses "
+                           f"{len(used[key])}; num_layers in args does not match the tensors")
+
+
+def _check_optimizer_keys(reader: DistReader, plan: dict[str, Param], sharding: str) -> None:
+    """Every stored optimizer tensor is accounted for: no state is silently dropped."""
+    if sharding == "fully_reshardable":
+        wanted = {state_key(s, p.key) for p in plan.values() for s in STATES}
+    else:
+        wanted = {f"{slab[0]}.{s}" for p in plan.values() for slab in p.slabs for s in STATES}
+    extra = sorted(k for k in reader.tensor_keys() if k.startswith("optimizer.") and k not in wanted)
+    if extra:
+        raise UCPError(f"{reader.dir}: optimizer tensor(s) {extra[:3]}{' ...' if len(extra) > 3 else ''}"
+                       f" ({len(extra)} in all) belong to no parameter of the model built from args")
+
+
+def _plan_dp_reshardable(args, reader: DistReader, plan: dict[str, Param]) -> None:
+    """Attach each parameter's flat-buffer slabs, from megatron-core DDP at the source layout."""
+    from megatron.core import parallel_state as ps
+
+    lay = layout(args)
+    if lay.vpp or lay.cp > 1 or lay.ep > 1 or getattr(args, "num_experts", None):
+        raise UCPError("dp_reshardable torch_dist import supports TP/PP/DP layouts of dense GPT "
+                       f"models only (got {lay}, num_experts={getattr(args, 'num_experts', None)})")
+    if getattr(args, "transformer_impl", "local") != "local":
+        raise UCPError(f"dp_reshardable flat buffers follow the parameter order of the layer spec; "
+                       f"this checkpoint used transformer_impl={args.transformer_impl!r}, which "
+                       "cannot be rebuilt here (TransformerEngine not installed)")
+    tp, pp, dp = lay.tp, lay.pp, lay.dp
+    for pp_rank in range(pp):
+        for tp_rank in range(tp):
+            rank = tp_rank + tp * dp * pp_rank  # megatron's default order tp-cp-ep-dp-pp, dp rank 0
+            with source_rank(args, rank):
+                if (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                        ps.get_data_parallel_rank()) != (tp_rank, pp_rank, 0):
+                    raise UCPError(f"rank {rank} is not (tp {tp_rank}, pp {pp_rank}, dp 0) in "
+                                   "megatron's rank order; unsupported rank order")
+                mp_rank = ps.get_model_parallel_group().rank()
+                ddp = wrap_ddp(build_chunks(args), args)[0]
+                lps = {id(lp.param): lp for lp in local_params([ddp])}
+                for g, buf in enumerate(ddp.buffers):
+                    for param, (start, _end, b) in buf.param_index_map.items():
+                        lp = lps[id(param)]
+                        if not lp.canonical:
+                            continue
+                        bucket = bucket_key(mp_rank, g, (buf.param_dtype, buf.grad_dtype), b)
+                        local_start = start - buf.buckets[b].offset
+                        if f"{bucket}.param" not in reader.meta:
+                            raise UCPError(f"{reader.dir}: flat optimizer buffer "
+                                           f"{bucket + '.param'!r} (model-parallel rank {mp_rank}) "
+                                           "is missing")
+                        size = reader.shape(f"{bucket}.param")[0]
+                        if local_start + param.numel() > size:
+                            raise UCPError(f"{reader.dir}: {bucket!r} has {size} elements but "
+                                           f"{lp.spec.name!r} ends at {local_start + param.numel()}")
+                        if lp.spec.name not in plan:
+                            raise UCPError(f"parameter {lp.spec.name!r} at TP {tp_rank} PP {pp_rank} "
+                                           "is not in the TP1 model")
+                        plan[lp.spec.name].slabs.append(
+                            (bucket, local_start + lp.base, lp.numel, lp.pieces))
+                del ddp
+    for name, p in plan.items():
+        covered = sum(math.prod(pc.shape) for s in p.slabs for pc in s[3])
+        if covered != math.prod(p.spec["shape"]):
+            raise UCPError(f"parameter {name!r}: the flat buffers cover {covered} of "
+                           f"{math.prod(p.spec['shape'])} elements; layout not understood")
+
+
+def _read_full(reader: DistReader, p: Param, state: str, sharding: str) -> torch.Tensor:
+    """One full fp32 universal tensor; master weights are verified against the stored bf16 model."""
+    if sharding == "fully_reshardable":
+        t = reader.tensor(state_key(state, p.key))[p.index].clone()
+    else:
+        t = torch.empty(p.spec["shape"], dtype=torch.float32)
+        for bucket, start, numel, pieces in p.slabs:
+            local = reader.tensor(f"{bucket}.{state}")[start:start + numel]
+            for pc in pieces:
+                t[pc.box] = pc.take(local)
+    if t.dtype != torch.float32:
+        raise UCPError(f"optimizer state {state} of {p.spec['name']!r} is {t.dtype}, expected float32")
+    if state == "param":
+        model = reader.tensor(p.key)[p.index]
+        if not torch.equal(t.to(model.dtype), model):
+            raise UCPError(f"{reader.dir}: master weight of {p.spec['name']!r} cast to {model.dtype} "
+                           f"differs from the stored model tensor {p.key!r}{list(p.index)}; the "
+                           "optimizer layout was not understood (refusing to write wrong state)")
+    return t.contiguous()

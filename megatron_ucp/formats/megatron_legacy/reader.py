@@ -1,0 +1,331 @@
+"""Megatron-LM legacy checkpoints (`--ckpt-format torch`, distributed optimizer) as a source.
+
+We do not re-implement megatron-core's layout rules. For each rank directory we rebuild that rank's
+model inside this process, at the SOURCE layout, on a fake process group (no real communication,
+meta tensors, no memory for weights), wrap it in megatron-core's DistributedDataParallel with the
+distributed optimizer's buffer settings, and read
+
+* each parameter's offset in the flat tensors from DDP's own `param_index_map` and bucket list, and
+* its universal name and the box of the universal tensor its TP slice fills from
+  `megatron_ucp.param_spec.local_params` (the model's own `sharded_state_dict()`).
+
+The full tensors are assembled from the rank files (memory-mapped), replicated and tied copies are
+checked bitwise, and every model weight must equal its master weight cast to the training dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_ucp.errors import UCPError
+from megatron_ucp.formats.manifest import Manifest, ParamEntry
+from megatron_ucp.formats.megatron_common import (
+    as_list,
+    check_supported,
+    group_step,
+    jsonable_tree,
+    layout,
+    optimizer_json,
+    resolve_iteration,
+    world,
+    writer_ranks,
+)
+from megatron_ucp.formats.megatron_legacy.layout import (
+    MODEL_FILE,
+    OPTIM_FILE,
+    flat_offsets,
+    is_iteration,
+    load_file,
+    optimizer_buffers,
+    rank_context,
+    rank_dirs,
+    read_args,
+)
+from megatron_ucp.formats.megatron_rebuild import build_chunks, model_config, wrap_ddp
+from megatron_ucp.param_spec import local_params
+from megatron_ucp.progress import Progress, bar
+from megatron_ucp.spec import STATES, ParamSpec, Piece
+
+log = logging.getLogger(__name__)
+_LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                "virtual_pipeline_model_parallel_size", "expert_model_parallel_size",
+                "context_parallel_size", "world_size", "num_layers", "hidden_size", "num_experts")
+
+
+@dataclass
+class _Copy:
+    """One rank's local copy of (part of) a universal tensor, with where its rows go."""
+
+    source: Path  # the rank directory
+    local_name: str
+    pieces: list[Piece]
+    canonical: bool
+    weight: torch.Tensor  # model weight from model_optim_rng.pt (training dtype), local shape
+    states: dict[str, torch.Tensor] | None  # fp32 views into distrib_optim.pt; None: not saved here
+    step: float | None
+
+
+@dataclass
+class _RankFiles:
+    path: Path
+    model: dict
+    optim: list  # distrib_optim.pt entries, one per chained optimizer (None: not DP rank 0 there)
+
+
+class LegacySource:
+    """A Megatron-LM `--ckpt-format torch` checkpoint read as universal tensors.
+
+    load_dir: the save root (with latest_checkpointed_iteration.txt) or one iter_XXXXXXX directory.
+    Runs on a CPU-only box without a process group (it creates and destroys a fake one per source
+    rank); opening it rebuilds every source rank, reading assembles one tensor at a time.
+    """
+
+    def __init__(self, load_dir: str | Path, progress: Progress = True):
+        t0 = time.perf_counter()
+        if dist.is_available() and dist.is_initialized():
+            raise UCPError("reading a Megatron-LM legacy checkpoint rebuilds the source layout on its "
+                           "own fake process group and cannot run inside a job that already has one; "
+                           "run it in a separate process (`megatron-ucp import-legacy LOAD_DIR "
+                           "UNIVERSAL_DIR`)")
+        iter_dir, iteration = resolve_iteration(load_dir, is_iteration, "--ckpt-format torch")
+        found = rank_dirs(iter_dir)
+        args = read_args(found[0] / MODEL_FILE, found)
+        check_supported(args, found[0] / MODEL_FILE)
+        writers = writer_ranks(args)
+        missing = sorted(set(writers) - {p.name for p in found})
+        if missing:
+            raise UCPError(f"{iter_dir}: rank directories {missing} are missing (the saved layout "
+                           f"{layout(args)} needs {sorted(writers)}); the checkpoint is incomplete: "
+                           "copy the missing directories or convert another iteration")
+        extra = sorted({p.name for p in found} - set(writers))
+        if extra:
+            raise UCPError(f"{iter_dir}: rank directories {extra} do not belong to the layout "
+                           f"{layout(args)} recorded in {found[0] / MODEL_FILE} args (expected "
+                           f"{sorted(writers)}); remove them or convert the directories of one save only")
+
+        self.copies: dict[str, list[_Copy]] = {}
+        self.specs: dict[str, ParamSpec] = {}
+        model_cfg: dict = {}
+        head: dict = {}  # model_optim_rng.pt of the first writer (global rank 0): scheduler, groups
+        done = bar(progress, len(writers), "rebuild source ranks", "rank")
+        for name, rank in sorted(writers.items(), key=lambda kv: kv[1]):
+            files = _load_rank(iter_dir / name, iteration)
+            _check_same_run(files, args, found[0] / MODEL_FILE)
+            head = head or files.model
+            with rank_context(args, rank, name):
+                chunks = wrap_ddp(build_chunks(args), args)
+                if not model_cfg:
+                    model_cfg = model_config(chunks, args)
+                _collect(chunks, files, args, self.copies, self.specs)
+            done.update(1)
+        done.close()
+
+        self.dir = iter_dir
+        self.steps = {n: _step(n, self.copies[n]) for n in sorted(self.specs)}
+        self.origin = {"kind": "megatron-lm-torch", "path": str(iter_dir),
+                       "checkpoint_version": head.get("checkpoint_version")}
+        self.manifest = Manifest(
+            "universal", iteration, layout(args), world(args), model_cfg,
+            {n: ParamEntry(self.specs[n], step) for n, step in self.steps.items()},
+            optimizer_json(head["optimizer"]), jsonable_tree(head.get("opt_param_scheduler")),
+            ({"consumed_samples": int(args.consumed_train_samples)}
+             if getattr(args, "consumed_train_samples", None) is not None else {}),
+            int(getattr(args, "seed", 1234)))
+        self.bytes_read = sum((d / f).stat().st_size for d in found for f in (MODEL_FILE, OPTIM_FILE))
+        self.files_opened = 2 * len(found)
+        self._last: tuple[tuple[str, str], torch.Tensor] | None = None
+        log.info("rebuilt Megatron-LM iteration %d (%s, %d rank dirs, %d parameters) in %.2fs",
+                 iteration, layout(args), len(writers), len(self.steps), time.perf_counter() - t0)
+
+    def step(self, name: str) -> float:
+        return self.steps[name]
+
+    def read(self, name: str, state: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        """A box of the full tensor (assembled once per tensor and state, then sliced)."""
+        if self._last is None or self._last[0] != (name, state):
+            self._last = ((name, state), _assemble(name, state, self.specs[name], self.copies[name]))
+        return self._last[1][tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+
+    def rng_ranks(self) -> list[int]:
+        return []  # per-rank generator states are Megatron-LM's, kept by its own writers (fields)
+
+
+def run_fields(load_dir: str | Path) -> dict:
+    """From a legacy checkpoint: its args, rng states (by rank directory name and by (PP, TP)
+    rank), its layout and flops: what a Megatron-LM writer takes from the source run."""
+    iter_dir, _ = resolve_iteration(load_dir, is_iteration, "--ckpt-format torch")
+    found = rank_dirs(iter_dir)
+    args = read_args(found[0] / MODEL_FILE, found)
+    rng, by_position, flops = {}, {}, None
+    writers = writer_ranks(args)
+    for name in sorted(writers, key=writers.get):
+        if (iter_dir / name / MODEL_FILE).exists():
+            m = load_file(iter_dir / name / MODEL_FILE)
+            if "rng_state" in m:
+                rng[name] = m["rng_state"]
+                tp, *rest = (int(x) for x in name.removeprefix("mp_rank_").split("_"))
+                by_position.setdefault((rest[0] if args.pipeline_model_parallel_size > 1 else 0, tp),
+                                       m["rng_state"])
+            if flops is None:
+                flops = m.get("num_floating_point_operations_so_far")
+    return {"args": args, "rng_state": rng or None, "rng_by_position": by_position or None,
+            "layout": layout(args), "num_floating_point_operations_so_far": flops}
+
+
+def _load_rank(rank_dir: Path, iteration: int) -> _RankFiles:
+    model = load_file(rank_dir / MODEL_FILE)
+    if not isinstance(model, dict) or "optimizer" not in model:
+        raise UCPError(f"{rank_dir / MODEL_FILE} has no optimizer state; it was saved with "
+                       "--no-save-optim and cannot be resumed")
+    if model.get("iteration") != iteration:
+        raise UCPError(f"{rank_dir / MODEL_FILE} is from iteration {model.get('iteration')}, but the "
+                       f"checkpoint is iteration {iteration}; the rank directories mix different "
+                       "saves: restore this directory from the same save")
+    if float(model.get("checkpoint_version", 0)) < 3.0:
+        raise UCPError(f"{rank_dir / MODEL_FILE}: checkpoint_version {model.get('checkpoint_version')}"
+                       " predates 3.0 (older QKV layout); load and re-save it with Megatron-LM first")
+    optim = load_file(rank_dir / OPTIM_FILE)
+    optim = optim if isinstance(optim, list) else [optim]
+    for entry in optim:
+        if entry is not None and not (isinstance(entry, dict) and entry.get("buckets_coalesced")):
+            raise UCPError(f"{rank_dir / OPTIM_FILE} is not in the coalesced-bucket format of "
+                           "megatron-core >= 0.7; load and re-save it with a newer Megatron-LM")
+    return _RankFiles(rank_dir, model, optim)
+
+
+def _check_same_run(files: _RankFiles, args, first: Path) -> None:
+    """Every rank file must come from the run whose args we rebuild (same sizes)."""
+    other = files.model.get("args")
+    diff = [k for k in _LAYOUT_ARGS if getattr(other, k, None) != getattr(args, k, None)]
+    if other is None or diff:
+        raise UCPError(f"{files.path / MODEL_FILE}: its args differ from {first} in "
+                       f"{diff or ['(no args)']}; the rank directories come from different runs: "
+                       "restore this directory from the same save")
+
+
+def _collect(chunks: list, files: _RankFiles, args, copies: dict[str, list[_Copy]],
+             specs: dict[str, ParamSpec]) -> None:
+    """Every parameter of this rank: its spec, pieces, model weight and optimizer slices."""
+    from megatron.core.utils import unwrap_model
+
+    model_file, optim_file = files.path / MODEL_FILE, files.path / OPTIM_FILE
+    keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+    state_dicts = []
+    for key, chunk in zip(keys, chunks):
+        saved = files.model.get(key)
+        if saved is None:
+            raise UCPError(f"{model_file} has no {key!r} entry; expected {keys} for {len(chunks)} "
+                           f"model chunk(s) per rank (VPP {layout(args).vpp})")
+        ours = set(unwrap_model(chunk).state_dict())
+        if ours != set(saved):
+            raise UCPError(f"{model_file} [{key}]: the model rebuilt from its args does not have "
+                           f"the saved modules (saved only: {sorted(set(saved) - ours)[:5]}, rebuilt "
+                           f"only: {sorted(ours - set(saved))[:5]}); the args do not describe this "
+                           "checkpoint or it uses a layer spec megatron-ucp cannot rebuild")
+        state_dicts.append(saved)
+
+    buffers = optimizer_buffers(chunks, args)
+    if len(buffers) != len(files.optim):
+        raise UCPError(f"{optim_file} holds {len(files.optim)} optimizer entries, but the model "
+                       f"rebuilt from args has {len(buffers)} (dense/expert); the args do not match")
+    where: dict = {}  # param -> (entry index, flat tensors, start)
+    for i, (bufs, entry) in enumerate(zip(buffers, files.optim)):
+        if entry is None:
+            continue  # this rank was not DP rank 0 of that optimizer; another rank dir holds it
+        for b, buf in enumerate(bufs):
+            key = (buf.param_dtype, buf.grad_dtype)
+            flat = entry.get(b, {}).get(key)
+            if flat is None or flat["numel_unpadded"] != buf.numel_unpadded:
+                got = {k: {d: t.get("numel_unpadded") for d, t in v.items()}
+                       for k, v in entry.items() if isinstance(k, int)}
+                raise UCPError(f"{optim_file}: optimizer {i} buffer {b} {key}: expected "
+                               f"{buf.numel_unpadded} elements from the model rebuilt from args, file "
+                               f"has {got}; the args do not describe this checkpoint")
+            for p, start in flat_offsets(buf).items():
+                where[p] = (i, flat, start)
+
+    steps = [None if opt is None else group_step(opt.get("optimizer", {}).get("param_groups", []),
+                                                 f"{model_file}: optimizer {i}")
+             for i, opt in enumerate(as_list(files.model["optimizer"]))]
+    for lp in local_params(chunks):
+        weight = state_dicts[lp.chunk].get(lp.local_name)
+        if not torch.is_tensor(weight) or weight.shape != lp.param.shape:
+            raise UCPError(f"{model_file} [{keys[lp.chunk]}] {lp.local_name}: saved "
+                           f"{tuple(weight.shape) if torch.is_tensor(weight) else weight}, rebuilt "
+                           f"model has shape {tuple(lp.param.shape)}; the args do not describe this "
+                           "checkpoint")
+        weight = lp.region(weight)
+        states, step = None, None
+        if lp.spec.buffer:  # a persistent buffer (MoE expert_bias): its value, no optimizer state
+            states, step = {"param": weight.float()}, 0.0
+        elif lp.param in where:
+            i, flat, start = where[lp.param]
+            n = lp.param.numel()
+            if start + n > flat["param"].numel():
+                raise UCPError(f"{optim_file}: {lp.local_name} would end at element {start + n} of "
+                               f"{flat['param'].numel()}; the args do not describe this checkpoint")
+            states = {s: lp.region(flat[s][start:start + n]) for s in STATES}
+            step = steps[i] if i < len(steps) else None
+            if step is None:
+                raise UCPError(f"{model_file}: no Adam step for optimizer {i}; the optimizer state "
+                               "was saved before the first step")
+        prev = specs.setdefault(lp.spec.name, dataclasses.replace(lp.spec, aliases=[]))
+        if dataclasses.replace(prev, aliases=[]) != dataclasses.replace(lp.spec, aliases=[]):
+            raise UCPError(f"{model_file}: parameter {lp.spec.name} ({lp.local_name}) has spec "
+                           f"{lp.spec} here but {prev} on another rank")
+        prev.aliases = sorted(set(prev.aliases) | set(lp.spec.aliases))
+        copies.setdefault(lp.spec.name, []).append(
+            _Copy(files.path, lp.local_name, lp.pieces, lp.canonical, weight, states, step))
+
+
+def _step(name: str, copies: list[_Copy]) -> float:
+    steps = {c.step for c in copies if c.states is not None}
+    if not steps:
+        raise UCPError(f"parameter {name}: no {OPTIM_FILE} holds its optimizer state (copies in "
+                       f"{sorted({str(c.source) for c in copies})}); the checkpoint is incomplete")
+    if len(steps) != 1:
+        raise UCPError(f"parameter {name}: rank files disagree on its Adam step ({sorted(steps)} in "
+                       f"{sorted({str(c.source) for c in copies})}); the checkpoint mixes iterations")
+    return steps.pop()
+
+
+def _assemble(name: str, state: str, spec: ParamSpec, copies: list[_Copy]) -> torch.Tensor:
+    """Full fp32 tensor of one state from the copies that hold optimizer state (canonical copies
+    first); every other copy of the same box must be bitwise equal. For `param`, every saved model
+    weight must equal the master weight cast to its dtype."""
+    full = torch.empty(spec.shape, dtype=torch.float32)
+    filled = torch.zeros(spec.shape, dtype=torch.bool)
+    for c in sorted((c for c in copies if c.states is not None), key=lambda c: not c.canonical):
+        local = c.states[state]
+        for pc in c.pieces:
+            rows, box = pc.take(local), pc.box
+            if filled[box].any():
+                if not filled[box].all() or not torch.equal(full[box], rows):
+                    raise UCPError(f"{c.source / OPTIM_FILE}: {state} of {c.local_name} (universal "
+                                   f"{name}) differs from another rank's copy of the same elements; "
+                                   "replicated or tied copies must be identical, the checkpoint is "
+                                   "inconsistent (mixed saves?)")
+                continue
+            full[box] = rows
+            filled[box] = True
+    if not bool(filled.all()):
+        held = sorted({str(c.source) for c in copies if c.states is not None})
+        raise UCPError(f"parameter {name}: {int((~filled).sum())} of {filled.numel()} elements of "
+                       f"{state} are in no {OPTIM_FILE} (held by {held}); the checkpoint is "
+                       "incomplete: a rank directory's optimizer file is missing its part")
+    if state == "param":
+        for c in copies:
+            for pc in c.pieces:
+                if not torch.equal(pc.take(c.weight), full[pc.box].to(c.weight.dtype)):
+                    raise UCPError(f"{c.source / MODEL_FILE}: model weight {c.local_name} (universal "
+                                   f"{name}) is not the master weight from {OPTIM_FILE} cast to "
+                                   f"{c.weight.dtype}; the two files are from different saves or a "
+                                   "replica diverged")
+    return full

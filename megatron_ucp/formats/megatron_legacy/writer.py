@@ -1,0 +1,215 @@
+"""Universal tensors -> a stock Megatron-LM `--ckpt-format torch` checkpoint at any layout.
+
+The target model, its DDP buffers and their rank directories are rebuilt with megatron-core's own
+code (fake process group, meta tensors), so flat offsets are the ones the target run uses; each
+rank directory's tensors are read from the source box by box (`local_slice.read_local`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from megatron.core import parallel_state as ps
+
+from megatron_ucp.errors import UCPError
+from megatron_ucp.formats.megatron_common import (
+    TRACKER,
+    iteration_dir_name,
+    prepare_export,
+    rng_for,
+    scheduler_state,
+    single_step,
+    torch_group,
+    writer_ranks,
+)
+from megatron_ucp.formats.megatron_legacy.layout import (
+    MODEL_FILE,
+    OPTIM_FILE,
+    flat_offsets,
+    optimizer_buffers,
+    rank_context,
+)
+from megatron_ucp.formats.megatron_rebuild import build_chunks, wrap_ddp
+from megatron_ucp.layout import Layout
+from megatron_ucp.local_slice import read_local
+from megatron_ucp.param_spec import local_params
+from megatron_ucp.progress import Progress, bar
+from megatron_ucp.spec import STATES
+from megatron_ucp.storage import staged_dir
+
+log = logging.getLogger(__name__)
+
+
+def write(source, save_dir: str | Path, target: Layout, args_template,
+          *, rng_state: dict | list | None = None,
+          num_floating_point_operations_so_far: float | None = None,
+          first_stage_layers: int | None = None, last_stage_layers: int | None = None,
+          progress: Progress = True) -> Path:
+    """Write a stock Megatron-LM `--ckpt-format torch` checkpoint (distributed optimizer) at
+    `target` from any source of universal tensors. Returns `save_dir` (the save root).
+
+    args_template: a Megatron-LM args Namespace of the same model (e.g. the source legacy
+    checkpoint's `args`); its parallel sizes are replaced by the target's (`target_args`).
+    rng_state: the `rng_state` list written in every rank directory, or a dict keyed by rank
+    directory name or by (PP rank, TP rank) (a rank not in it gets the first entry); None: no
+    `rng_state` key (resume with --no-load-rng). num_floating_point_operations_so_far: None
+    writes 0.0.
+    """
+    t0 = time.perf_counter()
+    args, out = prepare_export("legacy", source, save_dir, target, args_template,
+                               first_stage_layers, last_stage_layers)
+    manifest = source.manifest
+    iteration = int(manifest.iteration)
+    writers = writer_ranks(args)
+    done = bar(progress, len(writers), "export-legacy", "rank")
+    with staged_dir(out) as partial:
+        iter_dir = partial / iteration_dir_name(iteration)
+        iter_dir.mkdir()
+        try:
+            for name, rank in sorted(writers.items(), key=lambda kv: kv[1]):
+                with rank_context(args, rank, name):
+                    try:
+                        chunks = wrap_ddp(build_chunks(args), args)
+                    except UCPError:
+                        raise
+                    except Exception as e:
+                        raise UCPError(f"cannot build the model at {target} from the args template "
+                                       f"({type(e).__name__}: {e}); an uneven pipeline split needs "
+                                       "first_stage_layers / last_stage_layers") from e
+                    t = _inspect_target(chunks, args, name)
+                    position = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank())
+                model_keys = ["model"] if len(t.keys) == 1 else [f"model{i}" for i in range(len(t.keys))]
+                models, optim = _target_files(t, source, model_keys)
+                rank_args = argparse.Namespace(**{**vars(args), "rank": rank, "local_rank": rank})
+                state: dict = {"args": rank_args, "checkpoint_version": 3.0, "iteration": iteration}
+                state.update(zip(model_keys, models))
+                state["optimizer"] = _param_groups(source, len(t.flat))
+                state["opt_param_scheduler"] = scheduler_state(manifest.scheduler)
+                if rng_state is not None:
+                    state["rng_state"] = rng_for(rng_state, name, position)
+                state["num_floating_point_operations_so_far"] = float(
+                    num_floating_point_operations_so_far or 0.0)
+                rank_dir = iter_dir / name
+                rank_dir.mkdir()
+                torch.save(state, rank_dir / MODEL_FILE)
+                torch.save(optim, rank_dir / OPTIM_FILE)
+                done.update(1)
+        finally:
+            done.close()
+        (partial / TRACKER).write_text(str(iteration))
+    log.info("wrote Megatron-LM legacy iteration %d at %s (%d rank dirs) into %s in %.2fs",
+             iteration, target, len(writers), out, time.perf_counter() - t0)
+    return out
+
+
+@dataclass
+class _TargetRank:
+    """What one target rank directory needs, read off the model rebuilt at the target layout."""
+
+    name: str
+    keys: list[list[tuple[str, Any]]]  # per chunk: (state-dict key, non-tensor value or _TENSOR)
+    params: list  # LocalParam
+    flat: list[dict[int, tuple[tuple, int]] | None]  # per optimizer: buffer -> (dtypes, numel)
+    where: dict[int, tuple[int, int, int]]  # id(param) -> (optimizer, buffer, start)
+
+
+_TENSOR = object()
+
+
+def _inspect_target(chunks: list, args, name: str) -> _TargetRank:
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import unwrap_model
+
+    keys = [[(k, _TENSOR if torch.is_tensor(v) else v)
+             for k, v in unwrap_model(c).state_dict(keep_vars=True).items()] for c in chunks]
+    buffers = optimizer_buffers(chunks, args)
+    expert = any(c.expert_parallel_buffers for c in chunks)
+    flat, where = [], {}
+    for i, bufs in enumerate(buffers):
+        is_expert = expert and i == len(buffers) - 1
+        dp0 = (ps.get_expert_data_parallel_rank() if is_expert else ps.get_data_parallel_rank()) == 0
+        flat.append({b: ((buf.param_dtype, buf.grad_dtype), buf.numel_unpadded)
+                     for b, buf in enumerate(bufs)} if dp0 else None)
+        for b, buf in enumerate(bufs):
+            for p, start in flat_offsets(buf).items():
+                where[id(p)] = (i, b, start)
+    return _TargetRank(name, keys, local_params(chunks), flat, where)
+
+
+def _target_files(t: _TargetRank, source, model_keys: list[str]) -> tuple[list[dict], Any]:
+    """(model state dict per chunk, distrib_optim.pt object) of one target rank directory."""
+    saved = source.manifest.params
+    by_name: dict[tuple[int, str], Any] = {}
+    flats: list[dict | None] = [
+        None if f is None else {b: {**{s: torch.zeros(n, dtype=torch.float32) for s in STATES},
+                                    "numel_unpadded": n} for b, (_, n) in f.items()}
+        for f in t.flat]
+    for lp in t.params:
+        if lp.spec.name not in saved:
+            raise UCPError(f"{source.dir}: the model rebuilt at the target layout has parameter "
+                           f"{lp.spec.name} ({lp.local_name}) that the checkpoint lacks; the args "
+                           "template does not describe this checkpoint's model")
+        master = read_local(source, lp, "param", 0, lp.numel)
+        if (lp.chunk, lp.local_name) not in by_name:  # a fused expert weight has several regions
+            by_name[(lp.chunk, lp.local_name)] = torch.empty_like(lp.param, device="cpu")
+        lp.region(by_name[(lp.chunk, lp.local_name)]).copy_(master)
+        if lp.spec.buffer:
+            continue
+        if id(lp.param) not in t.where:
+            raise UCPError(f"internal: {lp.local_name} is in no DDP buffer of the target model")
+        i, b, start = t.where[id(lp.param)]
+        if flats[i] is None:
+            continue  # another rank directory (that optimizer's DP rank 0) holds its state
+        a, e = start + lp.base, start + lp.base + lp.numel
+        entry = flats[i][b]
+        entry["param"][a:e] = master
+        for s in STATES[1:]:
+            entry[s][a:e] = read_local(source, lp, s, 0, lp.numel)
+    models = []
+    for c, keys in enumerate(t.keys):
+        sd = collections.OrderedDict()
+        for k, v in keys:
+            if v is _TENSOR:
+                if (c, k) not in by_name:
+                    raise UCPError(f"{model_keys[c]} {k}: a tensor of the model rebuilt at the "
+                                   "target that is neither a parameter nor a declared buffer; "
+                                   "megatron-ucp cannot fill it")
+                v = by_name[(c, k)]
+            sd[k] = v
+        models.append(sd)
+    optim = []
+    for f, entries in zip(t.flat, flats):
+        optim.append(None if entries is None else {"buckets_coalesced": True, **{
+            b: {f[b][0]: e} for b, e in entries.items()}})
+    return models, (optim[0] if len(optim) == 1 else optim)
+
+
+def _param_groups(source, n_optimizers: int) -> Any:
+    """`model_optim_rng.pt['optimizer']`: per chained optimizer {'optimizer': {'param_groups'}}
+    with the manifest's hyper-parameters and the Adam step (a float) in every group."""
+    step = single_step(source)
+    opt = source.manifest.optimizer
+    out = []
+    for i in range(n_optimizers):
+        groups = []
+        for g in opt.get("param_groups", []):
+            if g.get("optimizer", 0) != i:
+                continue
+            groups.append(torch_group(g, step))
+        if not groups:
+            raise UCPError(f"the universal manifest has no param groups for optimizer {i} (the "
+                           f"target model has {n_optimizers} chained optimizers: dense/expert); "
+                           "it was not converted from a Megatron-LM run with the same optimizer")
+        entry: dict = {"optimizer": {"param_groups": groups}}
+        if opt.get("grad_scaler"):  # fp16 DynamicGradScaler.state_dict(): 'scale' is a tensor
+            entry["grad_scaler"] = {k: (torch.tensor(v, dtype=torch.float32) if k == "scale" else v)
+                                    for k, v in opt["grad_scaler"].items()}
+        out.append(entry)
+    return out[0] if n_optimizers == 1 else out

@@ -1,0 +1,77 @@
+"""Read boxes of universal tensors from a consolidated directory (sliced reads)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from megatron_ucp.errors import UCPError
+from megatron_ucp.formats.manifest import Manifest
+from megatron_ucp.storage import Reader, ReadsFiles, crc32
+
+RNG_FILE = "rng.safetensors"
+
+
+def data_file_name(i: int) -> str:
+    return f"params_{i:05d}.safetensors"
+
+
+def rng_prefix(rank: int) -> str:
+    return f"rank{rank:05d}"
+
+
+class UniversalSource(ReadsFiles):
+    """Reads boxes of universal tensors from a consolidated directory (sliced reads)."""
+
+    def __init__(self, ckpt_dir: Path, manifest: Manifest, verify_checksums: bool = True):
+        self.dir = Path(ckpt_dir)
+        self.manifest = manifest
+        self.origin = manifest.converted_from or {"kind": "universal", "path": str(self.dir)}
+        self.reader = Reader()
+        self.verify_checksums = verify_checksums
+
+    def step(self, name: str) -> float:
+        return self.manifest.params[name].step
+
+    def read(self, name: str, state: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        p = self.manifest.params[name]
+        if state not in p.tensors:
+            raise KeyError(f"{name} has no state {state!r}")
+        entry = p.tensors[state]
+        path = self.dir / entry.file
+        if tuple(offset) == (0,) * len(offset) and tuple(shape) == p.shape:
+            t = self.reader.read(path, entry.key)
+            if self.verify_checksums and crc32(t) != entry.crc32:
+                raise UCPError(f"{path}: checksum mismatch in tensor {entry.key!r}; the file is "
+                               "corrupt: restore it or re-run `megatron-ucp convert`")
+            return t
+        return self.reader.read(path, entry.key, tuple(slice(o, o + n) for o, n in zip(offset, shape)))
+
+    def verify(self) -> int:
+        """Read every tensor whole and check its crc32 and shape. Returns tensors checked."""
+        n = 0
+        for name, p in self.manifest.params.items():
+            for state in p.tensors:
+                t = self.read(name, state, (0,) * len(p.shape), p.shape)
+                if tuple(t.shape) != p.shape:
+                    raise UCPError(f"{self.dir}: {name}/{state} has shape {list(t.shape)}, the "
+                                   f"manifest says {list(p.shape)}; re-run `megatron-ucp convert`")
+                n += 1
+        return n
+
+    def rng_ranks(self) -> list[int]:
+        """The saving ranks whose generator states are kept."""
+        if not (self.dir / RNG_FILE).exists():
+            return []
+        return sorted(int(k.removeprefix("rank")) for k in self.reader.metadata(self.dir / RNG_FILE))
+
+    def rng(self, rank: int) -> tuple[dict[str, torch.Tensor], dict]:
+        path = self.dir / RNG_FILE
+        if not path.exists():
+            return {}, {}
+        f = self.reader.open(path)
+        prefix = rng_prefix(rank) + "/"
+        tensors = {k.removeprefix(prefix): f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
+        return tensors, json.loads(self.reader.metadata(path).get(rng_prefix(rank), "{}"))

@@ -1,0 +1,144 @@
+"""Write the universal form from any source: each parameter's states as full fp32 tensors.
+
+`params_XXXXX.safetensors` files hold `<name>/param`, `<name>/exp_avg`, `<name>/exp_avg_sq` at
+their full global shape; the manifest's `params[name].tensors[state]` gives file, key and crc32.
+`rng.safetensors` keeps the saving ranks' generator states (used only at the same layout).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import multiprocessing
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import torch
+
+from megatron_ucp.formats import manifest as mf
+from megatron_ucp.formats.manifest import Manifest, ParamEntry, TensorEntry
+from megatron_ucp.formats.universal.source import RNG_FILE, data_file_name, rng_prefix
+from megatron_ucp.progress import Progress, bar
+from megatron_ucp.spec import ParamSpec, states_of
+from megatron_ucp.storage import SafetensorsWriter, crc32, staged_dir, write_tensors
+
+log = logging.getLogger(__name__)
+ReadFull = Callable[[str, str], torch.Tensor]
+
+
+def _plan_files(params: dict[str, ParamSpec], max_file_bytes: int, workers: int) -> list[list[str]]:
+    """Group parameters into data files in order; with workers, into at least `workers` files."""
+    sizes = {n: 4 * math.prod(spec.shape) * len(states_of(spec)) for n, spec in params.items()}
+    limit = max_file_bytes
+    if workers > 1:
+        limit = min(limit, -(-sum(sizes.values()) // workers))
+    files: list[list[str]] = [[]]
+    size = 0
+    for name, nbytes in sizes.items():
+        if files[-1] and size + nbytes > limit:
+            files.append([])
+            size = 0
+        files[-1].append(name)
+        size += nbytes
+    return files
+
+
+def _write_file(out_dir: Path, i: int, names: list[str], params: dict[str, ParamSpec],
+                read_full: ReadFull, progress=None) -> dict[str, dict[str, TensorEntry]]:
+    fname = data_file_name(i)
+    w = SafetensorsWriter(out_dir / fname, [(f"{n}/{s}", torch.float32, params[n].shape)
+                                            for n in names for s in states_of(params[n])])
+    entries: dict[str, dict[str, TensorEntry]] = {}
+    for n in names:
+        entries[n] = {}
+        for s in states_of(params[n]):
+            t = read_full(n, s)
+            w.write(f"{n}/{s}", t)
+            entries[n][s] = TensorEntry(fname, f"{n}/{s}", crc32(t))
+        if progress is not None:
+            progress.update(1)
+    w.close()
+    return entries
+
+
+_FORKED: tuple | None = None  # what forked workers inherit: (out_dir, files, params, read_full)
+
+
+def _write_file_in_worker(i: int) -> dict[str, dict[str, TensorEntry]]:
+    torch.set_num_threads(1)  # as DataLoader workers do: no OpenMP pool inherited across fork
+    out_dir, files, params, read_full = _FORKED
+    return _write_file(out_dir, i, files[i], params, read_full)
+
+
+def write_params(out_dir: Path, params: dict[str, ParamSpec], read_full: ReadFull,
+                 max_file_bytes: int = 2**31, progress=None,
+                 workers: int = 1) -> dict[str, dict[str, TensorEntry]]:
+    """Stream every parameter's states into data files; returns name -> {state: TensorEntry}.
+
+    Only one tensor is in memory at a time per writer: each file's header is computed from the
+    shapes first. workers > 1 writes files in forked processes, which inherit `read_full` and
+    its open (memory-mapped) sources, so nothing is pickled or read twice.
+    """
+    global _FORKED
+    files = _plan_files(params, max_file_bytes, workers)
+    if workers <= 1 or len(files) == 1:
+        entries: dict[str, dict[str, TensorEntry]] = {}
+        for i, names in enumerate(files):
+            entries.update(_write_file(out_dir, i, names, params, read_full, progress))
+        return entries
+    _FORKED = (out_dir, files, params, read_full)
+    try:
+        ctx = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(min(workers, len(files)), mp_context=ctx) as pool:
+            entries = {}
+            for names, done in zip(files, pool.map(_write_file_in_worker, range(len(files)))):
+                entries.update(done)
+                if progress is not None:
+                    progress.update(len(names))
+    finally:
+        _FORKED = None
+    return entries
+
+
+def write_rng(out_dir: Path, per_rank: dict[int, tuple[dict[str, torch.Tensor], dict]]) -> None:
+    tensors = {f"{rng_prefix(r)}/{k}": v for r, (ts, _) in per_rank.items() for k, v in ts.items()}
+    meta = {rng_prefix(r): json.dumps(m) for r, (_, m) in per_rank.items()}
+    write_tensors(out_dir / RNG_FILE, tensors, meta)
+
+
+def without_padding(spec: ParamSpec, true_vocab: int | None) -> ParamSpec:
+    """Vocab-row params keep only the true vocabulary rows; the loader re-pads for its target."""
+    if spec.vocab_rows and true_vocab and spec.shape[0] > true_vocab:
+        return ParamSpec(**{**vars(spec), "shape": (true_vocab, *spec.shape[1:])})
+    return spec
+
+
+def write(source, out: str | Path, *, progress: Progress = True, max_file_bytes: int = 2**31,
+          workers: int = 1) -> Path:
+    """Consolidate any source (`formats.open_source`) into a new universal directory; returns it.
+
+    Peak memory is about one parameter state per writer (the tensor being written), not the model.
+    """
+    t0 = time.perf_counter()
+    out = Path(out)
+    header: Manifest = source.manifest
+    specs = {n: without_padding(p.spec, header.true_vocab) for n, p in header.params.items()}
+    done = bar(progress, len(specs), f"{source.origin['kind']} -> universal", "param")
+    with staged_dir(out) as partial:
+        try:
+            entries = write_params(
+                partial, specs, lambda n, s: source.read(n, s, (0,) * len(specs[n].shape), specs[n].shape),
+                max_file_bytes, done, workers)
+        finally:
+            done.close()
+        ranks = source.rng_ranks()
+        if ranks:
+            write_rng(partial, {r: source.rng(r) for r in ranks})
+        params = {n: ParamEntry(spec, source.step(n), tensors=entries[n]) for n, spec in specs.items()}
+        mf.write(partial, Manifest.universal(header, params, source.origin))
+    log.info("%d parameters, %.1f MiB read, written to %s in %.2fs", len(params),
+             source.bytes_read / 2**20, out, time.perf_counter() - t0)
+    return out

@@ -1,0 +1,74 @@
+"""The library leaves the process as it found it, and never imports its own test helpers.
+
+The offline APIs rebuild Megatron-LM models on a fake process group; whatever they patch for that
+(torch.cuda placement, megatron-core's grouped-GEMM handle) must be scoped to the rebuild, so a
+GPU job that calls them (or `diff` inside an evaluation script) is not silently altered.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "tests" / "fixtures" / "megatron_lm"
+
+SCRIPT = r"""
+import json, sys
+import torch
+import megatron.core.transformer.moe.grouped_gemm_util as gg
+
+def snapshot():
+    return {"cuda": {k: id(getattr(torch.cuda, k)) for k in dir(torch.cuda)},
+            "tensor_cuda": id(torch.Tensor.cuda), "gg": (id(gg.grouped_gemm), id(gg.ops)),
+            "modules": {k: id(v) for k, v in sys.modules.items()}}
+
+before = snapshot()
+from megatron_ucp.checks import diff, verify
+from megatron_ucp.inspector import inspect
+from megatron_ucp.layout import Layout
+from megatron_ucp.reshard import convert, reshard
+out, fx = sys.argv[1], sys.argv[2]
+u = convert(fx + "/torch_moe_grouped_ep2/ckpt", out + "/u", progress=False)
+reshard(fx + "/torch_tp2_pp2/ckpt", out + "/d", Layout(dp=4), target_format="torch_dist",
+        progress=False)
+reshard(fx + "/torch_tp2_pp2/ckpt", out + "/t", Layout(tp=1, pp=2, dp=2), target_format="torch",
+        progress=False)
+verify(u); inspect(u); diff(fx + "/torch_dist_tp2_dp2/ckpt", out + "/d")
+after = snapshot()
+changed = sorted(k for k in before["cuda"] if after["cuda"].get(k) != before["cuda"][k])
+replaced = sorted(k for k, v in before["modules"].items() if after["modules"].get(k) != v)
+added = sorted(k for k in after["modules"] if k not in before["modules"])
+print(json.dumps({"cuda_changed": changed,
+                  "tensor_cuda_changed": after["tensor_cuda"] != before["tensor_cuda"],
+                  "grouped_gemm_changed": after["gg"] != before["gg"],
+                  "modules_replaced": replaced,
+                  "suspicious_added": [m for m in added if m.startswith(("megatron_ucp.testing",
+                                                                         "grouped_gemm"))]}))
+"""
+
+
+def test_offline_apis_leave_the_process_unchanged(tmp_path):
+    r = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), str(FIXTURES)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    assert report == {"cuda_changed": [], "tensor_cuda_changed": False,
+                      "grouped_gemm_changed": False, "modules_replaced": [],
+                      "suspicious_added": []}, report
+
+
+def test_library_never_imports_its_test_helpers():
+    offenders = []
+    for path in sorted((ROOT / "megatron_ucp").rglob("*.py")):
+        if "testing" in path.relative_to(ROOT / "megatron_ucp").parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names
+                          if n.startswith("megatron_ucp.testing")]
+    assert offenders == []
