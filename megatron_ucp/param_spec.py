@@ -196,11 +196,8 @@ def _flatten(x) -> list:
 
 def _strided_index(pc: Piece, dtype: torch.dtype) -> torch.Tensor:
     """The local flat index of every element of the piece's box."""
-    index = torch.full((1,) * len(pc.shape), pc.start, dtype=dtype, device="cpu")
-    for d, (n, stride) in enumerate(zip(pc.shape, pc.strides)):
-        axis = torch.arange(n, dtype=dtype, device="cpu") * stride
-        index = index + axis.view(*(1,) * d, n, *(1,) * (len(pc.shape) - d - 1))
-    return index
+    last = pc.span((0,) * len(pc.shape), pc.shape)[1]
+    return torch.arange(last + 1, dtype=dtype, device="cpu").as_strided(pc.shape, pc.strides, pc.start)
 
 
 def sharded_pieces(local_key: str, param: torch.Tensor, entry) -> list[ShardedTensor]:

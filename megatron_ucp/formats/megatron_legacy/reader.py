@@ -98,6 +98,8 @@ class LegacySource:
         found = rank_dirs(iter_dir)
         args = read_args(found[0] / MODEL_FILE, found)
         check_supported(args, found[0] / MODEL_FILE)
+        if iteration is None:  # a directory whose name does not say: its first rank file does
+            iteration = load_file(found[0] / MODEL_FILE).get("iteration")
         writers = writer_ranks(args)
         missing = sorted(set(writers) - {p.name for p in found})
         if missing:
