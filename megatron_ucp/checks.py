@@ -34,11 +34,11 @@ class Difference:
     note: str = ""
 
 
-def diff(a: str | Path, b: str | Path) -> list[Difference]:
+def diff(a: str | Path, b: str | Path, trust_pickle: bool = False) -> list[Difference]:
     """Max abs/rel difference per parameter and state (vocab rows: the common rows only).
     Values are compared as stored: checksums are `verify`'s job, not diff's."""
-    sa = formats.open_source(a, verify_checksums=False, progress=False)
-    sb = formats.open_source(b, verify_checksums=False, progress=False)
+    sa = formats.open_source(a, verify_checksums=False, progress=False, trust_pickle=trust_pickle)
+    sb = formats.open_source(b, verify_checksums=False, progress=False, trust_pickle=trust_pickle)
     pa, pb = sa.manifest.params, sb.manifest.params
     out = [Difference(n, "-", math.inf, math.inf, f"only in {'A' if n in pa else 'B'}")
            for n in sorted(set(pa) ^ set(pb))]

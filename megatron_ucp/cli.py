@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+TRUST_HELP = ("unpickle Megatron-LM files with the plain unpickler (runs code from the file): only "
+              "for checkpoints you trust whose pickles hold types outside megatron-ucp's allowlist")
 IMPORTS = {"import-legacy": "megatron_torch", "import-torch-dist": "megatron_torch_dist"}
 
 
@@ -31,12 +33,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-last-stage-layers", type=int, default=None,
                    help="uneven pipeline: layers on the last stage (Megatron-LM targets)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--trust-pickle", action="store_true", help=TRUST_HELP)
     p = sub.add_parser("verify", help="checksums of every tensor and exact coverage of every parameter")
     p.add_argument("dir")
     p = sub.add_parser("diff", help="max abs/rel difference per tensor between two checkpoints "
                        "(any supported format and layout)")
     p.add_argument("a")
     p.add_argument("b")
+    p.add_argument("--trust-pickle", action="store_true", help=TRUST_HELP)
     for command, what in (("import-legacy", "torch"), ("import-torch-dist", "torch_dist")):
         p = sub.add_parser(command, help=f"convert a Megatron-LM --ckpt-format {what} checkpoint "
                            "(distributed optimizer) into a universal directory")
@@ -44,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
                        "latest_checkpointed_iteration.txt) or an iter_XXXXXXX directory")
         p.add_argument("universal_dir", help="new output directory")
         p.add_argument("--no-progress", action="store_true")
+        p.add_argument("--trust-pickle", action="store_true", help=TRUST_HELP)
     args = parser.parse_args(argv)
 
     import logging
@@ -79,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
             print(reshard(args.load, args.save, target, args.target_format,
                           progress=progress,
                           first_stage_layers=args.target_first_stage_layers,
-                          last_stage_layers=args.target_last_stage_layers, workers=args.workers))
+                          last_stage_layers=args.target_last_stage_layers, workers=args.workers,
+                          trust_pickle=args.trust_pickle))
         elif args.command == "verify":
             from megatron_ucp.checks import verify
 
@@ -87,11 +93,12 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "diff":
             from megatron_ucp.checks import diff, format_diff
 
-            print(format_diff(diff(args.a, args.b)))
+            print(format_diff(diff(args.a, args.b, trust_pickle=args.trust_pickle)))
         elif args.command in IMPORTS:
             from megatron_ucp.reshard import convert
 
-            convert(args.load_dir, args.universal_dir, progress=progress, fmt=IMPORTS[args.command])
+            convert(args.load_dir, args.universal_dir, progress=progress, fmt=IMPORTS[args.command],
+                    trust_pickle=args.trust_pickle)
     except UCPError as e:
         print(f"megatron-ucp: error: {e}", file=sys.stderr)
         return 2

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 TARGET_FORMATS = {"universal": "universal", "torch": "megatron_torch",
                   "torch_dist": "megatron_torch_dist"}
 # Megatron-LM targets carry the source run's args: the source formats each can take them from
-MEGATRON_SOURCES = {"torch": ("megatron_torch",), "torch_dist": ("megatron_torch", "megatron_torch_dist")}
+MEGATRON_SOURCES = ("megatron_torch", "megatron_torch_dist")
 
 
 @dataclass
@@ -51,9 +51,11 @@ class ReshardSummary:
 
 
 def convert(load: str | Path, universal_dir: str | Path, *, progress: Progress = True,
-            max_file_bytes: int = 2**31, workers: int = 1, fmt: str | None = None) -> Path:
+            max_file_bytes: int = 2**31, workers: int = 1, fmt: str | None = None,
+            trust_pickle: bool = False) -> Path:
     """Consolidate a checkpoint (a fragment checkpoint, or a Megatron-LM one) into a new universal
-    directory; returns its path. fmt: the source format (detected when None).
+    directory; returns its path. fmt: the source format (detected when None). trust_pickle: load
+    Megatron-LM files with the plain unpickler (otherwise only the types Megatron-LM writes).
 
     Every fragment of a fragment checkpoint is read whole once and its checksum checked. Peak
     memory is about one parameter state per writer, not the model. workers > 1 writes the data
@@ -63,23 +65,25 @@ def convert(load: str | Path, universal_dir: str | Path, *, progress: Progress =
     fmt = fmt or formats.detect(load)
     if fmt == "universal":
         raise UCPError(f"{mf.resolve(load)}: already a universal checkpoint; nothing to convert")
-    source = formats.open_source(load, fmt, progress=progress, verify_fragments=True)
+    source = formats.open_source(load, fmt, progress=progress, verify_fragments=True,
+                                 trust_pickle=trust_pickle)
     return formats.get("universal").write(source, universal_dir, progress=progress,
                                    max_file_bytes=max_file_bytes, workers=workers)
 
 
 def convert_legacy(load_dir: str | Path, universal_dir: str | Path, progress: Progress = True,
-                   workers: int = 1) -> Path:
+                   workers: int = 1, trust_pickle: bool = False) -> Path:
     """A Megatron-LM `--ckpt-format torch` checkpoint -> a universal directory."""
     return convert(load_dir, universal_dir, progress=progress, workers=workers,
-                   fmt="megatron_torch")
+                   fmt="megatron_torch", trust_pickle=trust_pickle)
 
 
 def convert_torch_dist(load_dir: str | Path, universal_dir: str | Path, progress: Progress = True,
-                       max_file_bytes: int = 2**31, workers: int = 1) -> Path:
+                       max_file_bytes: int = 2**31, workers: int = 1,
+                       trust_pickle: bool = False) -> Path:
     """A Megatron-LM `--ckpt-format torch_dist` checkpoint -> a universal directory."""
     return convert(load_dir, universal_dir, progress=progress, max_file_bytes=max_file_bytes,
-                   workers=workers, fmt="megatron_torch_dist")
+                   workers=workers, fmt="megatron_torch_dist", trust_pickle=trust_pickle)
 
 
 def write_legacy(universal_dir: str | Path, save_dir: str | Path, target: Layout, args_template,
@@ -101,7 +105,8 @@ def write_torch_dist(universal_dir: str | Path, save_dir: str | Path, target: La
 def reshard(load: str | Path, save: str | Path, target: Layout | None = None,
             target_format: str = "universal", progress: Progress = True, *,
             first_stage_layers: int | None = None,
-            last_stage_layers: int | None = None, workers: int = 1) -> ReshardSummary:
+            last_stage_layers: int | None = None, workers: int = 1,
+            trust_pickle: bool = False) -> ReshardSummary:
     """Convert `load` to `target_format` at `target`.
 
     target_format "torch": a stock Megatron-LM `--ckpt-format torch` checkpoint at `target`;
@@ -109,7 +114,8 @@ def reshard(load: str | Path, save: str | Path, target: Layout | None = None,
     `fully_reshardable` form (resume with --dist-ckpt-optim-fully-reshardable). Both need a
     Megatron-LM source (its args describe the run). first/last_stage_layers set an uneven pipeline
     split at the target (default: the source's when PP is unchanged, else an even split).
-    workers: processes writing the universal data files (the scratch copy for Megatron targets)."""
+    workers: processes writing the universal data files (the scratch copy for Megatron targets).
+    trust_pickle: load Megatron-LM files with the plain unpickler (see `convert`)."""
     t0 = time.perf_counter()
     if target_format not in TARGET_FORMATS:
         raise UCPError(f"--target-format {target_format}: unknown; choose one of {list(TARGET_FORMATS)}")
@@ -117,13 +123,13 @@ def reshard(load: str | Path, save: str | Path, target: Layout | None = None,
     out = Path(save)
     if target_format != "universal":
         manifest = _reshard_to_megatron(load, out, target, kind, target_format, progress,
-                                        first_stage_layers, last_stage_layers, workers)
+                                        first_stage_layers, last_stage_layers, workers, trust_pickle)
     else:
         if kind == "universal":
             refuse_non_empty(out)
             shutil.copytree(mf.resolve(load), out, dirs_exist_ok=True)
         else:
-            convert(load, out, progress=progress, workers=workers, fmt=kind)
+            convert(load, out, progress=progress, workers=workers, fmt=kind, trust_pickle=trust_pickle)
         manifest = mf.read(out)
         if target is not None:
             try:
@@ -140,12 +146,11 @@ def reshard(load: str | Path, save: str | Path, target: Layout | None = None,
 
 def _reshard_to_megatron(load, out: Path, target: Layout | None, kind: str, target_format: str,
                          progress: Progress, first: int | None, last: int | None,
-                         workers: int) -> mf.Manifest:
+                         workers: int, trust_pickle: bool) -> mf.Manifest:
     """Megatron-LM -> universal (scratch next to `out`) -> Megatron-LM `target_format` at target."""
-    if kind not in MEGATRON_SOURCES[target_format]:
-        need = ("`--ckpt-format torch`" if target_format == "torch"
-                else "checkpoint (torch or torch_dist)")
-        raise UCPError(f"{load}: --target-format {target_format} needs a Megatron-LM {need} source, "
+    if kind not in MEGATRON_SOURCES:
+        raise UCPError(f"{load}: --target-format {target_format} needs a Megatron-LM checkpoint "
+                       "(torch or torch_dist) source, "
                        f"this is a {kind} checkpoint. A Megatron-LM checkpoint stores the run's "
                        "args (model architecture, optimizer and run settings) that the written "
                        f"checkpoint must carry; a {kind} checkpoint has no Megatron-LM args. "
@@ -156,7 +161,7 @@ def _reshard_to_megatron(load, out: Path, target: Layout | None, kind: str, targ
                        "target layout (rank files, flat buffers and args depend on it); pass "
                        "target=Layout(...) (CLI: --target-tp/--target-pp/--target-dp ...)")
     refuse_non_empty(out)
-    src = formats.get(kind).run_fields(load)
+    src = formats.get(kind).run_fields(load, trust_pickle)
     if first is None and last is None and src["layout"].pp == target.pp:
         first = getattr(src["args"], "decoder_first_pipeline_num_layers", None)
         last = getattr(src["args"], "decoder_last_pipeline_num_layers", None)
@@ -166,7 +171,7 @@ def _reshard_to_megatron(load, out: Path, target: Layout | None, kind: str, targ
     scratch = out.with_name(f".{out.name}.universal")
     shutil.rmtree(scratch, ignore_errors=True)
     try:
-        convert(load, scratch, progress=progress, workers=workers, fmt=kind)
+        convert(load, scratch, progress=progress, workers=workers, fmt=kind, trust_pickle=trust_pickle)
         source = formats.open_megatron_ucp(scratch)
         formats.get(TARGET_FORMATS[target_format]).write(
             source, out, target, src["args"], rng_state=rng,

@@ -25,7 +25,7 @@ from safetensors import safe_open
 from megatron_ucp import UCPError
 from megatron_ucp.formats.megatron_legacy import run_fields as legacy_source_fields
 from megatron_ucp.layout import Layout
-from megatron_ucp.reshard import convert_legacy, reshard, write_legacy
+from megatron_ucp.reshard import convert_legacy, convert_torch_dist, reshard, write_legacy
 from megatron_ucp.testing.launch import launch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -157,8 +157,8 @@ def test_reshard_target_format_torch(tmp_path):
 
 
 def test_reshard_torch_needs_megatron_source(universal, tmp_path):
-    with pytest.raises(UCPError, match=r"needs a Megatron-LM `--ckpt-format torch` source, this is "
-                       r"a universal checkpoint.*no Megatron-LM args"):
+    with pytest.raises(UCPError, match=r"needs a Megatron-LM checkpoint \(torch or torch_dist\) "
+                       r"source, this is a universal checkpoint.*no Megatron-LM args"):
         reshard(universal["torch_dp2"], tmp_path / "x", Layout(dp=2), target_format="torch",
                 progress=False)
     with pytest.raises(UCPError, match="needs a target layout"):
@@ -287,3 +287,36 @@ def test_written_checkpoint_loads_in_megatron_core(universal, tmp_path, target, 
                 if e["name"] != "output_layer.weight":  # the tied copy on the last stage
                     covered[name] += b - a
     assert covered == {n: math.prod(p["shape"]) for n, p in manifest["params"].items()}
+
+
+def test_torch_dist_to_legacy_at_another_layout(tmp_path):
+    """A torch_dist run (dp_reshardable, TP2 DP2) -> legacy `--ckpt-format torch` at TP1 DP2 with
+    the args from its common.pt: the same universal tensors bitwise, and megatron-core's own legacy
+    load resumes it."""
+    src = FIXTURES / "torch_dist_tp2_dp2" / "ckpt"
+    s = reshard(src, tmp_path / "out", Layout(tp=1, pp=1, dp=2), target_format="torch", progress=False)
+    assert s.source_kind == "megatron_torch_dist" and s.target_format == "torch"
+    m = load(tmp_path / "out" / ITER / "mp_rank_00" / "model_optim_rng.pt")
+    assert (m["args"].ckpt_format, m["args"].use_dist_ckpt, m["args"].tensor_model_parallel_size) == \
+        ("torch", False, 1)
+    _, t1 = universal_tensors(convert_torch_dist(src, tmp_path / "u1", progress=False))
+    _, t2 = universal_tensors(convert_legacy(tmp_path / "out", tmp_path / "u2", progress=False))
+    assert t1.keys() == t2.keys() and all(torch.equal(t, t2[k]) for k, t in t1.items())
+    cfg = {"num_layers": 3, "hidden_size": 32, "num_attention_heads": 4, "ffn_hidden_size": 128,
+           "seq_length": 32, "vocab_size": 256, "dtype": "bf16", "micro_batch_size": 2,
+           "global_batch_size": 4, "extra": {"add_qkv_bias": True}}
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    res = launch(2, "tests.test_megatron_legacy_out:load_legacy_rank",
+                 {"layout": "tp1pp1dp2", "cfg": cfg, "load_dir": str(tmp_path / "out"),
+                  "dump_dir": str(tmp_path / "dump")}, timeout=300, env=env)
+    assert all(r["iteration"] == 6 and r["num_steps"] == 28 for r in res), res
+    assert all(math.isfinite(r["loss"]) and r["loss"] < 6.0 for r in res), res
+    for rank in range(2):
+        for e in load(tmp_path / "dump" / f"rank{rank}.pt")["params"]:
+            name = _universal_name(e["name"], 0, None)
+            assert torch.equal(e["model"], t1[f"{name}/param"].to(torch.bfloat16)), name
+            if e["range"] is not None:
+                a, b = e["range"]
+                assert e["step"] == 6.0, name
+                for st in STATES:
+                    assert torch.equal(e[st], t1[f"{name}/{st}"].reshape(-1)[a:b]), (name, st)

@@ -7,6 +7,7 @@ another layout, and the optimizer param groups and scheduler state as Megatron-L
 from __future__ import annotations
 
 import argparse
+import pickle
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -72,17 +73,66 @@ def holds_checkpoint(path: str | Path, is_iteration: Callable[[Path], bool]) -> 
     return name is not None and is_iteration(path / name)
 
 
-def torch_load(path: Path, what: str) -> Any:
-    """torch.load on CPU, memory-mapped so a large checkpoint is not read into RAM at once."""
+TRUST_PICKLE = "--trust-pickle (trust_pickle=True)"
+
+
+def allowed_globals() -> list:
+    """The types a Megatron-LM checkpoint pickles besides tensors and containers: `args`
+    (argparse.Namespace holding enums, signal numbers and dtypes) and the numpy RNG state."""
+    import argparse
+    import enum
+    import signal
+
+    import megatron.core.enums as core_enums
+    import megatron.core.transformer.enums as transformer_enums
+    import numpy as np
+
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy 1.x
+        from numpy.core.multiarray import _reconstruct
+    enums = [v for m in (core_enums, transformer_enums) for v in vars(m).values()
+             if isinstance(v, type) and issubclass(v, enum.Enum) and v.__module__ == m.__name__]
+    dtypes = [type(np.dtype(t)) for t in ("bool", "uint8", "int8", "uint16", "int16", "uint32",
+                                          "int32", "uint64", "int64", "float16", "float32", "float64")]
+    return [argparse.Namespace, signal.Signals, _reconstruct, np.ndarray, np.dtype, *dtypes, *enums]
+
+
+def unpickle(load: Callable[[bool], Any], where: Path | str, trust_pickle: bool) -> Any:
+    """`load(weights_only)` with torch's restricted unpickler and `allowed_globals()`: anything
+    else is refused, naming the type, unless the caller trusts the file (then plain pickle)."""
+    if trust_pickle:
+        return load(False)
+    try:
+        with torch.serialization.safe_globals(allowed_globals()):
+            return load(True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        what = found.group(1) if found else "an object of a type outside the allowlist"
+        raise UCPError(f"{where}: refusing to unpickle {what}: it is none of the types a Megatron-LM "
+                       "checkpoint holds (tensors, argparse.Namespace, Megatron enums, numpy RNG "
+                       "state), and unpickling it could run code from the file. If you trust this "
+                       f"checkpoint, pass {TRUST_PICKLE}") from None
+
+
+def torch_load(path: Path, what: str, trust_pickle: bool = False) -> Any:
+    """torch.load on CPU, memory-mapped so a large checkpoint is not read into RAM at once, with
+    the restricted unpickler (`unpickle`)."""
     if not path.exists():
         raise UCPError(f"{path} is missing; {what}")
-    try:
+
+    def load(weights_only: bool) -> Any:
         try:
-            return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+            return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
         except RuntimeError as e:
             if "mmap" not in str(e):
                 raise
-            return torch.load(path, map_location="cpu", weights_only=False)  # old non-zip format
+            return torch.load(path, map_location="cpu", weights_only=weights_only)  # non-zip format
+
+    try:
+        return unpickle(load, path, trust_pickle)
+    except UCPError:
+        raise
     except ModuleNotFoundError as e:
         raise UCPError(f"{path}: cannot unpickle it, it references module {e.name!r} which is not "
                        "installed here; install it (the checkpoint's args refer to it)") from e

@@ -24,8 +24,9 @@ def iteration_dir(path: str | Path) -> Path:
     return resolve_iteration(path, is_iteration, "--ckpt-format torch_dist")[0]
 
 
-def open_source(path: str | Path, progress: Progress = True, **_: object) -> TorchDistSource:
-    return TorchDistSource(path, progress)
+def open_source(path: str | Path, progress: Progress = True, trust_pickle: bool = False,
+                **_: object) -> TorchDistSource:
+    return TorchDistSource(path, progress, trust_pickle)
 
 
 __all__ = ["NAME", "detect", "iteration_dir", "open_source", "write", "run_fields", "TorchDistSource"]

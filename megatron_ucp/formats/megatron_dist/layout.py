@@ -17,8 +17,10 @@ from collections import OrderedDict
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from megatron_ucp.errors import UCPError
+from megatron_ucp.formats.megatron_common import unpickle
 from megatron_ucp.formats.megatron_rebuild import build_chunks, model_config, single_rank_args, source_rank
 from megatron_ucp.param_spec import local_params
 
@@ -60,12 +62,13 @@ class DistReader:
     parameters hit the same stored tensor.
     """
 
-    def __init__(self, ckpt_dir: Path, cache_entries: int = 8):
+    def __init__(self, ckpt_dir: Path, cache_entries: int = 8, trust_pickle: bool = False):
         from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import (
             CachedMetadataFileSystemReader,
         )
 
         self.dir = ckpt_dir
+        self.trust_pickle = trust_pickle
         # one reader for every load: .metadata is parsed once, not once per key
         self.storage = CachedMetadataFileSystemReader(str(ckpt_dir))
         try:
@@ -117,10 +120,27 @@ class DistReader:
         import torch.distributed.checkpoint as dcp
 
         try:
-            dcp.load(sd, storage_reader=self.storage, no_dist=True)
+            dcp.load(sd, storage_reader=self.storage, planner=_ObjectPlanner(self), no_dist=True)
+        except UCPError:
+            raise
         except Exception as e:  # noqa: BLE001 - report which key and directory failed
             raise UCPError(f"{self.dir}: cannot read {list(sd)} ({type(e).__name__}: {e}); the "
                            "checkpoint files are damaged or incomplete") from e
+
+
+class _ObjectPlanner(DefaultLoadPlanner):
+    """torch.distributed.checkpoint's default load planner, except that stored objects (rng
+    states, `_extra_state`, dp_reshardable param groups) go through the restricted unpickler."""
+
+    def __init__(self, reader: DistReader):
+        super().__init__()
+        self.reader = reader
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        key = read_item.dest_index.fqn  # DistReader loads flat {key: BytesIO} dicts
+        self.original_state_dict[key] = unpickle(
+            lambda weights_only: torch.load(value, weights_only=weights_only),
+            f"{self.reader.dir} [{key}]", self.reader.trust_pickle)
 
 
 def storage_keys(model) -> dict[int, tuple[str, tuple[int, ...]]]:

@@ -56,10 +56,10 @@ from megatron_ucp.spec import STATES, ParamSpec
 log = logging.getLogger(__name__)
 
 
-def read_common(load_dir: str | Path) -> tuple[Path, dict, object]:
+def read_common(load_dir: str | Path, trust_pickle: bool = False) -> tuple[Path, dict, object]:
     """(iteration directory, common.pt, the run's args)."""
     ckpt, _ = resolve_iteration(load_dir, is_iteration, "--ckpt-format torch_dist")
-    common = torch_load(ckpt / COMMON_FILE, "the checkpoint is incomplete")
+    common = torch_load(ckpt / COMMON_FILE, "the checkpoint is incomplete", trust_pickle)
     args = common.get("args") if isinstance(common, dict) else None
     if args is None:
         raise UCPError(f"{ckpt / COMMON_FILE} has no 'args'; only Megatron-LM training saves are "
@@ -74,15 +74,15 @@ class TorchDistSource:
     Must run in a process without torch.distributed initialised (models are built on a fake group).
     """
 
-    def __init__(self, load_dir: str | Path, progress: Progress = True):
+    def __init__(self, load_dir: str | Path, progress: Progress = True, trust_pickle: bool = False):
         t0 = time.perf_counter()
         if dist.is_available() and dist.is_initialized():
             raise UCPError("reading a Megatron-LM torch_dist checkpoint rebuilds its model on a "
                            "private fake process group and cannot run inside a job that already has "
                            "one; run it in a separate process (`megatron-ucp import-torch-dist`)")
-        ckpt, common, args = read_common(load_dir)
+        ckpt, common, args = read_common(load_dir, trust_pickle)
         self.dir = ckpt
-        self.reader = reader = DistReader(ckpt)
+        self.reader = reader = DistReader(ckpt, trust_pickle=trust_pickle)
         opt = common.get("optimizer") or {}
         sharding = opt.get("param_state_sharding_type") or (common.get("content_metadata") or {}).get(
             "distrib_optim_sharding_type")
@@ -150,11 +150,11 @@ class TorchDistSource:
         return []  # per-rank generator states are Megatron-LM's, kept by its own writers (fields)
 
 
-def run_fields(load_dir: str | Path) -> dict:
+def run_fields(load_dir: str | Path, trust_pickle: bool = False) -> dict:
     """From a torch_dist checkpoint: its args, rng states {(pp, tp): rng list}, layout and flops
     (what a Megatron-LM writer takes from the source run)."""
-    ckpt, common, args = read_common(load_dir)
-    reader = DistReader(ckpt)
+    ckpt, common, args = read_common(load_dir, trust_pickle)
+    reader = DistReader(ckpt, trust_pickle=trust_pickle)
     rng = {}
     for key in reader.meta:
         if key.startswith("rng_state/shard_"):

@@ -18,8 +18,9 @@ def detect(path: Path) -> bool:
     return holds_checkpoint(path, is_iteration)
 
 
-def open_source(path: str | Path, progress: Progress = True, **_: object) -> LegacySource:
-    return LegacySource(path, progress)
+def open_source(path: str | Path, progress: Progress = True, trust_pickle: bool = False,
+                **_: object) -> LegacySource:
+    return LegacySource(path, progress, trust_pickle)
 
 
 __all__ = ["NAME", "detect", "open_source", "write", "run_fields", "LegacySource"]

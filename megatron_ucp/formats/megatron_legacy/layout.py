@@ -23,9 +23,9 @@ MODEL_FILE = "model_optim_rng.pt"
 OPTIM_FILE = "distrib_optim.pt"
 
 
-def load_file(path: Path) -> Any:
+def load_file(path: Path, trust_pickle: bool = False) -> Any:
     return torch_load(path, f"every rank directory needs {MODEL_FILE} and {OPTIM_FILE} (saved with "
-                            "--use-distributed-optimizer); restore the file")
+                            "--use-distributed-optimizer); restore the file", trust_pickle)
 
 
 def rank_dirs(iter_dir: Path) -> list[Path]:
@@ -37,9 +37,9 @@ def is_iteration(path: Path) -> bool:
     return path.is_dir() and any(path.glob("mp_rank_*/" + MODEL_FILE))
 
 
-def read_args(path: Path, found: list[Path]):
+def read_args(path: Path, found: list[Path], trust_pickle: bool = False):
     """The Megatron-LM args of the run (from one rank directory's model file)."""
-    m = load_file(path)
+    m = load_file(path, trust_pickle)
     args = m.get("args") if isinstance(m, dict) else None
     sizes = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers")
     if args is None or not all(hasattr(args, k) for k in sizes):

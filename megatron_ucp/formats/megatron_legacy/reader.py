@@ -87,7 +87,7 @@ class LegacySource:
     rank); opening it rebuilds every source rank, reading assembles one tensor at a time.
     """
 
-    def __init__(self, load_dir: str | Path, progress: Progress = True):
+    def __init__(self, load_dir: str | Path, progress: Progress = True, trust_pickle: bool = False):
         t0 = time.perf_counter()
         if dist.is_available() and dist.is_initialized():
             raise UCPError("reading a Megatron-LM legacy checkpoint rebuilds the source layout on its "
@@ -96,10 +96,10 @@ class LegacySource:
                            "UNIVERSAL_DIR`)")
         iter_dir, iteration = resolve_iteration(load_dir, is_iteration, "--ckpt-format torch")
         found = rank_dirs(iter_dir)
-        args = read_args(found[0] / MODEL_FILE, found)
+        args = read_args(found[0] / MODEL_FILE, found, trust_pickle)
         check_supported(args, found[0] / MODEL_FILE)
         if iteration is None:  # a directory whose name does not say: its first rank file does
-            iteration = load_file(found[0] / MODEL_FILE).get("iteration")
+            iteration = load_file(found[0] / MODEL_FILE, trust_pickle).get("iteration")
         writers = writer_ranks(args)
         missing = sorted(set(writers) - {p.name for p in found})
         if missing:
@@ -118,7 +118,7 @@ class LegacySource:
         head: dict = {}  # model_optim_rng.pt of the first writer (global rank 0): scheduler, groups
         done = bar(progress, len(writers), "rebuild source ranks", "rank")
         for name, rank in sorted(writers.items(), key=lambda kv: kv[1]):
-            files = _load_rank(iter_dir / name, iteration)
+            files = _load_rank(iter_dir / name, iteration, trust_pickle)
             _check_same_run(files, args, found[0] / MODEL_FILE)
             head = head or files.model
             with rank_context(args, rank, name):
@@ -159,17 +159,17 @@ class LegacySource:
         return []  # per-rank generator states are Megatron-LM's, kept by its own writers (fields)
 
 
-def run_fields(load_dir: str | Path) -> dict:
+def run_fields(load_dir: str | Path, trust_pickle: bool = False) -> dict:
     """From a legacy checkpoint: its args, rng states (by rank directory name and by (PP, TP)
     rank), its layout and flops: what a Megatron-LM writer takes from the source run."""
     iter_dir, _ = resolve_iteration(load_dir, is_iteration, "--ckpt-format torch")
     found = rank_dirs(iter_dir)
-    args = read_args(found[0] / MODEL_FILE, found)
+    args = read_args(found[0] / MODEL_FILE, found, trust_pickle)
     rng, by_position, flops = {}, {}, None
     writers = writer_ranks(args)
     for name in sorted(writers, key=writers.get):
         if (iter_dir / name / MODEL_FILE).exists():
-            m = load_file(iter_dir / name / MODEL_FILE)
+            m = load_file(iter_dir / name / MODEL_FILE, trust_pickle)
             if "rng_state" in m:
                 rng[name] = m["rng_state"]
                 tp, *rest = (int(x) for x in name.removeprefix("mp_rank_").split("_"))
@@ -181,8 +181,8 @@ def run_fields(load_dir: str | Path) -> dict:
             "layout": layout(args), "num_floating_point_operations_so_far": flops}
 
 
-def _load_rank(rank_dir: Path, iteration: int) -> _RankFiles:
-    model = load_file(rank_dir / MODEL_FILE)
+def _load_rank(rank_dir: Path, iteration: int, trust_pickle: bool) -> _RankFiles:
+    model = load_file(rank_dir / MODEL_FILE, trust_pickle)
     if not isinstance(model, dict) or "optimizer" not in model:
         raise UCPError(f"{rank_dir / MODEL_FILE} has no optimizer state; it was saved with "
                        "--no-save-optim and cannot be resumed")
@@ -193,7 +193,7 @@ def _load_rank(rank_dir: Path, iteration: int) -> _RankFiles:
     if float(model.get("checkpoint_version", 0)) < 3.0:
         raise UCPError(f"{rank_dir / MODEL_FILE}: checkpoint_version {model.get('checkpoint_version')}"
                        " predates 3.0 (older QKV layout); load and re-save it with Megatron-LM first")
-    optim = load_file(rank_dir / OPTIM_FILE)
+    optim = load_file(rank_dir / OPTIM_FILE, trust_pickle)
     optim = optim if isinstance(optim, list) else [optim]
     for entry in optim:
         if entry is not None and not (isinstance(entry, dict) and entry.get("buckets_coalesced")):

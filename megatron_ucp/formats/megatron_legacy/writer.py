@@ -65,6 +65,8 @@ def write(source, save_dir: str | Path, target: Layout, args_template,
     t0 = time.perf_counter()
     args, out = prepare_export("legacy", source, save_dir, target, args_template,
                                first_stage_layers, last_stage_layers)
+    args.ckpt_format = "torch"  # the template may be a torch_dist run's args (its common.pt)
+    args.use_dist_ckpt = False
     manifest = source.manifest
     iteration = int(manifest.iteration)
     writers = writer_ranks(args)

@@ -1,0 +1,76 @@
+"""No checkpoint file runs code when read.
+
+megatron-ucp's own forms are safetensors + JSON: reading them never unpickles. Megatron-LM's
+`.pt` files and torch_dist objects are unpickled with torch's restricted unpickler and an explicit
+allowlist of what Megatron-LM writes; anything else is refused unless the caller trusts the file.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_ucp import UCPError
+from megatron_ucp.checks import diff, verify
+from megatron_ucp.formats import open_source
+from megatron_ucp.reshard import convert, convert_legacy, convert_torch_dist
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "megatron_lm"
+LEGACY = FIXTURES / "torch_tp2_pp2" / "ckpt"
+
+
+def _poison(args_owner: Path) -> None:
+    """Put a value of a type outside the allowlist into a rank file's args (as a run that kept a
+    pathlib.Path in its args would)."""
+    state = torch.load(args_owner, map_location="cpu", weights_only=False)
+    state["args"].tokenizer_model = pathlib.PurePosixPath("/data/tokenizer.model")
+    torch.save(state, args_owner)
+
+
+def test_unexpected_type_is_refused_and_trust_pickle_allows_it(tmp_path):
+    ckpt = Path(shutil.copytree(LEGACY, tmp_path / "ckpt"))
+    for f in ckpt.glob("iter_*/mp_rank_*/model_optim_rng.pt"):
+        _poison(f)
+    with pytest.raises(UCPError) as ei:
+        convert_legacy(ckpt, tmp_path / "u", progress=False)
+    msg = str(ei.value)
+    assert "model_optim_rng.pt: refusing to unpickle pathlib.PurePosixPath" in msg, msg
+    assert "--trust-pickle" in msg
+    assert not (tmp_path / "u").exists()
+    out = convert_legacy(ckpt, tmp_path / "u", progress=False, trust_pickle=True)
+    assert all(d.max_abs == 0 for d in diff(LEGACY, out))
+
+
+def test_megatron_files_load_with_the_allowlist(tmp_path):
+    """Every fixture (args with enums and dtypes, numpy RNG state, torch_dist objects) reads with
+    the restricted unpickler: the allowlist covers what Megatron-LM core_v0.16.1 writes."""
+    for name in ("torch_moe_grouped_ep2", "torch_vpp"):
+        convert_legacy(FIXTURES / name / "ckpt", tmp_path / name, progress=False)
+    convert_torch_dist(FIXTURES / "torch_dist_tp2_dp2" / "ckpt", tmp_path / "dist", progress=False)
+
+
+@pytest.fixture
+def no_unpickling(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("a megatron-ucp checkpoint read tried to unpickle")
+
+    for name in ("load", "loads", "Unpickler"):
+        monkeypatch.setattr(pickle, name, refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+
+
+def test_own_formats_never_unpickle(source_runs, tmp_path, no_unpickling):
+    saved = source_runs.get("tp2", {"dtype": "fp32"})["ckpt"]
+    udir = convert(saved, tmp_path / "u", progress=False)
+    for path in (saved, udir):
+        assert verify(path).startswith("OK")
+        src = open_source(path)
+        name = "decoder.final_layernorm.weight"
+        assert src.read(name, "exp_avg", (0,), (64,)).shape == (64,)
+        assert src.rng(0) is not None
+    assert all(d.max_abs == 0 for d in diff(saved, udir))
