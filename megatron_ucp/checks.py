@@ -14,15 +14,22 @@ from pathlib import Path
 import torch
 
 from megatron_ucp import formats
+from megatron_ucp.formats import manifest as mf
 
 
 def verify(path: str | Path) -> str:
-    """Checksums of every tensor and exact coverage of every parameter; raises UCPError."""
+    """Checksums of every tensor and exact coverage of every parameter; raises UCPError. Saves
+    that never committed (`.iter_*.partial` under a save root) are reported."""
     source = formats.open_megatron_ucp(path, verify_checksums=True)
     n = source.verify()
     m = source.manifest
-    return (f"OK {source.dir}: {m.kind}, iteration {m.iteration}, {len(m.params)} "
-            f"parameters, {n} tensors verified, {source.bytes_read / 2**20:.2f} MiB read")
+    report = (f"OK {source.dir}: {m.kind}, iteration {m.iteration}, {len(m.params)} "
+              f"parameters, {n} tensors verified, {source.bytes_read / 2**20:.2f} MiB read")
+    stale = mf.interrupted_saves(path) if Path(path) != source.dir else []
+    if stale:
+        report += (f"; {len(stale)} interrupted save(s) under {path} ({', '.join(p.name for p in stale)}):"
+                   " never loaded, removed by the next save")
+    return report
 
 
 @dataclass

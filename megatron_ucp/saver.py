@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -104,6 +105,9 @@ def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: 
     if root.exists() and not root.is_dir():  # every rank sees it (one filesystem): all raise
         raise UCPError(f"{root}: the save root is a file; pass a directory")
     if rank == 0:
+        for stale in mf.interrupted_saves(root):  # never loadable; the previous save is finalized
+            log.warning("removing %s, left by an interrupted save", stale)
+            shutil.rmtree(stale, ignore_errors=True)
         target.create(replace=True)  # re-saving an iteration replaces it at the commit
     dist.barrier()
 

@@ -102,3 +102,20 @@ def test_previous_checkpoint_loads_bitwise_and_resumes(crashed):
                     assert torch.equal(s[state], lo[state]), (rank, key, state)
     recorded = json.loads(crashed["record"].read_text())["losses"]
     assert res[0]["losses"][0] == recorded[2]  # the 3rd step, replayed from iter_0000002, bitwise
+
+
+def test_interrupted_save_is_reported_then_removed_by_the_next_save(crashed):
+    """Runs last: it saves into the crashed root. `verify` names the leftover partial directory;
+    the next save removes it and commits."""
+    from megatron_ucp.checks import verify
+
+    root = crashed["root"]
+    report = verify(root)
+    assert report.startswith("OK ") and ".iter_0000003.partial" in report and "interrupted" in report
+    launch(2, "megatron_ucp.testing.scenarios:load_and_train",
+           {"layout": LAYOUT, "cfg": {}, "load_dir": str(root), "steps": 0,
+            "resave_dir": str(root)}, timeout=240)
+    assert not (root / ".iter_0000003.partial").exists()
+    assert (root / "latest").read_text().strip() == "iter_0000002"
+    report = verify(root)
+    assert report.startswith("OK ") and "interrupted" not in report, report

@@ -400,6 +400,11 @@ def resolve(path: str | Path) -> Path:
                          "iter_* directories) or by `megatron-ucp convert`")
 
 
+def interrupted_saves(root: str | Path) -> list[Path]:
+    """`.iter_*.partial` directories under a save root: saves that never committed."""
+    return sorted(Path(root).glob(".iter_*.partial"))
+
+
 def is_checkpoint(path: str | Path) -> bool:
     """A megatron-ucp checkpoint directory or save root (it may still fail to resolve)."""
     return (Path(path) / MANIFEST).exists() or (Path(path) / LATEST).exists()
