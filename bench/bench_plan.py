@@ -106,11 +106,17 @@ def rank_records(stage: list, tp: int, t: int, dp: int, d: int) -> tuple[list, l
 
 
 class PlanReader(Reader):
-    """Records which files a load would open; returns zeros instead of reading."""
+    """Records which files a load would open; returns zeros instead of reading, and each file's
+    header records (which the reader checks the index against) from the index itself."""
 
-    def __init__(self, lengths: dict[tuple[Path, str], int]) -> None:
+    def __init__(self, lengths: dict[tuple[Path, str], int], headers: dict[Path, list]) -> None:
         super().__init__()
         self.lengths = lengths
+        self.headers = headers
+
+    def metadata(self, path: Path) -> dict[str, str]:
+        self.open(path)
+        return {"fragments": json.dumps(self.headers.get(Path(path), []))}
 
     def open(self, path: Path):
         self.handles[Path(path)] = None
@@ -180,13 +186,21 @@ def main(argv: list[str] | None = None) -> dict:
     paths = [ckpt / f for f in manifest.files]
     lengths = {(paths[f.file], name): f.end - f.start for name, p_ in params.items()
                for sl in p_.slices for f in sl.fragments}
+    headers: dict[Path, list] = {}
+    for name, p_ in params.items():
+        for sl in p_.slices:
+            pieces = [pc.to_json() for pc in sl.pieces]
+            for f in sl.fragments:
+                headers.setdefault(paths[f.file], []).append(
+                    {"name": name, "range": [f.start, f.end], "local_shape": list(sl.local_shape),
+                     "pieces": pieces, "crc32": {}})
     del params, manifest
     t0 = time.perf_counter()
     with paused_gc():  # as manifest.read does
         manifest = Manifest.from_json(json.loads(text), str(ckpt / mf.MANIFEST))
     t1 = time.perf_counter()
     source = FragmentSource(ckpt, manifest, verify_checksums=False)
-    source.reader = reader = PlanReader(lengths)
+    source.reader = reader = PlanReader(lengths, headers)
     t2 = time.perf_counter()
     for name, local, piece, a, b in needs:
         spec = ParamSpec(name, manifest.params[name].shape, "bfloat16", manifest.params[name].spec.tp_axis)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
@@ -16,6 +17,7 @@ def states_of(spec: ParamSpec) -> tuple[str, ...]:
     return BUFFER_STATES if spec.buffer else STATES
 
 
+@functools.lru_cache(maxsize=4096)  # a model has few distinct shapes; an index, many pieces
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, acc = [], 1
     for n in reversed(shape):
@@ -50,6 +52,24 @@ class Piece(NamedTuple):
     def contiguous(self) -> bool:
         return all(s == c for s, c, n in zip(self.strides, contiguous_strides(self.shape), self.shape)
                    if n > 1)
+
+    @property
+    def injective(self) -> bool:
+        """No two elements of the box are the same local element: with the dims sorted by
+        stride, each stride steps over everything the smaller ones reach."""
+        reach = 0
+        for n, s in sorted(((n, s) for n, s in zip(self.shape, self.strides) if n > 1),
+                           key=lambda x: x[1]):
+            if s <= reach:
+                return False
+            reach += (n - 1) * s
+        return True
+
+    @property
+    def dense(self) -> bool:
+        """The piece is exactly the local elements [start, start + numel) (in some order)."""
+        return self.injective and self.span((0,) * len(self.shape), self.shape)[1] + 1 == \
+            self.start + self.numel
 
     @property
     def box(self) -> tuple[slice, ...]:
@@ -97,3 +117,51 @@ class ParamSpec:
     @classmethod
     def from_json(cls, d: dict) -> ParamSpec:
         return cls(**{**d, "shape": tuple(d["shape"])})
+
+
+def cover_once_cheap(pieces: list[Piece], size: int) -> bool:
+    """What can be checked of `tiles_exactly` without touching every element: each piece a one
+    to one view inside [0, size), the volumes add up, and dense pieces (intervals) tile
+    [0, size). Pieces that interleave pass here and need `tiles_exactly`."""
+    dense, total = True, 0
+    for pc in pieces:
+        n = len(pc.shape)
+        if len(pc.offset) != n or len(pc.strides) != n:
+            return False
+        numel = math.prod(pc.shape)
+        total += numel
+        if pc.strides == contiguous_strides(pc.shape):  # the common block of rows
+            if pc.start + numel > size:
+                return False
+        elif not pc.injective or pc.span((0,) * n, pc.shape)[1] >= size:
+            return False
+        else:
+            dense = dense and pc.dense
+    return total == size and (not dense or intervals_tile(pieces, size))
+
+
+def intervals_tile(pieces: list[Piece], size: int) -> bool:
+    """Dense pieces (each an interval of the flattened local tensor) cover [0, size) once."""
+    pos = 0
+    for pc in sorted(pieces, key=lambda pc: pc.start):
+        if pc.start != pos:
+            return False
+        pos += pc.numel
+    return pos == size
+
+
+def tiles_exactly(pieces: list[Piece], size: int) -> bool:
+    """The pieces together are every element of a flattened local tensor of `size` elements,
+    each once. Dense pieces are intervals (checked by sorting); pieces that interleave (SwiGLU
+    halves of a GroupedMLP expert) are checked element by element (O(size))."""
+    if not all(pc.injective for pc in pieces) or sum(pc.numel for pc in pieces) != size:
+        return False
+    if all(pc.dense for pc in pieces):
+        return intervals_tile(pieces, size)
+    hit = torch.zeros(size, dtype=torch.int32)
+    flat = torch.arange(size, dtype=torch.int64)
+    for pc in pieces:
+        if pc.span((0,) * len(pc.shape), pc.shape)[1] >= size:
+            return False
+        hit[flat.as_strided(pc.shape, pc.strides, pc.start).reshape(-1)] += 1
+    return bool((hit == 1).all())

@@ -19,7 +19,7 @@ from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.fragments.index import check_tiling
 from megatron_ucp.formats.fragments.rank_file import header_fragments, rank_file_name, read_rng
 from megatron_ucp.formats.manifest import FragmentEntry, Manifest, SliceEntry, paused_gc
-from megatron_ucp.spec import Piece
+from megatron_ucp.spec import Piece, tiles_exactly
 from megatron_ucp.storage import Reader, ReadsFiles, crc32
 
 RECENT_BYTES = 256 * 2**20  # whole local tensors / fragments kept for reuse (oldest evicted first)
@@ -40,7 +40,11 @@ class FragmentSource(ReadsFiles):
         self.verify_fragments = verify_fragments and verify_checksums
         # whole local tensors (transposed pieces interleave) or fragments read for reuse
         self._recent: OrderedDict[tuple, torch.Tensor] = OrderedDict()
-        self._crcs: dict[int, dict[tuple[str, int], dict[str, int]]] = {}  # file -> from its header
+        # rank file -> its header's fragment records by (name, start), read when the file is
+        # opened; each fragment the index names is checked against them once (`_header`)
+        self._headers: dict[int, dict[tuple[str, int], dict]] = {}
+        self._matched: set[tuple[int, int]] = set()  # (id(slice), fragment file)
+        self._tiled: set[int] = set()  # slices whose interleaved pieces were checked
         files = manifest.files or [rank_file_name(r) for r in range(manifest.layout_world_size)]
         self.files = [self.dir / f for f in files]
         if all(p.slices is not None for p in manifest.params.values()):  # version 3: the index
@@ -65,7 +69,7 @@ class FragmentSource(ReadsFiles):
                     raise UCPError(f"{path}: parameter {name} has Adam step {step} but another "
                                    f"rank saved {self.steps[name]}; the checkpoint mixes iterations")
                 self.steps[name] = step
-                self._crcs.setdefault(i, {})[(name, d["range"][0])] = d["crc32"]
+                self._headers.setdefault(i, {})[(name, d["range"][0])] = d
                 shape, pieces = tuple(d["local_shape"]), [Piece.from_json(p) for p in d["pieces"]]
                 entries = self.slices.setdefault(name, [])
                 sl = next((s for s in entries if s.pieces == pieces), None)
@@ -79,21 +83,31 @@ class FragmentSource(ReadsFiles):
     def step(self, name: str) -> float:
         return self.steps[name]
 
-    def _crc(self, name: str, f: FragmentEntry, state: str) -> int:
-        """A fragment's checksum, from its rank file's header (read when the file is opened)."""
-        if f.file not in self._crcs:
-            self._crcs[f.file] = {(d["name"], d["range"][0]): d["crc32"]
-                                  for d in header_fragments(self.reader, self.files[f.file])}
-        crc = self._crcs[f.file].get((name, f.start))
-        if crc is None:
+    def _header(self, name: str, sl: SliceEntry, f: FragmentEntry) -> dict:
+        """The rank file's own record of a fragment the index names: it must be there, with the
+        same range and the same place in the universal tensor (pieces), or the index points
+        at the wrong file or range."""
+        if f.file not in self._headers:
+            self._headers[f.file] = {(d["name"], d["range"][0]): d
+                                     for d in header_fragments(self.reader, self.files[f.file])}
+        d = self._headers[f.file].get((name, f.start))
+        if d is None:
             raise UCPError(f"{self.files[f.file]}: has no fragment of {name} at element {f.start}, "
                            "which the manifest puts there; the file is from another save")
-        return crc[state]
+        if (id(sl), f.file) not in self._matched:
+            if (d["range"] != [f.start, f.end] or tuple(d["local_shape"]) != sl.local_shape
+                    or [Piece.from_json(p) for p in d["pieces"]] != sl.pieces):
+                raise UCPError(f"{self.files[f.file]}: its fragment of {name} at element {f.start} "
+                               "is not the one the manifest index describes (range or place in the "
+                               "tensor differ); the index or the file is damaged")
+            self._matched.add((id(sl), f.file))
+        return d
 
-    def _read_fragment(self, name: str, state: str, f: FragmentEntry) -> torch.Tensor:
+    def _read_fragment(self, name: str, state: str, sl: SliceEntry, f: FragmentEntry) -> torch.Tensor:
         """A whole fragment, its checksum checked."""
         path, key = self.files[f.file], f"{name}/{state}"
-        crc = self._crc(name, f, state) if self.verify_checksums else None  # the header first
+        header = self._header(name, sl, f)  # before the read: a clear error for a wrong index
+        crc = header["crc32"][state] if self.verify_checksums else None
         t = self.reader.read(path, key)
         if crc is not None and crc32(t) != crc:
             raise UCPError(f"{path}: checksum mismatch in tensor {key!r}; the file is corrupt: "
@@ -120,7 +134,7 @@ class FragmentSource(ReadsFiles):
             for sl in self.slices[name]:
                 for f in sl.fragments:
                     for state in p.states:
-                        self._read_fragment(name, state, f)
+                        self._read_fragment(name, state, sl, f)
                         n += 1
         return n
 
@@ -131,12 +145,13 @@ class FragmentSource(ReadsFiles):
             if e <= s:
                 continue
             if s == f.start and e == f.end:
-                t = self._read_fragment(name, state, f)
+                t = self._read_fragment(name, state, sl, f)
             elif self.verify_fragments:
                 whole = self._cached((name, state, "fragment", f.file, f.start),
-                                     lambda f=f: self._read_fragment(name, state, f))
+                                     lambda f=f: self._read_fragment(name, state, sl, f))
                 t = whole[s - f.start:e - f.start]
             else:
+                self._header(name, sl, f)
                 t = self.reader.read(self.files[f.file], f"{name}/{state}",
                                      (slice(s - f.start, e - f.start),))
             buf[s - a:e - a] = t
@@ -145,8 +160,11 @@ class FragmentSource(ReadsFiles):
     def read(self, name: str, state: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
         """Box [offset, offset + shape) of universal tensor `name`, state `state`, as fp32."""
         out = torch.empty(shape, dtype=torch.float32)
-        filled = 0
+        # which elements of the box were written: each exactly once, or the index is wrong (the
+        # open checks only the volume of a tensor's slices, this read checks where they fall)
+        written = torch.zeros(shape, dtype=torch.bool)
         for sl in self.slices[name]:
+            self._check_interleaved(name, sl)
             for pc in sl.pieces:
                 lo = [max(o, p) for o, p in zip(offset, pc.offset)]
                 hi = [min(o + n, p + m) for o, n, p, m in zip(offset, shape, pc.offset, pc.shape)]
@@ -159,13 +177,27 @@ class FragmentSource(ReadsFiles):
                 else:  # a transposed piece interleaves with its neighbours: read the tensor once
                     flat = self._cached((name, state, "slice", id(sl)), lambda sl=sl: self._read_flat(
                         name, state, sl, 0, math.prod(sl.local_shape)))[first:]
-                region = flat.as_strided([h - lo_ for lo_, h in zip(lo, hi)], pc.strides)
-                out[tuple(slice(lo_ - o, h - o) for lo_, h, o in zip(lo, hi, offset))] = region
-                filled += region.numel()
-        if filled != out.numel():
-            raise UCPError(f"{self.dir}: parameter {name}: only {filled} of {out.numel()} requested "
-                           "elements are saved; checkpoint incomplete")
+                box = tuple(slice(lo_ - o, h - o) for lo_, h, o in zip(lo, hi, offset))
+                if written[box].any():
+                    raise UCPError(f"{self.dir}: parameter {name}: two saved slices hold the same "
+                                   f"elements (at {lo}); the checkpoint index is damaged")
+                out[box] = flat.as_strided([h - lo_ for lo_, h in zip(lo, hi)], pc.strides)
+                written[box] = True
+        if not bool(written.all()):
+            raise UCPError(f"{self.dir}: parameter {name}: {int((~written).sum())} of {out.numel()} "
+                           "requested elements are saved by no rank; checkpoint incomplete")
         return out
+
+    def _check_interleaved(self, name: str, sl: SliceEntry) -> None:
+        """Pieces that interleave (not intervals) are checked element by element, once, when
+        their slice is first read (the manifest parser checks the others)."""
+        if id(sl) in self._tiled:
+            return
+        if not all(pc.dense for pc in sl.pieces) and not tiles_exactly(sl.pieces,
+                                                                      math.prod(sl.local_shape)):
+            raise UCPError(f"{self.dir}: parameter {name}: the pieces of a saved slice do not "
+                           "cover its local tensor exactly once; the manifest is damaged")
+        self._tiled.add(id(sl))
 
     def rng_ranks(self) -> range:
         return range(self.manifest.layout_world_size)
