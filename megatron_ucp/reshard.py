@@ -10,7 +10,6 @@ source run's args, so their source must be a Megatron-LM checkpoint.
 
 from __future__ import annotations
 
-import logging
 import math
 import shutil
 import time
@@ -25,7 +24,6 @@ from megatron_ucp.progress import Progress
 from megatron_ucp.storage import refuse_non_empty
 from megatron_ucp.validation import check_layout
 
-log = logging.getLogger(__name__)
 # --target-format value -> format name
 TARGET_FORMATS = {"universal": "universal", "torch": "megatron_torch",
                   "torch_dist": "megatron_torch_dist"}
@@ -68,7 +66,7 @@ def convert(load: str | Path, universal_dir: str | Path, *, progress: Progress =
     source = formats.open_source(load, fmt, progress=progress, verify_fragments=True,
                                  trust_pickle=trust_pickle)
     return formats.get("universal").write(source, universal_dir, progress=progress,
-                                   max_file_bytes=max_file_bytes, workers=workers)
+                                          max_file_bytes=max_file_bytes, workers=workers)
 
 
 def convert_legacy(load_dir: str | Path, universal_dir: str | Path, progress: Progress = True,
