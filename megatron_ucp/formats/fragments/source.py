@@ -47,7 +47,8 @@ class FragmentSource(ReadsFiles):
         self._tiled: set[int] = set()  # slices whose interleaved pieces were checked
         files = manifest.files or [rank_file_name(r) for r in range(manifest.layout_world_size)]
         self.files = [self.dir / f for f in files]
-        if all(p.slices is not None for p in manifest.params.values()):  # version 3: the index
+        if all(p.slices is not None and p.step is not None for p in manifest.params.values()):
+            # version 3: the index
             self.slices = {name: p.slices for name, p in manifest.params.items()}
             self.steps = {name: p.step for name, p in manifest.params.items()}
         else:  # versions 1 and 2: every rank file's header lists its fragments
