@@ -13,7 +13,7 @@ def inspect(path: str | Path) -> str:
     m = mf.read(ckpt)
     params = m.params
     numel = sum(math.prod(p.shape) for p in params.values())
-    files = sorted(ckpt.glob("*.safetensors"))
+    files = sorted(f for f in ckpt.iterdir() if f.is_file() and f.name != mf.MANIFEST)
     size = sum(f.stat().st_size for f in files)
     cfg = m.model
     lines = [
@@ -25,7 +25,7 @@ def inspect(path: str | Path) -> str:
         f"heads {cfg.get('num_attention_heads')} (groups {cfg.get('num_query_groups')}), "
         f"ffn {cfg.get('ffn_hidden_size')}, vocab {cfg.get('vocab_size')}",
         f"parameters   {len(params)} tensors, {numel:,} elements",
-        f"files        {len(files)} safetensors, {size / 2**20:.2f} MiB",
+        f"files        {len(files)} data files, {size / 2**20:.2f} MiB",
         f"extra        {m.extra}",
         "",
         f"{'name':<64} {'shape':>14} {'dtype':>9} {'tp_axis':>7} {'blocks':>6}",
