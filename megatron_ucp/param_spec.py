@@ -194,12 +194,6 @@ def _flatten(x) -> list:
     return [x]
 
 
-def _strided_index(pc: Piece, dtype: torch.dtype) -> torch.Tensor:
-    """The local flat index of every element of the piece's box."""
-    last = pc.span((0,) * len(pc.shape), pc.shape)[1]
-    return torch.arange(last + 1, dtype=dtype, device="cpu").as_strided(pc.shape, pc.strides, pc.start)
-
-
 def sharded_pieces(local_key: str, param: torch.Tensor, entry) -> list[ShardedTensor]:
     """The ShardedTensors an entry declares. A factory's build function copies (SwiGLU halves,
     GroupedMLP's transposed experts), so it is run on a tensor holding each element's own flat
@@ -240,7 +234,7 @@ def strided_pieces(local_key: str, param: torch.Tensor, subs: list[ShardedTensor
         if len(subs) == 1 and pc.contiguous and pc.numel == param.numel():
             continue  # the parameter itself (the common case): nothing to cross-check
         # element by element: the probe matches the strides, and no element is in two pieces
-        flat = _strided_index(pc, view.dtype if probed else torch.int64)
+        flat = pc.local_index(view.dtype if probed else torch.int64)
         hit = torch.zeros(param.numel(), dtype=torch.bool, device="cpu") if hit is None else hit
         if (probed and not torch.equal(flat, view)) or hit[flat].any():
             raise UCPError(f"parameter {local_key!r}: a sharded piece is not a strided view of the "

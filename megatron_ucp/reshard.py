@@ -60,13 +60,17 @@ def convert(load: str | Path, universal_dir: str | Path, *, progress: Progress =
     files in forked processes.
     """
     refuse_non_empty(Path(universal_dir))  # before a possibly long source rebuild
-    fmt = fmt or formats.detect(load)
-    if fmt == "universal":
-        raise UCPError(f"{mf.resolve(load)}: already a universal checkpoint; nothing to convert")
-    source = formats.open_source(load, fmt, progress=progress, verify_fragments=True,
-                                 trust_pickle=trust_pickle)
+    source = _open(load, fmt, progress, trust_pickle)
+    if source.format == "universal":
+        raise UCPError(f"{source.dir}: already a universal checkpoint; nothing to convert")
     return formats.get("universal").write(source, universal_dir, progress=progress,
                                           max_file_bytes=max_file_bytes, workers=workers)
+
+
+def _open(load: str | Path, fmt: str | None, progress: Progress, trust_pickle: bool):
+    """The source a conversion reads (every fragment it touches checked whole)."""
+    return formats.open_source(load, fmt, progress=progress, verify_fragments=True,
+                               trust_pickle=trust_pickle)
 
 
 def convert_legacy(load_dir: str | Path, universal_dir: str | Path, progress: Progress = True,
@@ -117,24 +121,22 @@ def reshard(load: str | Path, save: str | Path, target: Layout | None = None,
     t0 = time.perf_counter()
     if target_format not in TARGET_FORMATS:
         raise UCPError(f"--target-format {target_format}: unknown; choose one of {list(TARGET_FORMATS)}")
-    kind = formats.detect(load)
     out = Path(save)
     if target_format != "universal":
+        kind = formats.detect(load)
         manifest = _reshard_to_megatron(load, out, target, kind, target_format, progress,
                                         first_stage_layers, last_stage_layers, workers, trust_pickle)
     else:
+        refuse_non_empty(out)
+        source = _open(load, None, progress, trust_pickle)
+        kind = source.format
+        if target is not None:  # before writing anything the target could not use
+            check_layout(source.manifest.model, target, str(source.dir))
         if kind == "universal":
-            refuse_non_empty(out)
-            shutil.copytree(mf.resolve(load), out, dirs_exist_ok=True)
+            shutil.copytree(source.dir, out, dirs_exist_ok=True)
         else:
-            convert(load, out, progress=progress, workers=workers, fmt=kind, trust_pickle=trust_pickle)
+            formats.get("universal").write(source, out, progress=progress, workers=workers)
         manifest = mf.read(out)
-        if target is not None:
-            try:
-                check_layout(manifest.model, target, str(out))
-            except UCPError:
-                shutil.rmtree(out)  # a universal dir the target cannot use is not left behind
-                raise
     files = [f for f in out.rglob("*") if f.is_file()]
     return ReshardSummary(kind, out, len(manifest.params),
                           sum(math.prod(p.shape) for p in manifest.params.values()),

@@ -76,6 +76,12 @@ class Piece(NamedTuple):
         """Index of this piece in the universal tensor."""
         return tuple(slice(o, o + n) for o, n in zip(self.offset, self.shape))
 
+    def local_index(self, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """The flat local index of every element of the box (a strided view of an arange)."""
+        last = self.span((0,) * len(self.shape), self.shape)[1]
+        return torch.arange(last + 1, dtype=dtype, device="cpu").as_strided(self.shape, self.strides,
+                                                                            self.start)
+
     def take(self, local: torch.Tensor) -> torch.Tensor:
         """This piece of `local` (a contiguous tensor of the local shape), as a view."""
         flat = local.reshape(-1)
@@ -152,16 +158,13 @@ def intervals_tile(pieces: list[Piece], size: int) -> bool:
 
 def tiles_exactly(pieces: list[Piece], size: int) -> bool:
     """The pieces together are every element of a flattened local tensor of `size` elements,
-    each once. Dense pieces are intervals (checked by sorting); pieces that interleave (SwiGLU
-    halves of a GroupedMLP expert) are checked element by element (O(size))."""
-    if not all(pc.injective for pc in pieces) or sum(pc.numel for pc in pieces) != size:
+    each once: `cover_once_cheap`, then, for pieces that interleave (SwiGLU halves of a
+    GroupedMLP expert), element by element (O(size))."""
+    if not cover_once_cheap(pieces, size):
         return False
     if all(pc.dense for pc in pieces):
-        return intervals_tile(pieces, size)
+        return True
     hit = torch.zeros(size, dtype=torch.int32)
-    flat = torch.arange(size, dtype=torch.int64)
     for pc in pieces:
-        if pc.span((0,) * len(pc.shape), pc.shape)[1] >= size:
-            return False
-        hit[flat.as_strided(pc.shape, pc.strides, pc.start).reshape(-1)] += 1
+        hit[pc.local_index().reshape(-1)] += 1
     return bool((hit == 1).all())

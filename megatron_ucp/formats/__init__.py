@@ -5,10 +5,11 @@ A format package has `NAME` and opens a source of universal tensors: megatron-uc
 the others with `detect(path) -> bool` and `open_source(path, ...)`. A source has `.manifest`
 (`formats.manifest.Manifest`: the run state and every parameter's spec and Adam step),
 `.read(name, state, offset, shape)` (a box of a full fp32 tensor), `.step(name)`,
-`.rng_ranks()` / `.rng(rank)`, `.origin`, `.dir`, `.bytes_read`. A format that can be written
-has `write(source, out, ...)`. Data flows one way: a source's tensors go to a writer
-(`universal.write`, `megatron_legacy.write`, `megatron_dist.write`) or into a live run (`load`).
-Only a format's own package knows its layout on disk.
+`.rng_ranks()` / `.rng(rank)`, `.origin`, `.dir`, `.bytes_read` and `.format` (its registry
+name). A format that can be written has `write(source, out, ...)`. Data flows one way: a
+source's tensors go to a writer (`universal.write`, `megatron_legacy.write`,
+`megatron_dist.write`) or into a live run (`load`). Only a format's own package knows its layout
+on disk.
 """
 
 from __future__ import annotations

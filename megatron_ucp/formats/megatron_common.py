@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from megatron_ucp.errors import UCPError
 from megatron_ucp.layout import Layout
@@ -29,6 +28,21 @@ def iteration_dir_name(iteration: int) -> str:
     return f"iter_{iteration:07d}"
 
 
+def tracked_iteration(root: Path) -> tuple[Path, int] | None:
+    """(iteration directory, iteration) that a save root's tracker file names; None without a
+    tracker. Raises when the tracker says something that is not an iteration."""
+    tracker = root / TRACKER
+    if not tracker.exists():
+        return None
+    text = tracker.read_text().strip()
+    if text == RELEASE:
+        return root / RELEASE, 0
+    if not text.isdigit():
+        raise UCPError(f"{tracker} says {text!r}, not an iteration number; pass the iter_XXXXXXX "
+                       "directory to convert instead")
+    return root / iteration_dir_name(int(text)), int(text)
+
+
 def resolve_iteration(path: str | Path, is_iteration: Callable[[Path], bool],
                       fmt: str) -> tuple[Path, int | None]:
     """(iteration directory, iteration) from a Megatron-LM save root (its tracker file names the
@@ -38,21 +52,14 @@ def resolve_iteration(path: str | Path, is_iteration: Callable[[Path], bool],
     if is_iteration(path):
         match = re.fullmatch(r"iter_(\d{7})", path.name)
         return path, int(match.group(1)) if match else 0 if path.name == RELEASE else None
-    tracker = path / TRACKER
-    if tracker.exists():
-        text = tracker.read_text().strip()
-        if text == RELEASE:
-            target, iteration = path / RELEASE, 0
-        elif text.isdigit():
-            target, iteration = path / iteration_dir_name(int(text)), int(text)
-        else:
-            raise UCPError(f"{tracker} says {text!r}, not an iteration number; pass the "
-                           "iter_XXXXXXX directory to convert instead")
+    tracked = tracked_iteration(path)
+    if tracked is not None:
+        target, iteration = tracked
         if not is_iteration(target):
             why = "does not exist" if not target.exists() else f"is not a {fmt} checkpoint"
-            raise UCPError(f"{tracker} names iteration {text}, but {target} {why}; pass an existing "
-                           "iter_XXXXXXX directory instead")
-        return target, iteration
+            raise UCPError(f"{path / TRACKER} names iteration {iteration}, but {target} {why}; pass "
+                           "an existing iter_XXXXXXX directory instead")
+        return tracked
     if not path.exists():
         raise UCPError(f"{path} does not exist; pass a Megatron-LM save root (with {TRACKER}) or "
                        "one of its iter_XXXXXXX directories")
@@ -65,12 +72,11 @@ def holds_checkpoint(path: str | Path, is_iteration: Callable[[Path], bool]) -> 
     path = Path(path)
     if is_iteration(path):
         return True
-    tracker = path / TRACKER
-    if not tracker.exists():
+    try:
+        tracked = tracked_iteration(path)
+    except UCPError:  # a tracker that names no iteration: not a checkpoint of this format
         return False
-    text = tracker.read_text().strip()
-    name = RELEASE if text == RELEASE else iteration_dir_name(int(text)) if text.isdigit() else None
-    return name is not None and is_iteration(path / name)
+    return tracked is not None and is_iteration(tracked[0])
 
 
 TRUST_PICKLE = "--trust-pickle (trust_pickle=True)"
@@ -275,13 +281,9 @@ def target_args(template, target: Layout, first_stage_layers: int | None = None,
 
 def prepare_export(fmt: str, source, save_dir: str | Path, target: Layout, args_template,
                    first_stage_layers: int | None, last_stage_layers: int | None):
-    """Checks and inputs shared by the Megatron-LM writers: no live process group (the target is
-    rebuilt on a private fake one), args to describe the run, a new output directory, a target
-    layout that can hold the model. Returns (target args, output path)."""
-    if dist.is_available() and dist.is_initialized():
-        raise UCPError(f"writing Megatron-LM {fmt} rebuilds the target layout on its own fake "
-                       "process group and cannot run inside a job that already has one; run it in "
-                       "a separate process")
+    """Checks and inputs shared by the Megatron-LM writers: args to describe the run, a new output
+    directory, a target layout that can hold the model (a live process group is refused by the
+    rebuild, `megatron_rebuild.source_rank`). Returns (target args, output path)."""
     if args_template is None:
         raise UCPError(f"writing a Megatron-LM {fmt} checkpoint needs Megatron-LM args (model "
                        "architecture, optimizer and run settings); pass the args of a Megatron-LM "

@@ -88,9 +88,10 @@ def source_rank(args, rank: int) -> Iterator[None]:
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers backend "fake"
 
     if dist.is_available() and dist.is_initialized():
-        raise UCPError("rebuilding a Megatron-LM model from its args needs a private fake process "
-                       "group and cannot run inside a job that already has one; run the import in "
-                       "a separate process (`megatron-ucp import-legacy` / `import-torch-dist`)")
+        raise UCPError("reading or writing a Megatron-LM checkpoint rebuilds its model from the args "
+                       "on a private fake process group and cannot run inside a job that already "
+                       "has one; run it in a separate process (`megatron-ucp reshard` / "
+                       "`import-legacy` / `import-torch-dist`)")
     saved = (torch.cuda.current_device, torch.Tensor.cuda)
     try:
         torch.cuda.current_device = lambda: torch.device("meta")

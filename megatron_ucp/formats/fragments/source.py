@@ -28,6 +28,8 @@ RECENT_BYTES = 256 * 2**20  # whole local tensors / fragments kept for reuse (ol
 class FragmentSource(ReadsFiles):
     """Reads boxes of universal tensors out of a fragment checkpoint."""
 
+    format = "fragments"  # its name in the `formats` registry
+
     def __init__(self, ckpt_dir: Path, manifest: Manifest, verify_checksums: bool = True,
                  verify_fragments: bool = False):
         self.dir = Path(ckpt_dir)
@@ -64,13 +66,12 @@ class FragmentSource(ReadsFiles):
         self.slices: dict[str, list[SliceEntry]] = {}
         self.steps: dict[str, float] = {}
         for i, path in enumerate(self.files):
-            for d in header_fragments(self.reader, path):
+            for d in self._records(i).values():
                 name, step = d["name"], d["step"]
                 if name in self.steps and self.steps[name] != step:
                     raise UCPError(f"{path}: parameter {name} has Adam step {step} but another "
                                    f"rank saved {self.steps[name]}; the checkpoint mixes iterations")
                 self.steps[name] = step
-                self._headers.setdefault(i, {})[(name, d["range"][0])] = d
                 shape, pieces = tuple(d["local_shape"]), [Piece.from_json(p) for p in d["pieces"]]
                 entries = self.slices.setdefault(name, [])
                 sl = next((s for s in entries if s.pieces == pieces), None)
@@ -84,14 +85,18 @@ class FragmentSource(ReadsFiles):
     def step(self, name: str) -> float:
         return self.steps[name]
 
+    def _records(self, file: int) -> dict[tuple[str, int], dict]:
+        """A rank file's header records by (name, start), parsed once."""
+        if file not in self._headers:
+            self._headers[file] = {(d["name"], d["range"][0]): d
+                                   for d in header_fragments(self.reader, self.files[file])}
+        return self._headers[file]
+
     def _header(self, name: str, sl: SliceEntry, f: FragmentEntry) -> dict:
         """The rank file's own record of a fragment the index names: it must be there, with the
         same range and the same place in the universal tensor (pieces), or the index points
         at the wrong file or range."""
-        if f.file not in self._headers:
-            self._headers[f.file] = {(d["name"], d["range"][0]): d
-                                     for d in header_fragments(self.reader, self.files[f.file])}
-        d = self._headers[f.file].get((name, f.start))
+        d = self._records(f.file).get((name, f.start))
         if d is None:
             raise UCPError(f"{self.files[f.file]}: has no fragment of {name} at element {f.start}, "
                            "which the manifest puts there; the file is from another save")
@@ -194,8 +199,7 @@ class FragmentSource(ReadsFiles):
         their slice is first read (the manifest parser checks the others)."""
         if id(sl) in self._tiled:
             return
-        if not all(pc.dense for pc in sl.pieces) and not tiles_exactly(sl.pieces,
-                                                                      math.prod(sl.local_shape)):
+        if not tiles_exactly(sl.pieces, math.prod(sl.local_shape)):
             raise UCPError(f"{self.dir}: parameter {name}: the pieces of a saved slice do not "
                            "cover its local tensor exactly once; the manifest is damaged")
         self._tiled.add(id(sl))

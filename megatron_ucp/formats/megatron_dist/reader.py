@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.manifest import Manifest, ParamEntry
@@ -74,12 +73,10 @@ class TorchDistSource:
     Must run in a process without torch.distributed initialised (models are built on a fake group).
     """
 
+    format = "megatron_torch_dist"  # its name in the `formats` registry
+
     def __init__(self, load_dir: str | Path, progress: Progress = True, trust_pickle: bool = False):
         t0 = time.perf_counter()
-        if dist.is_available() and dist.is_initialized():
-            raise UCPError("reading a Megatron-LM torch_dist checkpoint rebuilds its model on a "
-                           "private fake process group and cannot run inside a job that already has "
-                           "one; run it in a separate process (`megatron-ucp import-torch-dist`)")
         ckpt, common, args = read_common(load_dir, trust_pickle)
         self.dir = ckpt
         self.reader = reader = DistReader(ckpt, trust_pickle=trust_pickle)

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.manifest import Manifest, ParamEntry
@@ -87,13 +86,10 @@ class LegacySource:
     rank); opening it rebuilds every source rank, reading assembles one tensor at a time.
     """
 
+    format = "megatron_torch"  # its name in the `formats` registry
+
     def __init__(self, load_dir: str | Path, progress: Progress = True, trust_pickle: bool = False):
         t0 = time.perf_counter()
-        if dist.is_available() and dist.is_initialized():
-            raise UCPError("reading a Megatron-LM legacy checkpoint rebuilds the source layout on its "
-                           "own fake process group and cannot run inside a job that already has one; "
-                           "run it in a separate process (`megatron-ucp import-legacy LOAD_DIR "
-                           "UNIVERSAL_DIR`)")
         iter_dir, iteration = resolve_iteration(load_dir, is_iteration, "--ckpt-format torch")
         found = rank_dirs(iter_dir)
         args = read_args(found[0] / MODEL_FILE, found, trust_pickle)

@@ -25,6 +25,8 @@ def rng_prefix(rank: int) -> str:
 class UniversalSource(ReadsFiles):
     """Reads boxes of universal tensors from a consolidated directory (sliced reads)."""
 
+    format = "universal"  # its name in the `formats` registry
+
     def __init__(self, ckpt_dir: Path, manifest: Manifest, verify_checksums: bool = True):
         self.dir = Path(ckpt_dir)
         self.manifest = manifest
