@@ -62,12 +62,13 @@ def _check_params(source, params: list[LocalParam], strict: bool) -> None:
                                f"model {k}={fmt(mine)}; the model architecture differs")
     # Which saved tensors some rank's model holds: one flag per saved tensor, OR-reduced, so the
     # traffic does not grow with the number of ranks (no all-to-all of names).
-    order = {name: i for i, name in enumerate(sorted(saved))}
+    names = sorted(saved)
+    order = {name: i for i, name in enumerate(names)}
     held = torch.zeros(len(order), dtype=torch.uint8)
     held[[order[lp.spec.name] for lp in params]] = 1
     held = held.to(collective_device())
     dist.all_reduce(held, op=dist.ReduceOp.MAX)
-    extra = [name for name, flag in zip(sorted(saved), held.cpu().tolist()) if not flag]
+    extra = [name for name, flag in zip(names, held.cpu().tolist()) if not flag]
     if extra and strict:
         raise UCPError(f"{where}: the checkpoint has parameters the model lacks: {extra[:5]}"
                        f"{' ...' if len(extra) > 5 else ''} ({len(extra)} in all); build the same "

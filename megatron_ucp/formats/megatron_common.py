@@ -7,6 +7,7 @@ another layout, and the optimizer param groups and scheduler state as Megatron-L
 from __future__ import annotations
 
 import argparse
+import functools
 import pickle
 import re
 from collections.abc import Callable
@@ -82,6 +83,7 @@ def holds_checkpoint(path: str | Path, is_iteration: Callable[[Path], bool]) -> 
 TRUST_PICKLE = "--trust-pickle (trust_pickle=True)"
 
 
+@functools.lru_cache(maxsize=1)  # asked for every unpickled object: build it once
 def allowed_globals() -> list:
     """The types a Megatron-LM checkpoint pickles besides tensors and containers: `args`
     (argparse.Namespace holding enums, signal numbers and dtypes) and the numpy RNG state."""
