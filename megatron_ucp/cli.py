@@ -1,4 +1,5 @@
-"""`megatron-ucp` command line: convert, inspect, reshard, verify, diff, import-legacy, import-torch-dist."""
+"""`megatron-ucp` command line: convert, inspect, reshard, verify, diff, import-legacy,
+import-torch-dist, export-hf, import-hf, import-deepspeed."""
 
 from __future__ import annotations
 
@@ -32,6 +33,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="uneven pipeline: layers on the first stage (Megatron-LM targets)")
     p.add_argument("--target-last-stage-layers", type=int, default=None,
                    help="uneven pipeline: layers on the last stage (Megatron-LM targets)")
+    p.add_argument("--target-etp", type=int, default=None,
+                   help="torch_dist target of a MoE model: expert tensor parallel size (default: "
+                   "the source's rule, its own value or TP)")
+    p.add_argument("--target-optim-sharding", choices=["fully_reshardable", "dp_reshardable"],
+                   default=None, help="torch_dist target: the optimizer state's form (default "
+                   "fully_reshardable, loads at any layout; dp_reshardable, Megatron-LM's default, "
+                   "loads at the target TP/PP only)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--trust-pickle", action="store_true", help=TRUST_HELP)
     p = sub.add_parser("verify", help="checksums of every tensor and exact coverage of every parameter")
@@ -49,6 +57,42 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("universal_dir", help="new output directory")
         p.add_argument("--no-progress", action="store_true")
         p.add_argument("--trust-pickle", action="store_true", help=TRUST_HELP)
+    p = sub.add_parser("export-hf", help="any checkpoint -> a Hugging Face transformers model "
+                       "directory (config.json, safetensors shards; no optimizer state)")
+    p.add_argument("src", help="source checkpoint (format detected)")
+    p.add_argument("out", help="new output directory")
+    p.add_argument("--arch", required=True, choices=["llama", "qwen2", "mixtral", "gpt2"])
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                   help="weight dtype (default: the checkpoint's model dtype)")
+    p.add_argument("--max-shard-bytes", type=int, default=5 * 10**9)
+    p.add_argument("--vocab-size", type=int, default=None, help="true vocabulary: embedding rows "
+                   "to keep (default: the checkpoint's record, else all rows)")
+    p.add_argument("--rope-theta", type=float, default=None, help="rotary base (default: the "
+                   "model config's rotary_base, else megatron-core's 10000)")
+    p.add_argument("--activation", choices=["swiglu", "gelu", "openai_gelu"], default=None,
+                   help="the run's MLP activation, which megatron_ucp.save does not record "
+                   "(default: Megatron-LM args, else the import-hf record, else gelu / swiglu)")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--trust-pickle", action="store_true", help=TRUST_HELP)
+    p = sub.add_parser("import-hf", help="a Hugging Face transformers model directory -> universal "
+                       "directory (fp32 master weights, fresh optimizer state)")
+    p.add_argument("hf_dir", help="save_pretrained output: config.json and *.safetensors")
+    p.add_argument("universal_dir", help="new output directory")
+    p.add_argument("--no-progress", action="store_true")
+    p = sub.add_parser("import-deepspeed", help="a DeepSpeed universal checkpoint folder "
+                       "(ds_to_universal output) -> universal directory with its optimizer state "
+                       "(fp32 master weights, Adam moments and step)")
+    p.add_argument("ds_universal_dir", help="ds_to_universal's --output_folder (holds zero/), or the "
+                   "DeepSpeed save directory whose latest_universal names it")
+    p.add_argument("universal_dir", help="new output directory")
+    p.add_argument("--name-map", required=True, metavar="MAP.yaml",
+                   help="the megatron-core model settings and the DeepSpeed -> megatron-core name "
+                   "rules (configs/deepspeed/*.yaml; schema in configs/deepspeed/README.md)")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--trust-pickle", action="store_true",
+                   help="unpickle the zero/*.pt files with the plain unpickler (runs code from the "
+                   "files): only for checkpoints you trust that hold types outside the allowlist "
+                   "(tensors, numbers, flags)")
     args = parser.parse_args(argv)
 
     import logging
@@ -85,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                           progress=progress,
                           first_stage_layers=args.target_first_stage_layers,
                           last_stage_layers=args.target_last_stage_layers, workers=args.workers,
-                          trust_pickle=args.trust_pickle))
+                          optim_sharding=args.target_optim_sharding,
+                          expert_tensor_parallel=args.target_etp, trust_pickle=args.trust_pickle))
         elif args.command == "verify":
             from megatron_ucp.checks import verify
 
@@ -99,6 +144,22 @@ def main(argv: list[str] | None = None) -> int:
 
             convert(args.load_dir, args.universal_dir, progress=progress, fmt=IMPORTS[args.command],
                     trust_pickle=args.trust_pickle)
+        elif args.command == "export-hf":
+            from megatron_ucp.formats.hf import export_hf
+
+            export_hf(args.src, args.out, args.arch, dtype=args.dtype,
+                      max_shard_bytes=args.max_shard_bytes, progress=progress,
+                      vocab_size=args.vocab_size, rope_theta=args.rope_theta,
+                      activation=args.activation, trust_pickle=args.trust_pickle)
+        elif args.command == "import-hf":
+            from megatron_ucp.formats.hf import import_hf
+
+            import_hf(args.hf_dir, args.universal_dir, progress=progress)
+        elif args.command == "import-deepspeed":
+            from megatron_ucp.formats.deepspeed import import_deepspeed
+
+            import_deepspeed(args.ds_universal_dir, args.universal_dir, args.name_map,
+                             trust_pickle=args.trust_pickle, progress=progress)
     except UCPError as e:
         print(f"megatron-ucp: error: {e}", file=sys.stderr)
         return 2

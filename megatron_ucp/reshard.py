@@ -21,7 +21,7 @@ from megatron_ucp.errors import UCPError
 from megatron_ucp.formats import manifest as mf
 from megatron_ucp.layout import Layout
 from megatron_ucp.progress import Progress
-from megatron_ucp.storage import refuse_non_empty
+from megatron_ucp.storage import refuse_non_empty, staged_dir
 from megatron_ucp.validation import check_layout
 
 # --target-format value -> format name
@@ -108,6 +108,7 @@ def reshard(load: str | Path, save: str | Path, target: Layout | None = None,
             target_format: str = "universal", progress: Progress = True, *,
             first_stage_layers: int | None = None,
             last_stage_layers: int | None = None, workers: int = 1,
+            optim_sharding: str | None = None, expert_tensor_parallel: int | None = None,
             trust_pickle: bool = False) -> ReshardSummary:
     """Convert `load` to `target_format` at `target`.
 
@@ -116,16 +117,31 @@ def reshard(load: str | Path, save: str | Path, target: Layout | None = None,
     `fully_reshardable` form (resume with --dist-ckpt-optim-fully-reshardable). Both need a
     Megatron-LM source (its args describe the run). first/last_stage_layers set an uneven pipeline
     split at the target (default: the source's when PP is unchanged, else an even split).
+    optim_sharding: torch_dist only, "fully_reshardable" (default) or "dp_reshardable".
+    expert_tensor_parallel: torch_dist only, the target's expert TP size (MoE). A legacy torch
+    checkpoint cannot hold ETP != TP: only expert-DP rank 0 writes it, so with ETP < TP the TP
+    ranks that share an expert shard write no rank directory.
     workers: processes writing the universal data files (the scratch copy for Megatron targets).
     trust_pickle: load Megatron-LM files with the plain unpickler (see `convert`)."""
     t0 = time.perf_counter()
     if target_format not in TARGET_FORMATS:
         raise UCPError(f"--target-format {target_format}: unknown; choose one of {list(TARGET_FORMATS)}")
     out = Path(save)
+    if optim_sharding is not None and target_format != "torch_dist":
+        raise UCPError(f"--target-optim-sharding applies to --target-format torch_dist only (the "
+                       f"{target_format} form has one optimizer layout)")
+    if expert_tensor_parallel is not None and target_format != "torch_dist":
+        raise UCPError("--target-etp applies to --target-format torch_dist only: a Megatron-LM "
+                       "torch checkpoint is written by expert-data-parallel rank 0 alone, so it "
+                       "cannot hold an expert TP other than TP; the universal form is "
+                       "layout-free (the loading run chooses its ETP)")
     if target_format != "universal":
         kind = formats.detect(load)
+        options = {k: v for k, v in (("sharding", optim_sharding),
+                                     ("expert_tensor_parallel", expert_tensor_parallel)) if v}
         manifest = _reshard_to_megatron(load, out, target, kind, target_format, progress,
-                                        first_stage_layers, last_stage_layers, workers, trust_pickle)
+                                        first_stage_layers, last_stage_layers, workers, trust_pickle,
+                                        options)
     else:
         refuse_non_empty(out)
         source = _open(load, None, progress, trust_pickle)
@@ -133,7 +149,10 @@ def reshard(load: str | Path, save: str | Path, target: Layout | None = None,
         if target is not None:  # before writing anything the target could not use
             check_layout(source.manifest.model, target, str(source.dir))
         if kind == "universal":
-            shutil.copytree(source.dir, out, dirs_exist_ok=True)
+            # staged like every writer: a copy killed half-way must not leave a partial `out`
+            # (it would block the retry and could hold a manifest without its data files)
+            with staged_dir(out) as partial:
+                shutil.copytree(source.dir, partial, dirs_exist_ok=True)
         else:
             formats.get("universal").write(source, out, progress=progress, workers=workers)
         manifest = mf.read(out)
@@ -146,7 +165,7 @@ def reshard(load: str | Path, save: str | Path, target: Layout | None = None,
 
 def _reshard_to_megatron(load, out: Path, target: Layout | None, kind: str, target_format: str,
                          progress: Progress, first: int | None, last: int | None,
-                         workers: int, trust_pickle: bool) -> mf.Manifest:
+                         workers: int, trust_pickle: bool, options: dict) -> mf.Manifest:
     """Megatron-LM -> universal (scratch next to `out`) -> Megatron-LM `target_format` at target."""
     if kind not in MEGATRON_SOURCES:
         raise UCPError(f"{load}: --target-format {target_format} needs a Megatron-LM checkpoint "
@@ -176,7 +195,7 @@ def _reshard_to_megatron(load, out: Path, target: Layout | None, kind: str, targ
         formats.get(TARGET_FORMATS[target_format]).write(
             source, out, target, src["args"], rng_state=rng,
             num_floating_point_operations_so_far=src["num_floating_point_operations_so_far"],
-            first_stage_layers=first, last_stage_layers=last, progress=progress)
+            first_stage_layers=first, last_stage_layers=last, progress=progress, **options)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return source.manifest

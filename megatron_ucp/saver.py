@@ -40,7 +40,7 @@ from megatron_ucp.layout import Layout
 from megatron_ucp.optimizer_state import OptimizerIndex
 from megatron_ucp.param_spec import local_params
 from megatron_ucp.staging import HostStager, collective_device, steps_to_floats
-from megatron_ucp.storage import StagedDir
+from megatron_ucp.storage import StagedDir, file_in_the_way
 from megatron_ucp.validation import model_config
 
 log = logging.getLogger(__name__)
@@ -97,17 +97,22 @@ def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: 
     """
     finalize(blocking=True)  # the previous asynchronous save commits (or raises) first
     t0 = time.perf_counter()
+    root = Path(path)
+    # every rank sees the root (one filesystem), so all raise, before any collective
+    blocker = file_in_the_way(root)
+    if blocker is not None:
+        what = "is a file" if blocker == root else f"is under {blocker}, which is a file"
+        raise UCPError(f"{root}: the save root {what}; pass a directory")
     rank = dist.get_rank()
     layout = Layout.current()
-    root = Path(path)
     target = StagedDir(root / mf.iteration_dir_name(iteration))
     final = target.final
-    if root.exists() and not root.is_dir():  # every rank sees it (one filesystem): all raise
-        raise UCPError(f"{root}: the save root is a file; pass a directory")
     if rank == 0:
         for stale in mf.interrupted_saves(root):  # never loadable; the previous save is finalized
             log.warning("removing %s, left by an interrupted save", stale)
             shutil.rmtree(stale, ignore_errors=True)
+        for tmp in root.glob(f".{mf.LATEST}.tmp*"):  # a process killed while replacing `latest`
+            tmp.unlink(missing_ok=True)
         target.create(replace=True)  # re-saving an iteration replaces it at the commit
     dist.barrier()
 
@@ -230,13 +235,23 @@ def finalize(blocking: bool = True) -> bool:
                     indexed = build_index(merge_specs([g[0] for g in gathered]), [g[1] for g in gathered],
                                           where=f"saving iteration {p.iteration} to {p.staged.final}")
                 _commit(p, indexed, nbytes)
-            except (UCPError, OSError) as e:
+            except UCPError as e:
                 problem = [f"{e}; nothing was committed ({p.root / mf.LATEST} is unchanged)"]
+            except OSError as e:  # disk full at the commit: its OSError names no file; say which
+                landed = p.staged.final.exists() and not p.staged.partial.exists()
+                problem = [f"saving iteration {p.iteration} to {p.staged.final} failed at the commit "
+                           f"({e}); " + (f"{p.staged.final} is complete but " if landed else
+                                         "nothing was committed and ")
+                           + f"{p.root / mf.LATEST} still names the previous checkpoint. Fix the "
+                           "cause (disk space, permissions) and save again"]
         dist.broadcast_object_list(problem, src=0)  # every rank returns after rank 0's commit
     if dist.get_rank() == 0 and (n_failed or problem[0]):
         p.staged.abort()
     if n_failed:
-        mine = f"here: {p.error!r}" if failed else "this rank's file was written"
+        # every rank names every failing rank's cause (ENOSPC on rank 5 must show in rank 0's log)
+        causes = [None] * dist.get_world_size()
+        dist.all_gather_object(causes, f"{type(p.error).__name__}: {p.error}" if failed else None)
+        mine = "; ".join(f"rank {r}: {c}" for r, c in enumerate(causes) if c is not None)
         raise UCPError(f"saving iteration {p.iteration} to {p.staged.final} failed on {n_failed} rank(s) "
                        f"({mine}); nothing was committed and {p.root / mf.LATEST} still names the "
                        "previous checkpoint. Fix the cause (disk space, permissions) and save again"

@@ -10,12 +10,13 @@ shapes lets us stream one tensor at a time instead of holding the whole file in 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
 import struct
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -132,6 +133,7 @@ class Reader:
 
     def __init__(self) -> None:
         self.handles: dict[Path, object] = {}
+        self.checked: set[tuple[Path, str]] = set()  # (file, key) whose header entry `check` passed
         self.bytes_read = 0
 
     def open(self, path: Path):
@@ -149,6 +151,27 @@ class Reader:
 
     def metadata(self, path: Path) -> dict[str, str]:
         return self.open(path).metadata() or {}
+
+    def check(self, path: Path, key: str, dtype: str, shape: tuple[int, ...]) -> None:
+        """Tensor `key`'s header entry says `dtype` (safetensors name) and `shape`, checked once per
+        key before its bytes are used: a header edited to another dtype of the same width or
+        another shape of the same size reads the same bytes, passes the checksum (which covers
+        the bytes only) and would mean other numbers."""
+        if (path, key) in self.checked:
+            return
+        try:
+            view = self.open(path).get_slice(key)
+            got = (view.get_dtype(), tuple(view.get_shape()))
+        except UCPError:
+            raise
+        except Exception as e:
+            raise UCPError(f"{path}: cannot read tensor {key!r} ({e}); the file is truncated "
+                           "or corrupt, restore it or use another iteration") from e
+        if got != (dtype, tuple(shape)):
+            raise UCPError(f"{path}: tensor {key!r} is {got[0]} {list(got[1])} in the file's header, "
+                           f"the checkpoint expects {dtype} {list(shape)}; the file is corrupt or "
+                           "from another checkpoint: restore it or use another iteration")
+        self.checked.add((path, key))
 
     def read(self, path: Path, key: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
         f = self.open(path)
@@ -174,11 +197,15 @@ def write_text_atomic(path: Path, text: str) -> None:
     """Write, fsync, rename over `path`, fsync the directory: readers see the old or the new."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # e.g. a full disk: leave no stray temporary beside `path`
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_path(path.parent)
 
 
@@ -194,8 +221,23 @@ def fsync_tree(root: Path) -> None:
         fsync_path(d)
 
 
+def file_in_the_way(path: Path) -> Path | None:
+    """`path` itself or the nearest existing parent when that is not a directory (the directory
+    `path` cannot be created), else None."""
+    path = Path(path)
+    for p in (path, *path.parents):
+        if p.exists():
+            return None if p.is_dir() else p
+    return None
+
+
 def refuse_non_empty(path: Path) -> None:
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+    """An output directory must be new or empty (and creatable: no file where it or a parent goes)."""
+    blocker = file_in_the_way(path)
+    if blocker is not None:
+        what = "" if blocker == Path(path) else f": its parent {blocker}"
+        raise UCPError(f"{path}{what} is a file, not a directory; choose a new directory")
+    if path.exists() and any(path.iterdir()):
         raise UCPError(f"{path} exists and is not empty; choose a new directory")
 
 
@@ -241,15 +283,25 @@ class StagedDir:
 
 
 @contextlib.contextmanager
-def staged_dir(final: str | Path) -> Iterator[Path]:
+def staged_dir(final: str | Path, check: Callable[[Path], None] | None = None) -> Iterator[Path]:
     """Write a new directory atomically: yields the partial directory to write into; on success
-    every file and the directory are fsynced and it is renamed to `final`; on any error it is
-    removed. A non-empty `final` is refused before anything is written."""
+    `check(partial)` validates what was written (it raises to refuse), every file and the
+    directory are fsynced and it is renamed to `final`; on any error it is removed. A non-empty
+    `final` is refused before anything is written."""
     staged = StagedDir(Path(final))
     partial = staged.create()
     try:
         yield partial
+        if check is not None:
+            check(partial)
         staged.commit()
+    except OSError as e:
+        staged.abort()
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):  # a write's ENOSPC names no file: say where
+            raise UCPError(f"writing {staged.final} failed: {e.strerror} ({e}); nothing was "
+                           f"written (its partial directory {partial} is removed): free space on "
+                           "that filesystem or choose another directory, then retry") from e
+        raise
     except BaseException:
         staged.abort()
         raise

@@ -6,10 +6,15 @@
 (2) Another layout: torch_dist at the target -> universal again equals the first universal bitwise;
     only args and the rng shards depend on the target.
 (3) A legacy (`--ckpt-format torch`) source through reshard(target_format="torch_dist").
+(4) dp_reshardable targets (Megatron-LM's default): at the same layout every flat bucket equals
+    Megatron-LM's own save at every parameter element; at other layouts back to universal bitwise.
+(5) MoE targets (fully_reshardable): bitwise equal to Megatron-LM's own MoE save; EP4 and TP2 EP2
+    ETP1 targets back to universal bitwise.
+(6) Every export is read back before its commit.
 
-Not covered (cannot run here): loading with Megatron-LM's own training loader (Megatron-LM is not
-installed in CI), and megatron-core 0.16.1's fully_reshardable optimizer load, which raises
-KeyError('step') with torch AdamW (the local fallback when Apex/TE are absent; upstream bug).
+Stock Megatron-LM resuming these files is measured by tools/mlm_resume/resume_table.py (needs a
+Megatron-LM checkout, so not in CI); megatron-core 0.16.1's own fully_reshardable optimizer load
+raises KeyError('step') with torch AdamW (the local fallback when Apex/TE are absent; upstream).
 """
 
 from __future__ import annotations
@@ -160,3 +165,177 @@ def test_reshard_torch_dist_refusals(universal, tmp_path):
                 progress=False)
     with pytest.raises(UCPError, match="target layout"):
         reshard(FULLY, tmp_path / "y", None, target_format="torch_dist", progress=False)
+
+
+# ---- dp_reshardable targets (Megatron-LM's default optimizer form) -----------------------------
+
+DP_RESHARDABLE = FIXTURES / "torch_dist_tp2_dp2" / "ckpt"
+
+
+def parameter_ranges(ckpt: Path) -> dict[str, torch.Tensor]:
+    """flat bucket key -> mask of the elements that belong to a parameter (the 64-alignment gaps
+    of a Megatron-written bucket hold uninitialised memory), from megatron-core's DDP rebuilt at
+    each model-parallel rank of the checkpoint's layout (every parameter, replicas included)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_ucp.formats.megatron_dist.layout import bucket_key
+    from megatron_ucp.formats.megatron_rebuild import build_chunks, source_rank, wrap_ddp
+
+    args = torch_dist_source_fields(ckpt)["args"]
+    masks: dict[str, torch.Tensor] = {}
+    for rank in range(args.tensor_model_parallel_size):  # TP ranks at DP rank 0 (PP1 here)
+        with source_rank(args, rank):
+            mp = ps.get_model_parallel_group().rank()
+            for g, buf in enumerate(b for c in wrap_ddp(build_chunks(args), args) for b in c.buffers):
+                for start, end, b in buf.param_index_map.values():
+                    key = bucket_key(mp, g, (buf.param_dtype, buf.grad_dtype), b)
+                    m = masks.setdefault(key, torch.zeros(buf.buckets[b].numel_unpadded, dtype=torch.bool,
+                                                          device="cpu"))
+                    m[start - buf.buckets[b].offset:end - buf.buckets[b].offset] = True
+    return masks
+
+
+def test_dp_reshardable_same_layout_matches_megatron_lm(tmp_path):
+    """Megatron-LM's own dp_reshardable save (TP2 DP2) -> universal -> dp_reshardable at TP2 DP2:
+    the same keys, model tensors bitwise, every bucket bitwise at every parameter element (zeros
+    in the gaps), the same per-bucket sizes, param groups (step 6) and common.pt."""
+    f = torch_dist_source_fields(DP_RESHARDABLE)
+    s = reshard(DP_RESHARDABLE, tmp_path / "out", f["layout"], target_format="torch_dist",
+                optim_sharding="dp_reshardable", progress=False)
+    out = s.output
+    a, b = DistReader(resolve_iter_dir(DP_RESHARDABLE)), DistReader(resolve_iter_dir(out))
+    assert set(a.meta) == set(b.meta)
+    masks = parameter_ranges(DP_RESHARDABLE)
+    assert len(masks) == 2 and all(m.sum() > 0 for m in masks.values())  # one bucket per TP rank
+    for k in sorted(a.tensor_keys()):
+        ta, tb = a.tensor(k), b.tensor(k)
+        bucket = k.rsplit(".", 1)[0]
+        if bucket in masks:
+            m = masks[bucket]
+            assert ta.dtype == tb.dtype and ta.shape == tb.shape, k
+            assert torch.equal(ta[m], tb[m]), k
+            assert not tb[~m].any(), k  # our gaps are zero
+        else:
+            assert_same(ta, tb, k)
+    for k in sorted(set(a.meta) - set(a.tensor_keys())):  # per-bucket sizes, param groups, rng
+        assert_same(a.obj(k), b.obj(k), k)
+    ca, cb = common(DP_RESHARDABLE), common(out)
+    args_a, args_b = vars(ca.pop("args")), vars(cb.pop("args"))
+    assert args_b["dist_ckpt_optim_fully_reshardable"] is False
+    assert {k: v for k, v in args_b.items() if k not in ("save", "load")} == \
+        {k: v for k, v in args_a.items() if k not in ("save", "load")}
+    assert_same(ca, cb, "common.pt")
+
+
+@pytest.mark.parametrize("target, first", [("tp1pp2dp1", 2), ("tp1pp1dp2", None)])
+def test_dp_reshardable_other_layout_back_to_universal_is_bitwise(target, first, tmp_path):
+    u1 = convert_torch_dist(DP_RESHARDABLE, tmp_path / "u1", progress=False)
+    lay = Layout.parse(target)
+    reshard(DP_RESHARDABLE, tmp_path / "out", lay, target_format="torch_dist",
+            optim_sharding="dp_reshardable", first_stage_layers=first, progress=False)
+    c = common(tmp_path / "out")
+    assert c["content_metadata"]["distrib_optim_sharding_type"] == "dp_reshardable"
+    assert c["optimizer"] == {"param_state_sharding_type": "dp_reshardable"}
+    again = convert_torch_dist(tmp_path / "out", tmp_path / "u2", progress=False)
+    assert_same_universal(u1, again, lay)
+
+
+def test_optim_sharding_only_for_torch_dist(tmp_path):
+    with pytest.raises(UCPError, match="--target-optim-sharding applies to --target-format torch_dist"):
+        reshard(DP_RESHARDABLE, tmp_path / "x", Layout(dp=2), target_format="torch",
+                optim_sharding="dp_reshardable", progress=False)
+    with pytest.raises(UCPError, match="choose one of"):
+        reshard(DP_RESHARDABLE, tmp_path / "y", Layout(dp=2), target_format="torch_dist",
+                optim_sharding="fully_sharded_model_space", progress=False)
+    assert not (tmp_path / "y").exists()
+
+
+# ---- validated before commit -------------------------------------------------------------------
+
+def test_torch_dist_export_is_validated_before_commit(tmp_path, monkeypatch):
+    """A writer that loses a tensor (here: dcp.save drops one model tensor) is caught by reading
+    the written checkpoint back before the commit: a UCPError, no output, no partial dir."""
+    import torch.distributed.checkpoint as dcp
+
+    real_save = dcp.save
+
+    def lossy_save(state_dict, **kw):
+        state_dict.pop("decoder.final_layernorm.weight")
+        return real_save(state_dict, **kw)
+
+    monkeypatch.setattr(dcp, "save", lossy_save)
+    with pytest.raises(UCPError, match="decoder.final_layernorm.weight") as ei:
+        reshard(DP_RESHARDABLE, tmp_path / "out", Layout(dp=2), target_format="torch_dist",
+                progress=False)
+    assert "checkpoint has no such tensor" in str(ei.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+# ---- MoE targets (fully_reshardable, chained dense + expert optimizers) -------------------------
+
+MOE_DIST = FIXTURES / "torch_dist_moe_ep2_fully" / "ckpt"  # written by Megatron-LM (EP2, DP2)
+MOE_LEGACY = FIXTURES / "torch_moe_ep2" / "ckpt"
+
+
+def test_moe_same_layout_round_trip_matches_megatron_lm(tmp_path):
+    """Megatron-LM's own MoE torch_dist save -> universal -> torch_dist at EP2 DP2: the same keys,
+    every tensor (experts stacked [layers, experts, ...]) and object bitwise, and common.pt with
+    the ChainedOptimizer's {0: dense, 1: expert} param groups."""
+    f = torch_dist_source_fields(MOE_DIST)
+    out = reshard(MOE_DIST, tmp_path / "out", f["layout"], target_format="torch_dist",
+                  progress=False).output
+    a, b = DistReader(resolve_iter_dir(MOE_DIST)), DistReader(resolve_iter_dir(out))
+    assert set(a.meta) == set(b.meta)
+    assert any(k.startswith("rng_state/shard_0.0.1_1.1.2") for k in a.meta)
+    for k in sorted(a.tensor_keys()):
+        assert_same(a.tensor(k), b.tensor(k), k)
+    for k in sorted(set(a.meta) - set(a.tensor_keys())):
+        if k.startswith("rng_state/"):  # one rank's generators for every shard (layout may change)
+            continue
+        assert_same(a.obj(k), b.obj(k), k)
+    ca, cb = common(MOE_DIST), common(out)
+    ca.pop("args"), cb.pop("args")
+    assert_same(ca, cb, "common.pt")
+    groups = [g for i in (0, 1) for g in cb["optimizer"][i]["optimizer"]["param_groups"]]
+    assert [g["is_expert_parallel"] for g in groups] == [False, False, True, True]
+
+
+def test_moe_legacy_and_torch_dist_sources_agree(tmp_path):
+    """The two readers on one run saved in both forms give the same parameter set and shapes
+    (values differ in the last bits: two runs), and a legacy MoE source exported to torch_dist at
+    EP4 and at TP2 EP2 ETP1 converts back to the same universal tensors bitwise."""
+    u_legacy = convert_legacy(MOE_LEGACY, tmp_path / "ul", progress=False)
+    u_dist = convert_torch_dist(MOE_DIST, tmp_path / "ud", progress=False)
+    ml, tl = universal_tensors(u_legacy)
+    md, td = universal_tensors(u_dist)
+    assert tl.keys() == td.keys() and all(tl[k].shape == td[k].shape for k in tl)
+    assert max((tl[k] - td[k]).abs().max().item() for k in tl) < 1e-2
+    for lay, etp in ((Layout(tp=1, ep=4, dp=4), None), (Layout(tp=2, ep=2, dp=1), 1)):
+        out = tmp_path / f"out_{lay}"
+        reshard(MOE_LEGACY, out, lay, target_format="torch_dist", expert_tensor_parallel=etp,
+                progress=False)
+        args = common(out)["args"]
+        assert (args.tensor_model_parallel_size, args.expert_model_parallel_size,
+                args.expert_tensor_parallel_size, args.data_parallel_size) == \
+            (lay.tp, lay.ep, etp or lay.tp, lay.dp)
+        rng = sorted(k for k in DistReader(resolve_iter_dir(out)).meta if k.startswith("rng_state/"))
+        assert rng == sorted(f"rng_state/shard_0.{t}.{d}_1.{lay.tp}.{lay.dp}"
+                             for t in range(lay.tp) for d in range(lay.dp))
+        again = convert_torch_dist(out, tmp_path / f"u_{lay}", progress=False)
+        assert_same_universal(u_legacy, again, lay)
+
+
+def test_moe_and_etp_refusals(tmp_path):
+    with pytest.raises(UCPError, match="dp_reshardable torch_dist export supports dense GPT models"):
+        reshard(MOE_LEGACY, tmp_path / "a", Layout(ep=2, dp=2), target_format="torch_dist",
+                optim_sharding="dp_reshardable", progress=False)
+    with pytest.raises(UCPError, match="expert-data-parallel rank 0 alone"):
+        reshard(MOE_LEGACY, tmp_path / "b", Layout(tp=2, ep=2), target_format="torch",
+                expert_tensor_parallel=1, progress=False)
+    with pytest.raises(UCPError, match="the model has no experts"):
+        reshard(DP_RESHARDABLE, tmp_path / "c", Layout(tp=2), target_format="torch_dist",
+                expert_tensor_parallel=1, progress=False)
+    with pytest.raises(UCPError, match="do not split into ETP x EP"):
+        reshard(MOE_LEGACY, tmp_path / "d", Layout(tp=2, ep=2), target_format="torch_dist",
+                expert_tensor_parallel=4, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

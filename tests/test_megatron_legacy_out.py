@@ -318,3 +318,62 @@ def test_torch_dist_to_legacy_at_another_layout(tmp_path):
     assert all(r["iteration"] == 6 and r["num_steps"] == 28 for r in res), res
     assert all(math.isfinite(r["loss"]) and r["loss"] < 6.0 for r in res), res
     assert_dumps_hold(tmp_path / "dump", m1, t1, None)
+
+
+# ---- every conversion is validated before its commit -------------------------------------------
+
+def test_legacy_export_is_validated_before_commit(tmp_path, monkeypatch):
+    """A legacy writer that loses a model tensor is caught by reading the written checkpoint back
+    before the commit: a UCPError naming the tensor, no output directory, no partial left."""
+    import megatron_ucp.formats.megatron_legacy.writer as legacy_writer
+
+    target_files = legacy_writer._target_files
+
+    def lossy(t, source, model_keys):
+        models, optim = target_files(t, source, model_keys)
+        models[0].pop("decoder.final_layernorm.bias", None)
+        return models, optim
+
+    monkeypatch.setattr(legacy_writer, "_target_files", lossy)
+    with pytest.raises(UCPError, match="final_layernorm.bias"):
+        reshard(FIXTURES / "torch_dp2" / "ckpt", tmp_path / "out", Layout(tp=2),
+                target_format="torch", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("fault", ["drop_param", "stray_tensor", "wrong_step"])
+def test_universal_conversion_is_validated_before_commit(fault, tmp_path, monkeypatch):
+    """convert checks what it wrote before renaming it into place: a parameter missing from the
+    manifest, a data-file tensor no manifest entry names, a step that is not the source's."""
+    import megatron_ucp.formats.universal.writer as universal_writer
+    from megatron_ucp.storage import write_tensors
+
+    write_params, param_entry = universal_writer.write_params, universal_writer.ParamEntry
+    write_manifest = universal_writer.mf.write
+
+    def lossy_manifest(out_dir, manifest):
+        manifest.params.pop("decoder.final_layernorm.bias")
+        return write_manifest(out_dir, manifest)
+
+    def faulty_write_params(out_dir, params, read_full, *a, **k):
+        entries = write_params(out_dir, params, read_full, *a, **k)
+        if fault == "stray_tensor":
+            write_tensors(out_dir / "params_00000.safetensors",
+                          {**{f"{n}/{s}": read_full(n, s) for n in params for s in entries[n]},
+                           "stray/param": torch.zeros(3)}, {})
+        return entries
+
+    def faulty_entry(spec, step, **k):
+        return param_entry(spec, step + 1, **k)
+
+    monkeypatch.setattr(universal_writer, "write_params", faulty_write_params)
+    if fault == "drop_param":
+        monkeypatch.setattr(universal_writer.mf, "write", lossy_manifest)
+    if fault == "wrong_step":
+        monkeypatch.setattr(universal_writer, "ParamEntry", faulty_entry)
+    with pytest.raises(UCPError, match="nothing was committed") as ei:
+        convert_legacy(FIXTURES / "torch_dp2" / "ckpt", tmp_path / "u", progress=False)
+    assert {"drop_param": "lacks parameter(s) ['decoder.final_layernorm.bias']",
+            "stray_tensor": "holds tensor(s) ['stray/param']",
+            "wrong_step": "at Adam step 7.0, the source at 6.0"}[fault] in str(ei.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -27,6 +27,8 @@ FORMATS = {
     "universal": "megatron_ucp.formats.universal",
     "megatron_torch": "megatron_ucp.formats.megatron_legacy",
     "megatron_torch_dist": "megatron_ucp.formats.megatron_dist",
+    "hf": "megatron_ucp.formats.hf",  # Hugging Face transformers model directories
+    "deepspeed": "megatron_ucp.formats.deepspeed",  # DeepSpeed universal folders (with a name map)
 }
 
 
@@ -46,6 +48,10 @@ def detect(path: str | Path) -> str:
     for name in FORMATS:
         if name not in OWN and get(name).detect(Path(path)):
             return name
+    from megatron_ucp.formats.megatron_common import TRACKER, resolve_iteration
+
+    if (Path(path) / TRACKER).exists():  # a Megatron-LM save root whose tracker names no checkpoint:
+        resolve_iteration(path, lambda _: False, "Megatron-LM")  # raises, saying what it names
     try:
         mf.resolve(path)  # says what is wrong with a megatron-ucp path (no `latest`, a .partial, ...)
     except mf.NotACheckpoint as e:

@@ -208,6 +208,9 @@ class ParamEntry:
                 entry.tensors[s] = TensorEntry(check.name(t["file"], f"{path}.tensors.{s}.file"),
                                                check.typed(t["key"], f"{path}.tensors.{s}.key", str),
                                                check.typed(t["crc32"], f"{path}.tensors.{s}.crc32", int))
+                if t["key"] != f"{spec.name}/{s}":  # the key names the tensor: no other's bytes
+                    raise check.fail(f"{path}.tensors.{s}.key", f"{t['key']!r} is not "
+                                     f"'{spec.name}/{s}'")
         if "slices" in d:
             entry.slices = [_slice_from_json(s, n_files, check, f"{path}.slices[{i}]", spec.name)
                             for i, s in enumerate(check.typed(d["slices"], f"{path}.slices", list))]
@@ -327,7 +330,9 @@ class Manifest:
     def from_json(cls, d, where: str) -> Manifest:
         check = _Check(where)
         if not isinstance(d, dict) or d.get("format") != FORMAT:
-            raise UCPError(f"{where}: not a {FORMAT} manifest")
+            found = d.get("format") if isinstance(d, dict) else type(d).__name__
+            raise UCPError(f"{where}: not a {FORMAT} manifest (format {found!r}); restore the file "
+                           "or pass a checkpoint written by megatron_ucp.save or `megatron-ucp convert`")
         version = check.typed(d.get("version"), "version", int)
         if version > VERSION:
             raise UCPError(f"{where}: format version {version} is newer than this megatron-ucp "
@@ -335,7 +340,9 @@ class Manifest:
         if version < 1:
             raise check.fail("version", f"{version} is not a format version")
         if d.get("kind") not in KINDS:
-            raise UCPError(f"{where}: unknown checkpoint kind {d.get('kind')!r}")
+            raise UCPError(f"{where}: unknown checkpoint kind {d.get('kind')!r} (expected one of "
+                           f"{list(KINDS)}); the manifest is damaged: restore it or load another "
+                           "iteration")
         kind = d["kind"]
         check.obj(d, "manifest", _REQUIRED, _OPTIONAL[kind])
         layout = check.obj(d["layout"], "layout", (), tuple(f.name for f in
@@ -344,11 +351,18 @@ class Manifest:
             check.typed(v, f"layout.{k}", int, none=k == "vpp")
             if v is not None and v < 1:
                 raise check.fail(f"layout.{k}", f"{v} is not a parallel size")
+        world = check.typed(d["layout_world_size"], "layout_world_size", int)
+        sizes = Layout(**layout)
+        if sizes.world_size != world:  # rank files and RNG states are found by saving rank
+            raise check.fail("layout", f"{sizes} is {sizes.world_size} ranks but layout_world_size "
+                             f"is {world}")
         files = d.get("files")
         if files is not None:
             for i, f in enumerate(check.typed(files, "files", list)):
                 check.name(f, f"files[{i}]")
-        n_files = len(files) if files is not None else 0
+            if len(files) != world:
+                raise check.fail("files", f"{len(files)} rank files for layout_world_size {world}")
+        n_files = len(files) if files is not None else world  # default: rank_XXXXX per rank
         params = {}
         for name, p in check.typed(d["params"], "params", dict).items():
             entry = ParamEntry.from_json(p, kind, n_files, check, f"params[{name!r}]")
@@ -358,8 +372,7 @@ class Manifest:
         optimizer = check.obj(d["optimizer"], "optimizer", ("param_groups",), ("grad_scaler",))
         for i, g in enumerate(check.typed(optimizer["param_groups"], "optimizer.param_groups", list)):
             check.typed(g, f"optimizer.param_groups[{i}]", dict)
-        return cls(kind, check.typed(d["iteration"], "iteration", int), Layout(**layout),
-                   check.typed(d["layout_world_size"], "layout_world_size", int),
+        return cls(kind, check.typed(d["iteration"], "iteration", int), sizes, world,
                    check.typed(d["model"], "model", dict), params, optimizer,
                    check.typed(d["scheduler"], "scheduler", dict, none=True),
                    check.typed(d["extra"], "extra", dict), check.typed(d["seed"], "seed", int),
@@ -381,7 +394,17 @@ def resolve(path: str | Path) -> Path:
     if (path / MANIFEST).exists():
         return path
     if (path / LATEST).exists():
-        target = path / (path / LATEST).read_text().strip()
+        try:
+            name = (path / LATEST).read_text().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UCPError(f"{path / LATEST}: cannot read it ({e}); write the name of a complete "
+                           f"checkpoint into it or pass one directly ({_complete(path)})") from e
+        # a plain directory name: `latest` never sends a load outside its save root
+        if not name or "/" in name or "\\" in name or name in (".", ".."):
+            raise UCPError(f"{path / LATEST} says {name!r}, which is not the name of a checkpoint "
+                           "directory in this save root; write the name of a complete checkpoint "
+                           f"into it or pass one directly ({_complete(path)})")
+        target = path / name
         if not (target / MANIFEST).exists():
             why = ("does not exist" if not target.exists()
                    else f"has no {MANIFEST} (its save did not complete)")

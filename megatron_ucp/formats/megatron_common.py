@@ -35,7 +35,11 @@ def tracked_iteration(root: Path) -> tuple[Path, int] | None:
     tracker = root / TRACKER
     if not tracker.exists():
         return None
-    text = tracker.read_text().strip()
+    try:
+        text = tracker.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UCPError(f"{tracker}: cannot read it ({e}); pass the iter_XXXXXXX directory to "
+                       "convert instead") from e
     if text == RELEASE:
         return root / RELEASE, 0
     if not text.isdigit():
@@ -106,9 +110,15 @@ def allowed_globals() -> list:
     return [argparse.Namespace, signal.Signals, _reconstruct, np.ndarray, np.dtype, *dtypes, *enums]
 
 
-def unpickle(load: Callable[[bool], Any], where: Path | str, trust_pickle: bool) -> Any:
+MEGATRON_HOLDS = ("a Megatron-LM checkpoint holds (tensors, argparse.Namespace, Megatron enums, "
+                  "numpy RNG state)")
+
+
+def unpickle(load: Callable[[bool], Any], where: Path | str, trust_pickle: bool,
+             holds: str = MEGATRON_HOLDS) -> Any:
     """`load(weights_only)` with torch's restricted unpickler and `allowed_globals()`: anything
-    else is refused, naming the type, unless the caller trusts the file (then plain pickle)."""
+    else is refused, naming the type, unless the caller trusts the file (then plain pickle).
+    `holds` says, in the refusal, what the format's files are expected to hold."""
     if trust_pickle:
         return load(False)
     try:
@@ -117,13 +127,12 @@ def unpickle(load: Callable[[bool], Any], where: Path | str, trust_pickle: bool)
     except pickle.UnpicklingError as e:
         found = re.search(r"GLOBAL ([\w.]+)", str(e))
         what = found.group(1) if found else "an object of a type outside the allowlist"
-        raise UCPError(f"{where}: refusing to unpickle {what}: it is none of the types a Megatron-LM "
-                       "checkpoint holds (tensors, argparse.Namespace, Megatron enums, numpy RNG "
-                       "state), and unpickling it could run code from the file. If you trust this "
+        raise UCPError(f"{where}: refusing to unpickle {what}: it is none of the types {holds}, "
+                       "and unpickling it could run code from the file. If you trust this "
                        f"checkpoint, pass {TRUST_PICKLE}") from None
 
 
-def torch_load(path: Path, what: str, trust_pickle: bool = False) -> Any:
+def torch_load(path: Path, what: str, trust_pickle: bool = False, holds: str = MEGATRON_HOLDS) -> Any:
     """torch.load on CPU, memory-mapped so a large checkpoint is not read into RAM at once, with
     the restricted unpickler (`unpickle`)."""
     if not path.exists():
@@ -138,7 +147,7 @@ def torch_load(path: Path, what: str, trust_pickle: bool = False) -> Any:
             return torch.load(path, map_location="cpu", weights_only=weights_only)  # non-zip format
 
     try:
-        return unpickle(load, path, trust_pickle)
+        return unpickle(load, path, trust_pickle, holds)
     except UCPError:
         raise
     except ModuleNotFoundError as e:
@@ -213,8 +222,12 @@ def writer_ranks(args) -> dict[str, int]:
     return out
 
 
-def rng_shard_key(pp_rank: int, tp_rank: int, pp: int, tp: int) -> str:
-    """The torch_dist key of one (PP, TP) rank's rng_state ShardedObject."""
+def rng_shard_key(pp_rank: int, tp_rank: int, pp: int, tp: int,
+                  dp: tuple[int, int] | None = None) -> str:
+    """The torch_dist key of one (PP, TP) rank's rng_state ShardedObject; with expert parallelism
+    Megatron-LM shards it by (PP, TP, DP): dp = (DP rank, DP size)."""
+    if dp is not None:
+        return f"rng_state/shard_{pp_rank}.{tp_rank}.{dp[0]}_{pp}.{tp}.{dp[1]}"
     return f"rng_state/shard_{pp_rank}.{tp_rank}_{pp}.{tp}"
 
 
@@ -243,11 +256,14 @@ def check_supported(args, where: Path | str) -> None:
 
 
 def target_args(template, target: Layout, first_stage_layers: int | None = None,
-                last_stage_layers: int | None = None, consumed_samples: int | None = None):
+                last_stage_layers: int | None = None, consumed_samples: int | None = None,
+                expert_tensor_parallel: int | None = None):
     """A copy of the template `args` (e.g. the source checkpoint's) describing the same model
     trained at `target`: every layout-dependent setting is set to the target, the uneven
     pipeline split is reset unless given, the padded vocabulary is rounded up to the target's
-    multiple (make_vocab_size_divisible_by x TP) as Megatron-LM pads it at start-up."""
+    multiple (make_vocab_size_divisible_by x TP) as Megatron-LM pads it at start-up.
+    expert_tensor_parallel: the target's expert TP size (default: the source's rule, its own
+    value or TP)."""
     a = argparse.Namespace(**vars(template))
     vpp = target.vpp or None
     a.tensor_model_parallel_size = target.tp
@@ -255,7 +271,15 @@ def target_args(template, target: Layout, first_stage_layers: int | None = None,
     a.transformer_pipeline_model_parallel_size = target.pp
     a.context_parallel_size = target.cp
     a.expert_model_parallel_size = target.ep
-    if getattr(template, "expert_tensor_parallel_size", None) in (None, template.tensor_model_parallel_size):
+    if expert_tensor_parallel is not None:
+        if not getattr(template, "num_experts", None):
+            raise UCPError(f"--target-etp {expert_tensor_parallel}: the model has no experts")
+        if target.world_size % (expert_tensor_parallel * target.ep * target.pp):
+            raise UCPError(f"--target-etp {expert_tensor_parallel}: the target's {target.world_size} "
+                           f"ranks do not split into ETP x EP {target.ep} x PP {target.pp} groups")
+        a.expert_tensor_parallel_size = expert_tensor_parallel
+    elif getattr(template, "expert_tensor_parallel_size", None) in (
+            None, template.tensor_model_parallel_size):
         a.expert_tensor_parallel_size = target.tp
     a.data_parallel_size = target.dp
     a.world_size = target.world_size
@@ -282,7 +306,8 @@ def target_args(template, target: Layout, first_stage_layers: int | None = None,
 
 
 def prepare_export(fmt: str, source, save_dir: str | Path, target: Layout, args_template,
-                   first_stage_layers: int | None, last_stage_layers: int | None):
+                   first_stage_layers: int | None, last_stage_layers: int | None,
+                   expert_tensor_parallel: int | None = None):
     """Checks and inputs shared by the Megatron-LM writers: args to describe the run, a new output
     directory, a target layout that can hold the model (a live process group is refused by the
     rebuild, `megatron_rebuild.source_rank`). Returns (target args, output path)."""
@@ -294,7 +319,7 @@ def prepare_export(fmt: str, source, save_dir: str | Path, target: Layout, args_
     refuse_non_empty(out)
     manifest = source.manifest
     args = target_args(args_template, target, first_stage_layers, last_stage_layers,
-                       manifest.extra.get("consumed_samples"))
+                       manifest.extra.get("consumed_samples"), expert_tensor_parallel)
     check_supported(args, "args template")
     check_layout({**manifest.model, "num_layers_in_first_pipeline_stage": first_stage_layers,
                   "num_layers_in_last_pipeline_stage": last_stage_layers}, target, str(source.dir))
@@ -309,6 +334,29 @@ def single_step(source) -> float:
                        f"{sorted(steps)}; a Megatron-LM checkpoint keeps one step per param group "
                        "and cannot hold them")
     return float(steps.pop())
+
+
+def check_export(out: Path, source, open_written: Callable[[Path], Any]) -> None:
+    """Before a Megatron-LM export is committed: it opens with its own reader (which checks that
+    the flat buffers or stacked tensors cover every element of every parameter once), and holds
+    exactly the source's parameters, at their shapes (vocab rows padded up) and Adam step."""
+    def refuse(what: str) -> UCPError:
+        return UCPError(f"{out}: internal error, the written checkpoint {what}; nothing was "
+                        "committed. Please report it with the source checkpoint's manifest")
+
+    written = open_written(out)
+    have, want = written.manifest.params, source.manifest.params
+    missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
+    if missing or extra:
+        raise refuse(f"lacks parameter(s) {missing[:3]} / has unexpected {extra[:3]}")
+    step = single_step(source)
+    for name, p in want.items():
+        got = have[name].shape
+        padded = p.spec.vocab_rows and got[1:] == p.shape[1:] and got[0] >= p.shape[0]
+        if got != p.shape and not padded:
+            raise refuse(f"has {name!r} at shape {list(got)}, the source at {list(p.shape)}")
+        if not p.spec.buffer and written.step(name) != step:
+            raise refuse(f"has {name!r} at Adam step {written.step(name)}, the source at {step}")
 
 
 # ------------------------------------------------------ optimizer param groups and scheduler

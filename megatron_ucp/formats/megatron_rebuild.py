@@ -12,7 +12,8 @@ Usage:
     with source_rank(args, rank):
         chunks = wrap_ddp(build_chunks(args), args)   # or build_chunks(args) for specs only
 
-`single_rank_args(args)` gives the same run at TP1/PP1 on one rank (for universal parameter specs).
+`single_rank_args(args)` gives the same run at TP1/PP1 on one rank (for universal parameter specs);
+`megatron_specs(args)` reads those specs off the rebuilt model (the HF and DeepSpeed importers).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import torch.nn.functional as F
 
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.megatron_common import layout, rank_order, world
+from megatron_ucp.param_spec import local_params
+from megatron_ucp.spec import ParamSpec
 from megatron_ucp.validation import model_config as config_of
 
 # TransformerConfig settings for the rebuild. The fusions change nothing about parameter names,
@@ -274,3 +277,20 @@ def model_config(chunks: list, args) -> dict:
             cfg[k] = getattr(args, k)
     cfg["unpadded_vocab_size"] = None
     return cfg
+
+
+def megatron_specs(args: argparse.Namespace) -> tuple[dict[str, ParamSpec], dict]:
+    """(universal name -> spec, in the model's order; the manifest model config) of the model
+    that Megatron-LM style `args` (one rank, TP1/PP1) describe.
+
+    Why: an imported checkpoint (Hugging Face, DeepSpeed) must describe each tensor exactly as a
+    megatron-core run of that model would (TP split dims, SwiGLU blocks, vocab rows, names), or
+    `megatron_ucp.load` refuses it. So the specs are not written by hand: the model is built whole
+    on one rank, on a fake process group with meta tensors, and `param_spec` reads them off it.
+    """
+    with source_rank(args, 0):
+        chunks = build_chunks(args)
+        specs = {lp.spec.name: lp.spec for lp in local_params(chunks) if lp.canonical}
+        cfg = model_config(chunks, args)
+        del chunks
+    return specs, cfg

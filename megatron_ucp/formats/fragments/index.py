@@ -71,10 +71,12 @@ def build_index(specs: dict[str, dict], records_per_file: list[list[Record]],
 
 
 def check_tiling(where: str, name: str, shape: tuple[int, ...] | list[int], entries: list[SliceEntry],
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, advice: str | None = None) -> None:
     """Every element of the tensor is saved exactly once: fragments tile each saved slice and the
     slices' pieces tile the universal tensor (overlap=False: only the volume, for a load that
-    trusts the index its save checked)."""
+    trusts the index its save checked). advice: what a reader of a committed checkpoint should
+    do, in place of the hints for a save."""
+    incomplete = advice or "the checkpoint is incomplete"
     pieces = []
     for e in entries:
         pos, owners = 0, []
@@ -84,24 +86,30 @@ def check_tiling(where: str, name: str, shape: tuple[int, ...] | list[int], entr
                 raise UCPError(
                     f"{where}: parameter {name}: elements [{min(pos, f.start)}, {max(pos, f.start)}) "
                     f"of a saved slice are saved {what} (ranks {owners[-1:] + [f.file]}); "
-                    + ("two ranks hold the same part of the model: is the model built for this "
-                       "layout (TransformerConfig.pipeline_model_parallel_size and friends)?"
-                       if f.start < pos else "the checkpoint is incomplete"))
+                    + (advice or "two ranks hold the same part of the model: is the model built "
+                       "for this layout (TransformerConfig.pipeline_model_parallel_size and friends)?"
+                       if f.start < pos else incomplete))
             pos = f.end
             owners.append(f.file)
         if pos != math.prod(e.local_shape):
             raise UCPError(f"{where}: parameter {name}: a saved slice ends at element {pos} of "
-                           f"{math.prod(e.local_shape)}; the checkpoint is incomplete")
+                           f"{math.prod(e.local_shape)}; {incomplete}")
         pieces += [(p, owners) for p in e.pieces]
     if overlap:
-        _check_no_overlap(where, name, shape, pieces)
+        for p, owners in pieces:  # a box outside the tensor would make up for a gap inside it
+            if len(p.offset) != len(shape) or any(o + n > d for o, n, d in zip(p.offset, p.shape, shape)):
+                raise UCPError(f"{where}: parameter {name}: ranks {sorted(set(owners))} saved a slice "
+                               f"at {list(p.offset)} of shape {list(p.shape)}, outside the tensor's "
+                               f"shape {list(shape)}; {incomplete}")
+        _check_no_overlap(where, name, shape, pieces, advice)
     covered = sum(p.numel for p, _ in pieces)
     if covered != math.prod(shape):
         raise UCPError(f"{where}: parameter {name}: saved slices cover {covered} of "
-                       f"{math.prod(shape)} elements; the checkpoint is incomplete")
+                       f"{math.prod(shape)} elements; {incomplete}")
 
 
-def _check_no_overlap(where: str, name: str, shape, pieces: list[tuple[Piece, list[int]]]) -> None:
+def _check_no_overlap(where: str, name: str, shape, pieces: list[tuple[Piece, list[int]]],
+                      advice: str | None = None) -> None:
     # sweep along the dim the slices are spread over: only boxes that meet on it can overlap
     d = max(range(len(shape)), key=lambda k: len({p.offset[k] for p, _ in pieces})) if shape else 0
     pieces = sorted(pieces, key=lambda x: x[0].offset[d] if shape else 0)
@@ -113,6 +121,6 @@ def _check_no_overlap(where: str, name: str, shape, pieces: list[tuple[Piece, li
                    for x, n, y, m in zip(a.offset, a.shape, b.offset, b.shape)):
                 raise UCPError(
                     f"{where}: parameter {name}: ranks {sorted(set(ranks_a))} and {sorted(set(ranks_b))} "
-                    f"saved overlapping slices at {list(a.offset)} and {list(b.offset)}; two ranks "
-                    "hold the same part of the model: is the model built for this layout "
-                    "(TransformerConfig.pipeline_model_parallel_size and friends)?")
+                    f"saved overlapping slices at {list(a.offset)} and {list(b.offset)}; "
+                    + (advice or "two ranks hold the same part of the model: is the model built for "
+                       "this layout (TransformerConfig.pipeline_model_parallel_size and friends)?"))

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_ucp.errors import UCPError
 from megatron_ucp.spec import Piece
 from megatron_ucp.storage import Reader, SafetensorsWriter, crc32_many
 
@@ -68,11 +69,55 @@ def write_rank_file(path: Path, fragments: list[Fragment], rng_tensors: dict[str
 
 
 def header_fragments(reader: Reader, path: Path) -> list[dict]:
-    """The `fragments` metadata of a rank file: name, local_shape, pieces, range, step, crc32."""
-    return json.loads(reader.metadata(path).get("fragments", "[]"))
+    """The `fragments` metadata of a rank file: name, local_shape, pieces, range, step, crc32,
+    each of its JSON type (a damaged header is refused here, not met as a KeyError later)."""
+    records = _header_json(reader, path, "fragments", "[]")
+    if not isinstance(records, list):
+        raise _damaged(path, "fragments", f"expected a list of records, got {type(records).__name__}")
+    for i, d in enumerate(records):
+        problem = _record_problem(d)
+        if problem:
+            raise _damaged(path, "fragments", f"record {i} {problem}")
+    return records
+
+
+_RECORD = ("name", "local_shape", "pieces", "range", "step", "crc32")
+
+
+def _record_problem(d) -> str | None:
+    def ints(v, n: int | None = None) -> bool:
+        return (isinstance(v, list) and (n is None or len(v) == n)
+                and all(type(x) is int and x >= 0 for x in v))
+
+    if not isinstance(d, dict) or not set(_RECORD) <= set(d):
+        return (f"has fields {sorted(d) if isinstance(d, dict) else type(d).__name__}, expected "
+                f"{', '.join(_RECORD)}")
+    if not isinstance(d["name"], str) or not ints(d["local_shape"]) or not ints(d["range"], 2):
+        return f"of {d['name']!r}: bad name, local_shape or range"
+    if not (isinstance(d["step"], (int, float)) and not isinstance(d["step"], bool)):
+        return f"of {d['name']!r}: step {d['step']!r} is not a number"
+    if not (isinstance(d["crc32"], dict) and all(type(v) is int for v in d["crc32"].values())):
+        return f"of {d['name']!r}: crc32 {d['crc32']!r} is not {{state: int}}"
+    if not (isinstance(d["pieces"], list) and all(
+            isinstance(p, list) and len(p) in (3, 4) and type(p[0]) is int and p[0] >= 0
+            and all(ints(x) for x in p[1:]) for p in d["pieces"])):
+        return f"of {d['name']!r}: pieces {d['pieces']!r} are not [start, offset, shape, strides]"
+    return None
+
+
+def _header_json(reader: Reader, path: Path, key: str, default: str):
+    try:
+        return json.loads(reader.metadata(path).get(key, default))
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise _damaged(path, key, f"not JSON ({e})") from None
+
+
+def _damaged(path: Path, key: str, problem: str) -> UCPError:
+    return UCPError(f"{path}: header metadata {key!r}: {problem}; the file is corrupt: restore it "
+                    "or load another iteration")
 
 
 def read_rng(reader: Reader, path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     f = reader.open(path)
     tensors = {k.removeprefix("rng/"): f.get_tensor(k) for k in f.keys() if k.startswith("rng/")}
-    return tensors, json.loads(reader.metadata(path).get("rng", "{}"))
+    return tensors, _header_json(reader, path, "rng", "{}")

@@ -23,6 +23,8 @@ from megatron_ucp.spec import Piece, tiles_exactly
 from megatron_ucp.storage import Reader, ReadsFiles, crc32
 
 RECENT_BYTES = 256 * 2**20  # whole local tensors / fragments kept for reuse (oldest evicted first)
+DAMAGED_INDEX = ("the manifest's index or the rank files are damaged or incomplete: restore them or "
+                 "load another iteration")
 
 
 class FragmentSource(ReadsFiles):
@@ -60,7 +62,8 @@ class FragmentSource(ReadsFiles):
                 if not self.slices.get(name):
                     raise UCPError(f"{self.dir}: no rank file holds parameter {name}; the checkpoint "
                                    "is incomplete (a rank file is missing or from another save)")
-                check_tiling(str(self.dir), name, p.shape, self.slices[name], overlap=False)
+                check_tiling(str(self.dir), name, p.shape, self.slices[name], overlap=False,
+                             advice=DAMAGED_INDEX)
 
     def _from_headers(self) -> None:
         self.slices: dict[str, list[SliceEntry]] = {}
@@ -99,13 +102,15 @@ class FragmentSource(ReadsFiles):
         d = self._records(f.file).get((name, f.start))
         if d is None:
             raise UCPError(f"{self.files[f.file]}: has no fragment of {name} at element {f.start}, "
-                           "which the manifest puts there; the file is from another save")
+                           "which the manifest puts there; the file is from another save: restore "
+                           "this iteration's own file or load another iteration")
         if (id(sl), f.file) not in self._matched:
             if (d["range"] != [f.start, f.end] or tuple(d["local_shape"]) != sl.local_shape
                     or [Piece.from_json(p) for p in d["pieces"]] != sl.pieces):
                 raise UCPError(f"{self.files[f.file]}: its fragment of {name} at element {f.start} "
                                "is not the one the manifest index describes (range or place in the "
-                               "tensor differ); the index or the file is damaged")
+                               "tensor differ); the index or the file is damaged: restore them or "
+                               "load another iteration")
             self._matched.add((id(sl), f.file))
         return d
 
@@ -113,7 +118,11 @@ class FragmentSource(ReadsFiles):
         """A whole fragment, its checksum checked."""
         path, key = self.files[f.file], f"{name}/{state}"
         header = self._header(name, sl, f)  # before the read: a clear error for a wrong index
+        if self.verify_checksums and state not in header["crc32"]:
+            raise UCPError(f"{path}: its header has no checksum of {key!r}; the file is corrupt: "
+                           "restore it or load an earlier iteration")
         crc = header["crc32"][state] if self.verify_checksums else None
+        self.reader.check(path, key, "F32", (f.end - f.start,))
         t = self.reader.read(path, key)
         if crc is not None and crc32(t) != crc:
             raise UCPError(f"{path}: checksum mismatch in tensor {key!r}; the file is corrupt: "
@@ -136,8 +145,9 @@ class FragmentSource(ReadsFiles):
         tile it exactly (no gap, no overlap). Returns tensors checked."""
         n = 0
         for name, p in self.manifest.params.items():
-            check_tiling(str(self.dir), name, p.shape, self.slices[name])
+            check_tiling(str(self.dir), name, p.shape, self.slices[name], advice=DAMAGED_INDEX)
             for sl in self.slices[name]:
+                self._check_interleaved(name, sl)  # every piece, as a read of the slice would
                 for f in sl.fragments:
                     for state in p.states:
                         self._read_fragment(name, state, sl, f)
@@ -158,6 +168,7 @@ class FragmentSource(ReadsFiles):
                 t = whole[s - f.start:e - f.start]
             else:
                 self._header(name, sl, f)
+                self.reader.check(self.files[f.file], f"{name}/{state}", "F32", (f.end - f.start,))
                 t = self.reader.read(self.files[f.file], f"{name}/{state}",
                                      (slice(s - f.start, e - f.start),))
             buf[s - a:e - a] = t
@@ -186,12 +197,12 @@ class FragmentSource(ReadsFiles):
                 box = tuple(slice(lo_ - o, h - o) for lo_, h, o in zip(lo, hi, offset))
                 if written[box].any():
                     raise UCPError(f"{self.dir}: parameter {name}: two saved slices hold the same "
-                                   f"elements (at {lo}); the checkpoint index is damaged")
+                                   f"elements (at {lo}); {DAMAGED_INDEX}")
                 out[box] = flat.as_strided([h - lo_ for lo_, h in zip(lo, hi)], pc.strides)
                 written[box] = True
         if not bool(written.all()):
             raise UCPError(f"{self.dir}: parameter {name}: {int((~written).sum())} of {out.numel()} "
-                           "requested elements are saved by no rank; checkpoint incomplete")
+                           f"requested elements are saved by no rank; {DAMAGED_INDEX}")
         return out
 
     def _check_interleaved(self, name: str, sl: SliceEntry) -> None:
@@ -201,7 +212,7 @@ class FragmentSource(ReadsFiles):
             return
         if not tiles_exactly(sl.pieces, math.prod(sl.local_shape)):
             raise UCPError(f"{self.dir}: parameter {name}: the pieces of a saved slice do not "
-                           "cover its local tensor exactly once; the manifest is damaged")
+                           f"cover its local tensor exactly once; {DAMAGED_INDEX}")
         self._tiled.add(id(sl))
 
     def rng_ranks(self) -> range:

@@ -74,7 +74,8 @@ class DistReader:
         try:
             self.metadata = self.storage.read_metadata()
         except Exception as e:  # noqa: BLE001 - any unreadable .metadata is the same user error
-            raise UCPError(f"{ckpt_dir / '.metadata'}: cannot read torch_dist metadata ({e})") from e
+            raise UCPError(f"{ckpt_dir / '.metadata'}: cannot read torch_dist metadata ({e}); the "
+                           "file is damaged: restore it or convert another iteration") from e
         self.meta = self.metadata.state_dict_metadata
         files = sorted({s.relative_path for s in self.metadata.storage_data.values()})
         missing = [f for f in files if not (ckpt_dir / f).exists()]
@@ -118,14 +119,31 @@ class DistReader:
 
     def _load(self, sd: dict) -> None:
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
         try:
             dcp.load(sd, storage_reader=self.storage, planner=_ObjectPlanner(self), no_dist=True)
         except UCPError:
             raise
-        except Exception as e:  # noqa: BLE001 - report which key and directory failed
-            raise UCPError(f"{self.dir}: cannot read {list(sd)} ({type(e).__name__}: {e}); the "
-                           "checkpoint files are damaged or incomplete") from e
+        # (CheckpointException, which wraps a failed read such as a truncated .distcp file, is a
+        # BaseException, not an Exception)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - say which key and files
+            files = sorted({str(self.dir / v.relative_path)
+                            for k, v in self.metadata.storage_data.items() if k.fqn in sd})
+            raise UCPError(f"{', '.join(files) or self.dir}: cannot read {list(sd)} "
+                           f"({type(e).__name__}: {_first_line(e)}); the checkpoint files are "
+                           "damaged or incomplete: restore them or convert another iteration") from e
+
+
+def _first_line(e: BaseException) -> str:
+    """A CheckpointException's text holds every failing rank's whole traceback: keep the first
+    failure's exception ({rank: (exception, traceback)})."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        cause = next(iter(failures.values()))
+        cause = cause[0] if isinstance(cause, tuple) else cause
+        return f"{type(cause).__name__}: {cause}"
+    return str(e)
 
 
 class _ObjectPlanner(DefaultLoadPlanner):

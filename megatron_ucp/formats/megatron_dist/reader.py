@@ -86,17 +86,21 @@ class TorchDistSource:
         if sharding not in SHARDINGS:
             raise UCPError(f"{ckpt}: optimizer sharding {sharding!r} is not supported (expected "
                            "dp_reshardable or fully_reshardable from --use-distributed-optimizer)")
-        if getattr(args, "num_experts", None):
-            raise UCPError(f"{ckpt}: a MoE run (num_experts={args.num_experts}); torch_dist import "
-                           "supports dense GPT models only (its expert optimizer buffers are not "
-                           "mapped yet): save the run with --ckpt-format torch and convert that")
+        if getattr(args, "num_experts", None) and sharding == "dp_reshardable":
+            raise UCPError(f"{ckpt}: a MoE run (num_experts={args.num_experts}) saved with the "
+                           "dp_reshardable optimizer; its expert buffers are not mapped: save the "
+                           "run with --dist-ckpt-optim-fully-reshardable or --ckpt-format torch and "
+                           "convert that")
         self.sharding = sharding
         self.plan, model_cfg = plan_model(args)
         check_names(reader, self.plan, sharding)
         lay = layout(args)
-        if sharding == "fully_reshardable":
-            groups = opt.get("optimizer", {}).get("param_groups")
-            step = group_step(groups or [], str(ckpt))
+        replica_buckets: set[str] = set()
+        if sharding == "fully_reshardable":  # MoE: {0: dense, 1: expert} (a ChainedOptimizer)
+            chained = [opt[i] for i in sorted(k for k in opt if isinstance(k, int))] or [opt]
+            groups = [(i, g) for i, o in enumerate(chained)
+                      for g in (o.get("optimizer") or {}).get("param_groups") or []]
+            step = group_step([g for _, g in groups], str(ckpt))
         else:
             groups, step = None, None
             for k in range(lay.tp * lay.pp):  # one optimizer per model-parallel rank
@@ -106,9 +110,9 @@ class TorchDistSource:
                 if groups is not None and s != step:
                     raise UCPError(f"{ckpt}: model-parallel rank {k} is at Adam step {s}, rank 0 "
                                    f"at {step}")
-                groups, step = groups or g, step if groups else s
-            _plan_dp_reshardable(args, reader, self.plan)
-        _check_optimizer_keys(reader, self.plan, sharding)
+                groups, step = groups or [(0, x) for x in g], step if groups else s
+            replica_buckets = _plan_dp_reshardable(args, reader, self.plan)
+        _check_optimizer_keys(reader, self.plan, sharding, replica_buckets)
         if not groups:
             raise UCPError(f"{ckpt}: no optimizer param groups found (was it saved without optimizer?)")
         if step is None:
@@ -119,7 +123,7 @@ class TorchDistSource:
             "universal", int(common.get("iteration", getattr(args, "iteration", 0))), lay,
             lay.world_size, model_cfg,
             {n: ParamEntry(ParamSpec.from_json(p.spec), step) for n, p in self.plan.items()},
-            {"param_groups": [group_json(g, 0) for g in groups], "grad_scaler": None},
+            {"param_groups": [group_json(g, i) for i, g in groups], "grad_scaler": None},
             common.get("opt_param_scheduler"),
             {"consumed_samples": int(getattr(args, "consumed_train_samples", 0) or 0)},
             int(getattr(args, "seed", 1234)))
@@ -197,20 +201,25 @@ def check_names(reader: DistReader, plan: dict[str, Param], sharding: str) -> No
                            f"{len(used[key])}; num_layers in args does not match the tensors")
 
 
-def _check_optimizer_keys(reader: DistReader, plan: dict[str, Param], sharding: str) -> None:
-    """Every stored optimizer tensor is accounted for: no state is silently dropped."""
+def _check_optimizer_keys(reader: DistReader, plan: dict[str, Param], sharding: str,
+                          replica_buckets: set[str]) -> None:
+    """Every stored optimizer tensor is accounted for: no state is silently dropped.
+    replica_buckets: dp_reshardable buckets holding replicas only (with PP > 1, the tied output
+    layer's copy of the embedding sits in a bucket of its own on the last stage)."""
     if sharding == "fully_reshardable":
         wanted = {state_key(s, p.key) for p in plan.values() for s in STATES}
     else:
-        wanted = {f"{slab[0]}.{s}" for p in plan.values() for slab in p.slabs for s in STATES}
+        buckets = {slab[0] for p in plan.values() for slab in p.slabs} | replica_buckets
+        wanted = {f"{b}.{s}" for b in buckets for s in STATES}
     extra = sorted(k for k in reader.tensor_keys() if k.startswith("optimizer.") and k not in wanted)
     if extra:
         raise UCPError(f"{reader.dir}: optimizer tensor(s) {extra[:3]}{' ...' if len(extra) > 3 else ''}"
                        f" ({len(extra)} in all) belong to no parameter of the model built from args")
 
 
-def _plan_dp_reshardable(args, reader: DistReader, plan: dict[str, Param]) -> None:
-    """Attach each parameter's flat-buffer slabs, from megatron-core DDP at the source layout."""
+def _plan_dp_reshardable(args, reader: DistReader, plan: dict[str, Param]) -> set[str]:
+    """Attach each parameter's flat-buffer slabs, from megatron-core DDP at the source layout.
+    Returns the buckets that hold replicas (read from their canonical copy, not from there)."""
     from megatron.core import parallel_state as ps
 
     lay = layout(args)
@@ -222,6 +231,7 @@ def _plan_dp_reshardable(args, reader: DistReader, plan: dict[str, Param]) -> No
                        f"this checkpoint used transformer_impl={args.transformer_impl!r}, which "
                        "cannot be rebuilt here (TransformerEngine not installed)")
     tp, pp, dp = lay.tp, lay.pp, lay.dp
+    replica_buckets = set()
     for pp_rank in range(pp):
         for tp_rank in range(tp):
             rank = tp_rank + tp * dp * pp_rank  # megatron's default order tp-cp-ep-dp-pp, dp rank 0
@@ -236,9 +246,10 @@ def _plan_dp_reshardable(args, reader: DistReader, plan: dict[str, Param]) -> No
                 for g, buf in enumerate(ddp.buffers):
                     for param, (start, _end, b) in buf.param_index_map.items():
                         lp = lps[id(param)]
-                        if not lp.canonical:
-                            continue
                         bucket = bucket_key(mp_rank, g, (buf.param_dtype, buf.grad_dtype), b)
+                        if not lp.canonical:
+                            replica_buckets.add(bucket)
+                            continue
                         local_start = start - buf.buckets[b].offset
                         if f"{bucket}.param" not in reader.meta:
                             raise UCPError(f"{reader.dir}: flat optimizer buffer "
@@ -259,6 +270,7 @@ def _plan_dp_reshardable(args, reader: DistReader, plan: dict[str, Param]) -> No
         if covered != math.prod(p.spec["shape"]):
             raise UCPError(f"parameter {name!r}: the flat buffers cover {covered} of "
                            f"{math.prod(p.spec['shape'])} elements; layout not understood")
+    return replica_buckets
 
 
 def _read_full(reader: DistReader, p: Param, state: str, sharding: str) -> torch.Tensor:

@@ -1,8 +1,13 @@
 """Universal tensors -> a Megatron-LM `--ckpt-format torch_dist` checkpoint at any layout.
 
-Every tensor is written at its global shape (layers stacked), with the optimizer state in the
-layout-free `fully_reshardable` form, so the target layout changes only `args` and the rng shards;
-torch.distributed.checkpoint itself reshards at load.
+Model tensors are written at their global shape (layers stacked). The optimizer state takes either
+form Megatron-LM loads:
+
+* `fully_reshardable` (`--dist-ckpt-optim-fully-reshardable`): one tensor per state at global
+  shape, layout-free, so the target layout changes only `args` and the rng shards;
+* `dp_reshardable` (Megatron-LM's default): each target model-parallel rank's flat
+  DistributedOptimizer buckets, laid out by megatron-core's own DDP rebuilt at the target rank, so
+  Megatron-LM loads it at the target TP/PP (and any DP: the buckets exclude the DP padding).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.megatron_common import (
     TRACKER,
+    check_export,
     iteration_dir_name,
     prepare_export,
     rng_for,
@@ -33,13 +39,19 @@ from megatron_ucp.formats.megatron_dist.layout import (
     COMMON_FILE,
     FULLY_RESHARDABLE_CONTENT,
     METADATA_JSON,
+    SHARDINGS,
+    bucket_key,
     object_value,
+    param_groups_key,
     plan_model,
     sharded_objects,
     state_key,
 )
-from megatron_ucp.formats.megatron_rebuild import build_chunks, single_rank_args, source_rank
+from megatron_ucp.formats.megatron_dist.reader import TorchDistSource
+from megatron_ucp.formats.megatron_rebuild import build_chunks, single_rank_args, source_rank, wrap_ddp
 from megatron_ucp.layout import Layout
+from megatron_ucp.local_slice import read_local
+from megatron_ucp.param_spec import local_params
 from megatron_ucp.progress import Progress, bar
 from megatron_ucp.spec import STATES
 from megatron_ucp.storage import staged_dir
@@ -51,10 +63,15 @@ def write(source, save_dir: str | Path, target: Layout, args_template, *,
           rng_state: dict | list | None = None,
           num_floating_point_operations_so_far: float | None = None,
           first_stage_layers: int | None = None, last_stage_layers: int | None = None,
+          sharding: str = "fully_reshardable", expert_tensor_parallel: int | None = None,
           progress: Progress = True) -> Path:
     """Write a Megatron-LM `--ckpt-format torch_dist` checkpoint at `target` from any source of
-    universal tensors, optimizer state in the layout-free `fully_reshardable` form (resume with
-    `--dist-ckpt-optim-fully-reshardable`). Returns `save_dir` (the save root).
+    universal tensors. Returns `save_dir` (the save root).
+
+    sharding: the optimizer state's form, "fully_reshardable" (resume with
+    `--dist-ckpt-optim-fully-reshardable`, at any layout) or "dp_reshardable" (Megatron-LM's
+    default; resume at the target's TP and PP, any DP). expert_tensor_parallel: the target's
+    expert TP size (MoE; default: the source's rule). MoE models take the fully_reshardable form.
 
     args_template: Megatron-LM args of the same model (e.g. the source checkpoint's); parallel
     sizes become the target's (`megatron_common.target_args`). rng_state: one rng list (Megatron's
@@ -63,14 +80,22 @@ def write(source, save_dir: str | Path, target: Layout, args_template, *,
     """
     t0 = time.perf_counter()
     args, out = prepare_export("torch_dist", source, save_dir, target, args_template,
-                               first_stage_layers, last_stage_layers)
+                               first_stage_layers, last_stage_layers, expert_tensor_parallel)
     manifest = source.manifest
-    if getattr(args, "num_experts", None) or target.ep > 1:
-        raise UCPError("torch_dist export supports dense GPT models only (MoE runs chain two "
-                       "optimizers whose fully_reshardable keys are not written here)")
+    if sharding not in SHARDINGS:
+        raise UCPError(f"torch_dist optimizer sharding {sharding!r}: choose one of {list(SHARDINGS)}")
+    moe = bool(getattr(args, "num_experts", None))
+    if moe and sharding == "dp_reshardable":
+        raise UCPError("dp_reshardable torch_dist export supports dense GPT models; write a MoE "
+                       "model in the fully_reshardable form (--target-optim-sharding "
+                       "fully_reshardable), which Megatron-LM loads at any layout")
+    if sharding == "dp_reshardable" and (target.vpp or target.cp > 1 or getattr(
+            args, "overlap_param_gather_with_optimizer_step", False)):
+        raise UCPError(f"dp_reshardable torch_dist export supports TP/PP/DP targets (got {target}); "
+                       "write the fully_reshardable form, which loads at any layout")
     args.ckpt_format = "torch_dist"
     args.use_dist_ckpt = True
-    args.dist_ckpt_optim_fully_reshardable = True
+    args.dist_ckpt_optim_fully_reshardable = sharding == "fully_reshardable"
     args.rank, args.local_rank = 0, 0  # common.pt is written by global rank 0
     iteration = int(manifest.iteration)
 
@@ -123,32 +148,50 @@ def write(source, save_dir: str | Path, target: Layout, args_template, *,
                 tensors[s][plan[n].index] = full(n, s, shape)
             done.update(1)
         state_dict[key] = tensors["param"].to(dtype)
-        if not buffer:
+        if not buffer and sharding == "fully_reshardable":
             for s in STATES:
                 state_dict[state_key(s, key)] = tensors[s]
     done.close()
     for k, v in objects.items():
         state_dict[k] = object_value(v)
     if rng_state is not None:
+        # with expert parallelism Megatron-LM keeps one rng shard per (PP, TP, DP) rank
+        dps = [(d, target.dp) for d in range(target.dp)] if target.ep > 1 else [None]
         for pp_rank in range(target.pp):
             for tp_rank in range(target.tp):
-                rs = rng_for(rng_state, (pp_rank, tp_rank))
-                state_dict[rng_shard_key(pp_rank, tp_rank, target.pp, target.tp)] = object_value(rs)
+                rs = object_value(rng_for(rng_state, (pp_rank, tp_rank)))
+                for dp in dps:
+                    state_dict[rng_shard_key(pp_rank, tp_rank, target.pp, target.tp, dp)] = rs
 
     opt = manifest.optimizer
-    groups = [torch_group(g, step) for g in opt.get("param_groups", []) if g.get("optimizer", 0) == 0]
-    if not groups:
-        raise UCPError(f"{source.dir}: the universal manifest has no optimizer param groups")
+    chained = [[torch_group(g, step) for g in opt.get("param_groups", []) if g.get("optimizer", 0) == i]
+               for i in range(2 if moe else 1)]  # MoE: dense and expert optimizers
+    groups = chained[0]
+    if not all(chained):
+        raise UCPError(f"{source.dir}: the universal manifest has no optimizer param groups"
+                       f"{' for the expert optimizer' if groups else ''}")
     if opt.get("grad_scaler"):
         raise UCPError("fp16 runs (a grad scaler) are not supported by the torch_dist export")
+    if sharding == "fully_reshardable":  # MoE: ChainedOptimizer's {index: state}
+        optimizer = {i: {"optimizer": {"param_groups": g}, "param_state_sharding_type": sharding}
+                     for i, g in enumerate(chained)}
+        optimizer = optimizer if moe else optimizer[0]
+        content = dict(FULLY_RESHARDABLE_CONTENT)
+    else:  # the param groups (and step) are stored per model-parallel rank, next to its buckets
+        state_dict.update(_dp_reshardable_state(source, args, target, groups, progress))
+        optimizer = {"param_state_sharding_type": sharding}
+        content = {"distrib_optim_sharding_type": sharding, "singleton_local_shards": False,
+                   "chained_optim_avoid_prefix": True}
     common = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
-              "optimizer": {"optimizer": {"param_groups": groups},
-                            "param_state_sharding_type": "fully_reshardable"},
+              "optimizer": optimizer,
               "opt_param_scheduler": scheduler_state(manifest.scheduler),
               "num_floating_point_operations_so_far": float(num_floating_point_operations_so_far or 0.0),
-              "content_metadata": dict(FULLY_RESHARDABLE_CONTENT)}
+              "content_metadata": content}
 
-    with staged_dir(out) as partial:
+    def read_back(d: Path) -> None:
+        check_export(d, source, lambda path: TorchDistSource(path, progress=False))
+
+    with staged_dir(out, check=read_back) as partial:
         iter_dir = partial / iteration_dir_name(iteration)
         iter_dir.mkdir()
         dcp.save(state_dict, storage_writer=FileSystemWriter(str(iter_dir)),
@@ -157,6 +200,55 @@ def write(source, save_dir: str | Path, target: Layout, args_template, *,
         torch.save(common, iter_dir / COMMON_FILE)
         (iter_dir / "metadata.json").write_text(json.dumps(METADATA_JSON))
         (partial / TRACKER).write_text(str(iteration))
-    log.info("wrote Megatron-LM torch_dist iteration %d at %s (fully_reshardable, %d parameters) "
-             "into %s in %.2fs", iteration, target, len(plan), out, time.perf_counter() - t0)
+    log.info("wrote Megatron-LM torch_dist iteration %d at %s (%s, %d parameters) into %s in %.2fs",
+             iteration, target, sharding, len(plan), out, time.perf_counter() - t0)
+    return out
+
+
+def _dp_reshardable_state(source, args, target: Layout, groups: list[dict],
+                          progress: Progress) -> dict:
+    """The `optimizer.distributed.dp_group_idx_<k>.*` entries of every target model-parallel rank
+    k, as DistributedOptimizer.sharded_param_state_dp_reshardable saves them: per DDP bucket one
+    1-D tensor per state of the bucket's unpadded length (parameters at their DDP offsets, zero
+    gaps), the per-bucket sizes and the rank's param groups with the step."""
+    from megatron.core import parallel_state as ps
+
+    out: dict = {}
+    done = bar(progress, target.tp * target.pp, "export dp_reshardable", "rank")
+    for pp_rank in range(target.pp):
+        for tp_rank in range(target.tp):
+            rank = tp_rank + target.tp * target.dp * pp_rank  # order tp-cp-ep-dp-pp, DP rank 0
+            with source_rank(args, rank):
+                if (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                        ps.get_data_parallel_rank()) != (tp_rank, pp_rank, 0):
+                    raise UCPError(f"internal: global rank {rank} is not (tp {tp_rank}, pp {pp_rank}, "
+                                   "dp 0) in megatron's rank order")
+                mp_rank = ps.get_model_parallel_group().rank()
+                ddp = wrap_ddp(build_chunks(args), args)  # meta tensors: the layout, no data
+                lps = {id(lp.param): lp for lp in local_params(ddp)}
+                buffers = [((buf.param_dtype, buf.grad_dtype),
+                            [(b.grad_data.numel(), b.numel_unpadded) for b in buf.buckets],
+                            # every copy, the tied output layer's too: Megatron keeps state for each
+                            [(lps[id(param)], b, start - buf.buckets[b].offset)
+                             for param, (start, _end, b) in buf.param_index_map.items()])
+                           for c in ddp for buf in c.buffers]
+                del ddp
+            numel, unpadded = [], []
+            for g, (dtypes, sizes, where) in enumerate(buffers):
+                numel.append({dtypes: [n for n, _ in sizes]})
+                unpadded.append({dtypes: [n for _, n in sizes]})
+                flats = [{s: torch.zeros(n, dtype=torch.float32) for s in STATES} for _, n in sizes]
+                for lp, b, start in where:
+                    a = start + lp.base
+                    for s in STATES:
+                        flats[b][s][a:a + lp.numel] = read_local(source, lp, s, 0, lp.numel)
+                for b, flat in enumerate(flats):
+                    for s, t in flat.items():
+                        out[f"{bucket_key(mp_rank, g, dtypes, b)}.{s}"] = t
+            prefix = f"optimizer.distributed.dp_group_idx_{mp_rank}"
+            out[param_groups_key(mp_rank)] = object_value({"param_groups": groups})
+            out[f"{prefix}.per_bucket_numel/shard_0_1"] = object_value(numel)
+            out[f"{prefix}.per_bucket_numel_unpadded/shard_0_1"] = object_value(unpadded)
+            done.update(1)
+    done.close()
     return out

@@ -58,6 +58,9 @@ _LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                 "context_parallel_size", "world_size", "num_layers", "hidden_size", "num_experts")
 
 
+_RESTORE = "restore the rank directory's files from the original save"
+
+
 @dataclass
 class _Copy:
     """One rank's local copy of (part of) a universal tensor, with where its rows go."""
@@ -218,21 +221,24 @@ def _collect(chunks: list, files: _RankFiles, args, copies: dict[str, list[_Copy
     state_dicts = []
     for key, chunk in zip(keys, chunks):
         saved = files.model.get(key)
-        if saved is None:
-            raise UCPError(f"{model_file} has no {key!r} entry; expected {keys} for {len(chunks)} "
-                           f"model chunk(s) per rank (VPP {layout(args).vpp})")
+        if not isinstance(saved, dict):
+            raise UCPError(f"{model_file} has no {key!r} state dict; expected {keys} for "
+                           f"{len(chunks)} model chunk(s) per rank (VPP {layout(args).vpp}): "
+                           f"{_RESTORE}")
         ours = set(unwrap_model(chunk).state_dict())
         if ours != set(saved):
             raise UCPError(f"{model_file} [{key}]: the model rebuilt from its args does not have "
                            f"the saved modules (saved only: {sorted(set(saved) - ours)[:5]}, rebuilt "
                            f"only: {sorted(ours - set(saved))[:5]}); the args do not describe this "
-                           "checkpoint or it uses a layer spec megatron-ucp cannot rebuild")
+                           f"checkpoint ({_RESTORE}) or it uses a layer spec megatron-ucp cannot "
+                           "rebuild")
         state_dicts.append(saved)
 
     buffers = optimizer_buffers(chunks, args)
     if len(buffers) != len(files.optim):
         raise UCPError(f"{optim_file} holds {len(files.optim)} optimizer entries, but the model "
-                       f"rebuilt from args has {len(buffers)} (dense/expert); the args do not match")
+                       f"rebuilt from args has {len(buffers)} (dense/expert); the args do not match: "
+                       f"{_RESTORE}")
     where: dict = {}  # param -> (entry index, flat tensors, start)
     for i, (bufs, entry) in enumerate(zip(buffers, files.optim)):
         if entry is None:
@@ -245,7 +251,7 @@ def _collect(chunks: list, files: _RankFiles, args, copies: dict[str, list[_Copy
                        for k, v in entry.items() if isinstance(k, int)}
                 raise UCPError(f"{optim_file}: optimizer {i} buffer {b} {key}: expected "
                                f"{buf.numel_unpadded} elements from the model rebuilt from args, file "
-                               f"has {got}; the args do not describe this checkpoint")
+                               f"has {got}; the args do not describe this checkpoint: {_RESTORE}")
             for p, start in flat_offsets(buf).items():
                 where[p] = (i, flat, start)
 
@@ -258,7 +264,7 @@ def _collect(chunks: list, files: _RankFiles, args, copies: dict[str, list[_Copy
             raise UCPError(f"{model_file} [{keys[lp.chunk]}] {lp.local_name}: saved "
                            f"{tuple(weight.shape) if torch.is_tensor(weight) else weight}, rebuilt "
                            f"model has shape {tuple(lp.param.shape)}; the args do not describe this "
-                           "checkpoint")
+                           f"checkpoint: {_RESTORE}")
         weight = lp.region(weight)
         states, step = None, None
         if lp.spec.buffer:  # a persistent buffer (MoE expert_bias): its value, no optimizer state
@@ -268,7 +274,8 @@ def _collect(chunks: list, files: _RankFiles, args, copies: dict[str, list[_Copy
             n = lp.param.numel()
             if start + n > flat["param"].numel():
                 raise UCPError(f"{optim_file}: {lp.local_name} would end at element {start + n} of "
-                               f"{flat['param'].numel()}; the args do not describe this checkpoint")
+                               f"{flat['param'].numel()}; the args do not describe this checkpoint: "
+                               f"{_RESTORE}")
             states = {s: lp.region(flat[s][start:start + n]) for s in STATES}
             step = steps[i] if i < len(steps) else None
             if step is None:

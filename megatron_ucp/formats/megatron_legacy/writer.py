@@ -21,6 +21,7 @@ from megatron.core import parallel_state as ps
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.megatron_common import (
     TRACKER,
+    check_export,
     iteration_dir_name,
     prepare_export,
     rng_for,
@@ -36,6 +37,7 @@ from megatron_ucp.formats.megatron_legacy.layout import (
     optimizer_buffers,
     rank_context,
 )
+from megatron_ucp.formats.megatron_legacy.reader import LegacySource
 from megatron_ucp.formats.megatron_rebuild import build_chunks, wrap_ddp
 from megatron_ucp.layout import Layout
 from megatron_ucp.local_slice import read_local
@@ -71,7 +73,10 @@ def write(source, save_dir: str | Path, target: Layout, args_template,
     iteration = int(manifest.iteration)
     writers = writer_ranks(args)
     done = bar(progress, len(writers), "export-legacy", "rank")
-    with staged_dir(out) as partial:
+    def read_back(d: Path) -> None:
+        check_export(d, source, lambda path: LegacySource(path, progress=False))
+
+    with staged_dir(out, check=read_back) as partial:
         iter_dir = partial / iteration_dir_name(iteration)
         iter_dir.mkdir()
         try:

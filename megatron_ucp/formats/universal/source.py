@@ -43,6 +43,7 @@ class UniversalSource(ReadsFiles):
             raise KeyError(f"{name} has no state {state!r}")
         entry = p.tensors[state]
         path = self.dir / entry.file
+        self.reader.check(path, entry.key, "F32", p.shape)  # full fp32 tensors, as the manifest says
         if tuple(offset) == (0,) * len(offset) and tuple(shape) == p.shape:
             t = self.reader.read(path, entry.key)
             if self.verify_checksums and crc32(t) != entry.crc32:

@@ -18,12 +18,13 @@ from pathlib import Path
 
 import torch
 
+from megatron_ucp.errors import UCPError
 from megatron_ucp.formats import manifest as mf
 from megatron_ucp.formats.manifest import Manifest, ParamEntry, TensorEntry
 from megatron_ucp.formats.universal.source import RNG_FILE, data_file_name, rng_prefix
 from megatron_ucp.progress import Progress, bar
 from megatron_ucp.spec import ParamSpec, states_of
-from megatron_ucp.storage import SafetensorsWriter, crc32, staged_dir, write_tensors
+from megatron_ucp.storage import Reader, SafetensorsWriter, crc32, staged_dir, write_tensors
 
 log = logging.getLogger(__name__)
 ReadFull = Callable[[str, str], torch.Tensor]
@@ -116,6 +117,35 @@ def without_padding(spec: ParamSpec, true_vocab: int | None) -> ParamSpec:
     return spec
 
 
+def check_written(out_dir: Path, specs: dict[str, ParamSpec], source) -> None:
+    """Before a universal directory is committed: its manifest parses (every field validated) and
+    names exactly the source's parameters, at their shapes and Adam steps; each state is one full
+    fp32 tensor in its file's header and no data file holds a tensor the manifest does not name.
+    So every element of every universal tensor is written exactly once."""
+    def refuse(what: str) -> UCPError:
+        return UCPError(f"{out_dir}: internal error, the written universal checkpoint {what}; "
+                        "nothing was committed. Please report it with the source's manifest")
+
+    written = mf.read(out_dir).params
+    missing, extra = sorted(set(specs) - set(written)), sorted(set(written) - set(specs))
+    if missing or extra:
+        raise refuse(f"lacks parameter(s) {missing[:3]} / has unexpected {extra[:3]}")
+    reader, named = Reader(), {}
+    for name, p in written.items():
+        if p.shape != specs[name].shape or set(p.tensors) != set(states_of(specs[name])):
+            raise refuse(f"has {name!r} as {list(p.shape)} {sorted(p.tensors)}, the source as "
+                         f"{list(specs[name].shape)} {sorted(states_of(specs[name]))}")
+        if p.step != source.step(name):
+            raise refuse(f"has {name!r} at Adam step {p.step}, the source at {source.step(name)}")
+        for e in p.tensors.values():
+            reader.check(out_dir / e.file, e.key, "F32", p.shape)
+            named.setdefault(e.file, set()).add(e.key)
+    for file, keys in named.items():
+        stray = sorted(set(reader.open(out_dir / file).keys()) - keys)
+        if stray:
+            raise refuse(f"file {file} holds tensor(s) {stray[:3]} that no manifest entry names")
+
+
 def write(source, out: str | Path, *, progress: Progress = True, max_file_bytes: int = 2**31,
           workers: int = 1) -> Path:
     """Consolidate any source (`formats.open_source`) into a new universal directory; returns it.
@@ -127,7 +157,7 @@ def write(source, out: str | Path, *, progress: Progress = True, max_file_bytes:
     header: Manifest = source.manifest
     specs = {n: without_padding(p.spec, header.true_vocab) for n, p in header.params.items()}
     done = bar(progress, len(specs), f"{source.origin['kind']} -> universal", "param")
-    with staged_dir(out) as partial:
+    with staged_dir(out, check=lambda d: check_written(d, specs, source)) as partial:
         try:
             entries = write_params(
                 partial, specs, lambda n, s: source.read(n, s, (0,) * len(specs[n].shape), specs[n].shape),

@@ -1,0 +1,32 @@
+"""`hf`: Hugging Face transformers model directories (`config.json` + safetensors) of the Llama,
+Qwen2, Mixtral and GPT-2 architectures.
+
+Read as a source (weights as fp32 master weights, fresh optimizer state: `source.HFSource`,
+`import_hf`) and written from any source (`export.export`, `export_hf`). The name maps and the
+rules for which megatron-core models an architecture can represent are in `archs`; the element
+order of fused tensors in `transforms`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatron_ucp.formats.hf.archs import ARCHS
+from megatron_ucp.formats.hf.export import export, export_hf
+from megatron_ucp.formats.hf.source import FRESH, HFSource, import_hf, is_hf_dir
+
+NAME = "hf"
+
+
+def detect(path: Path) -> bool:
+    return is_hf_dir(path)
+
+
+def open_source(path: str | Path, **_: object) -> HFSource:
+    return HFSource(path)
+
+
+write = export  # write(source, out, arch, ...): this format as a target
+
+__all__ = ["NAME", "ARCHS", "FRESH", "detect", "open_source", "write", "export", "export_hf",
+           "import_hf", "HFSource"]

@@ -1,0 +1,302 @@
+"""Export any checkpoint `formats.open_source` reads as a Hugging Face transformers model directory.
+
+Writes `config.json`, `generation_config.json`, `model-0000i-of-0000n.safetensors` shards and
+`model.safetensors.index.json`. The model weights are the fp32 master weights cast to the chosen
+dtype (what megatron-core's optimizer writes into the model). Optimizer state is not exported:
+HF directories have none. Tensors are streamed: one universal tensor is read, split into its HF
+tensors, written and dropped before the next, so peak memory is about the largest tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megatron_ucp.errors import UCPError
+from megatron_ucp.formats.hf import archs, transforms
+from megatron_ucp.formats.hf.archs import Rule
+from megatron_ucp.formats.manifest import Manifest
+from megatron_ucp.progress import Progress, bar
+from megatron_ucp.storage import (
+    DTYPE_NAMES,
+    DTYPE_TO_ST,
+    Reader,
+    SafetensorsWriter,
+    refuse_non_empty,
+    staged_dir,
+)
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+GENERATION_FILE = "generation_config.json"
+DEFAULT_SHARD_BYTES = 5 * 10**9  # transformers' own default max_shard_size ("5GB")
+MEGATRON_ROPE_BASE = 10000.0  # GPTModel's rotary_base default
+EMBEDDING = "embedding.word_embeddings.weight"
+
+
+@dataclass
+class Planned:
+    """One universal tensor to read (vocab rows trimmed) and the HF tensors it becomes."""
+
+    rule: Rule
+    shape: tuple[int, ...]
+    outputs: list[tuple[str, tuple[int, ...]]]
+    shards: list[int]  # the shard file of each output
+
+
+def shard_name(i: int, n: int) -> str:
+    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def true_vocab(manifest: Manifest, override: int | None) -> int:
+    """Rows of the embedding to export: the true vocabulary, never padding Megatron added."""
+    if EMBEDDING not in manifest.params:
+        raise UCPError(f"the checkpoint has no {EMBEDDING}; it is not a GPT model with an "
+                       "embedding (a pipeline stage alone cannot be exported)")
+    rows = manifest.params[EMBEDDING].shape[0]
+    vocab = override or manifest.true_vocab
+    if vocab is None:
+        log.info("the checkpoint records no true vocabulary (save with vocab_size=...): exporting "
+                 "all %d embedding rows; pass --vocab-size to drop Megatron's padding rows", rows)
+        vocab = rows
+    if not 0 < vocab <= rows:
+        raise UCPError(f"vocabulary size {vocab} does not fit the checkpoint's {rows} embedding rows")
+    return vocab
+
+
+def plan(arch: str, manifest: Manifest, vocab: int, dtype: torch.dtype,
+         max_shard_bytes: int) -> tuple[list[Planned], int]:
+    """Every universal tensor's HF tensors and shard, in write order; and the number of shards.
+
+    Refuses a checkpoint lacking a tensor the architecture needs, or holding one it has no place
+    for (never a silent drop)."""
+    rules = archs.rules(arch, manifest.model)
+    wanted = {r.megatron for r in rules}
+    missing = [r.megatron for r in rules if r.megatron not in manifest.params]
+    if missing:
+        raise UCPError(f"the checkpoint lacks parameter(s) {missing[:3]} that HF {arch} needs for "
+                       "this model config; it is not a complete model of that architecture")
+    extra = [n for n in manifest.params if n not in wanted]
+    if extra:
+        raise UCPError(f"parameter(s) {extra[:3]}{' ...' if len(extra) > 3 else ''} have no place in "
+                       f"HF {arch}; refusing to drop them (export a model {arch} can represent)")
+    heads = archs.heads_of(manifest.model)
+    size = torch.empty((), dtype=dtype).element_size()
+    out, shard, used = [], 0, 0
+    for r in rules:
+        spec = manifest.params[r.megatron].spec
+        shape = (vocab, *spec.shape[1:]) if spec.vocab_rows else spec.shape
+        shapes = transforms.hf_shapes(r.kind, shape, heads)
+        if r.kind in ("qkv", "qkv_cat", "qkv_conv1d") and shape[0] != sum(heads.qkv_rows()):
+            raise UCPError(f"parameter {r.megatron} has {shape[0]} rows; {heads.heads} heads in "
+                           f"{heads.groups} query groups of {heads.head_dim} need {sum(heads.qkv_rows())}")
+        shards = []
+        for s in shapes:
+            nbytes = size * int(torch.Size(s).numel())
+            if used and used + nbytes > max_shard_bytes:  # a tensor larger than a shard goes alone
+                shard, used = shard + 1, 0
+            used += nbytes
+            shards.append(shard)
+        out.append(Planned(r, shape, list(zip(r.hf, shapes)), shards))
+    return out, shard + 1
+
+
+def _import_record(manifest: Manifest) -> dict:
+    """What import-hf recorded of the HF model this checkpoint came from (`extra`), or {}."""
+    record = manifest.extra.get("hf_import") if isinstance(manifest.extra, dict) else None
+    return record if isinstance(record, dict) else {}
+
+
+def _token_ids(manifest: Manifest, arch: str) -> dict:
+    """bos/eos/pad ids of the HF model this checkpoint was imported from (`import-hf`), if any."""
+    record = _import_record(manifest)
+    if record.get("arch") != arch:
+        return {}
+    cfg = record.get("config") or {}
+    return {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
+
+
+def run_hints(manifest: Manifest, args_hints: dict, activation: str | None) -> dict:
+    """Facts about the run that megatron-core's model config does not hold (the MLP activation,
+    rotary settings): given, else the Megatron-LM args', else import-hf's record."""
+    hints = {k: v for k, v in (_import_record(manifest).get("megatron") or {}).items()
+             if v is not None}
+    hints.update({k: v for k, v in args_hints.items() if v is not None})
+    if activation is not None:
+        hints["activation"] = activation
+    return hints
+
+
+def rope_base(manifest: Manifest, hints: dict, override: float | None) -> float:
+    """rope_theta: given, else the model config's / Megatron-LM args' rotary_base, else megatron's
+    default (megatron_ucp.save does not record GPTModel's rotary_base)."""
+    for value in (override, manifest.model.get("rotary_base"), hints.get("rotary_base")):
+        if value is not None:
+            return float(value)
+    if manifest.model.get("position_embedding_type") == "rope":
+        log.info("the checkpoint does not record rotary_base: rope_theta=%g (megatron-core's "
+                 "default); pass --rope-theta if the run used another", MEGATRON_ROPE_BASE)
+    return MEGATRON_ROPE_BASE
+
+
+def check_written(out_dir: Path, planned: list[Planned], n_shards: int, dtype: torch.dtype) -> None:
+    """Before the directory is committed: the index names exactly the planned tensors, and each
+    shard's header holds exactly its tensors at the planned dtype and shape."""
+    index = json.loads((out_dir / INDEX_FILE).read_text())["weight_map"]
+    expected = {name: (shard_name(s, n_shards), shape)
+                for p in planned for (name, shape), s in zip(p.outputs, p.shards)}
+    if set(index) != set(expected):
+        raise UCPError(f"{out_dir}: internal error, the index names other tensors than planned; "
+                       "nothing was committed")
+    reader, by_file = Reader(), {}
+    for name, (file, shape) in expected.items():
+        if index[name] != file:
+            raise UCPError(f"{out_dir}: internal error, the index puts {name} in {index[name]}, "
+                           f"it was written to {file}; nothing was committed")
+        reader.check(out_dir / file, name, DTYPE_TO_ST[dtype], shape)
+        by_file.setdefault(file, set()).add(name)
+    for file, names in by_file.items():
+        stray = set(reader.open(out_dir / file).keys()) - names
+        if stray:
+            raise UCPError(f"{out_dir}: internal error, {file} holds unplanned {sorted(stray)[:3]}")
+
+
+def export(source, out: str | Path, arch: str, *, dtype: str | None = None,
+           max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress: Progress = True,
+           vocab_size: int | None = None, rope_theta: float | None = None,
+           activation: str | None = None, hints: dict | None = None) -> Path:
+    """Write the model of `source` (any `formats.open_source` source) as HF `arch` to the new
+    directory `out`; returns it.
+
+    dtype: "fp32", "bf16" or "fp16" (default: the checkpoint's model dtype). vocab_size: the true
+    vocabulary (default: the checkpoint's record, else every embedding row). rope_theta: default
+    the model config's rotary_base, else 10000. activation: the run's MLP activation ("swiglu",
+    "gelu", "openai_gelu"; megatron_ucp.save does not record it): default the Megatron-LM args',
+    else import-hf's record, else megatron-core's default (gelu; swiglu for gated MLPs).
+    hints: Megatron-LM args facts (`archs.hints_from_args`) the model config lacks.
+    """
+    t0 = time.perf_counter()
+    archs.check_arch(arch)
+    out, manifest = Path(out), source.manifest
+    hints = run_hints(manifest, hints or {}, activation)
+    if max_shard_bytes <= 0:
+        raise UCPError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    archs.check_exportable(arch, manifest.model, hints)
+    vocab = true_vocab(manifest, vocab_size)
+    if dtype is None:
+        saved = manifest.params[EMBEDDING].spec.dtype
+        dtype = next(k for k, v in DTYPES.items() if DTYPE_NAMES[v] == saved)
+    if dtype not in DTYPES:
+        raise UCPError(f"unknown dtype {dtype!r}; choose one of {list(DTYPES)}")
+    torch_dtype = DTYPES[dtype]
+    planned, n_shards = plan(arch, manifest, vocab, torch_dtype, max_shard_bytes)
+    model = dict(manifest.model)
+    if model.get("max_sequence_length") is None:  # an import-hf checkpoint of a RoPE model
+        model["max_sequence_length"] = (_import_record(manifest).get("config") or {}).get(
+            "max_position_embeddings")
+    config = archs.hf_config(arch, model, vocab=vocab, dtype=DTYPE_NAMES[torch_dtype],
+                             rope_theta=rope_base(manifest, hints, rope_theta), hints=hints,
+                             tokens=_token_ids(manifest, arch))
+    done = bar(progress, len(planned), f"{source.origin.get('kind', source.format)} -> hf {arch}",
+               "tensor")
+    with staged_dir(out, check=lambda d: check_written(d, planned, n_shards, torch_dtype)) as partial:
+        try:
+            total = write_shards(partial, source, planned, n_shards, torch_dtype, done)
+        finally:
+            done.close()
+        weight_map = {name: shard_name(s, n_shards)
+                      for p in planned for (name, _), s in zip(p.outputs, p.shards)}
+        _write_json(partial / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        _write_json(partial / CONFIG_FILE, config)
+        _write_json(partial / GENERATION_FILE, generation_config(config))
+    log.info("exported %d tensors (%.1f MiB, %d shard(s)) as HF %s to %s in %.2fs",
+             len(weight_map), total / 2**20, n_shards, arch, out, time.perf_counter() - t0)
+    return out
+
+
+def write_shards(out_dir: Path, source, planned: list[Planned], n_shards: int,
+                 dtype: torch.dtype, done) -> int:
+    """Stream the planned tensors into their shard files: read one universal tensor, split it,
+    write its HF tensors, drop it. Returns the bytes written."""
+    heads = archs.heads_of(source.manifest.model)
+    size = torch.empty((), dtype=dtype).element_size()
+    writer, current, total = None, -1, 0
+    for p in planned:
+        t = source.read(p.rule.megatron, "param", (0,) * len(p.shape), p.shape)
+        parts = transforms.split(p.rule.kind, t, heads, p.rule.megatron)
+        del t
+        for (name, _), shard, part in zip(p.outputs, p.shards, parts):
+            if shard != current:  # shards are planned in write order: the last one is complete
+                if writer is not None:
+                    writer.close()
+                current = shard
+                writer = _open_shard(out_dir, planned, current, n_shards, dtype)
+            writer.write(name, part.to(dtype).contiguous())
+            total += part.numel() * size
+        done.update(1)
+    if writer is not None:
+        writer.close()
+    return total
+
+
+def generation_config(config: dict) -> dict:
+    """generation_config.json as transformers derives it from a model config."""
+    return {"_from_model_config": True,
+            **{k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+               if config.get(k) is not None}}
+
+
+def _open_shard(out_dir: Path, planned: list[Planned], shard: int, n_shards: int,
+                dtype: torch.dtype) -> SafetensorsWriter:
+    entries = [(name, dtype, shape) for p in planned
+               for (name, shape), s in zip(p.outputs, p.shards) if s == shard]
+    # transformers refuses safetensors files whose metadata names another framework
+    return SafetensorsWriter(out_dir / shard_name(shard, n_shards), entries, {"format": "pt"})
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def megatron_lm_args(path: str | Path, fmt: str, trust_pickle: bool = False):
+    """The run args of a Megatron-LM checkpoint (one small file read), or None for other formats."""
+    from megatron_ucp.formats.megatron_common import resolve_iteration
+
+    if fmt == "megatron_torch_dist":
+        from megatron_ucp.formats.megatron_dist.reader import read_common
+
+        return read_common(path, trust_pickle)[2]
+    if fmt == "megatron_torch":
+        from megatron_ucp.formats.megatron_legacy.layout import MODEL_FILE, is_iteration, rank_dirs, read_args
+
+        iter_dir, _ = resolve_iteration(path, is_iteration, "--ckpt-format torch")
+        found = rank_dirs(iter_dir)
+        return read_args(found[0] / MODEL_FILE, found, trust_pickle)
+    return None
+
+
+def export_hf(src: str | Path, out: str | Path, arch: str, *, dtype: str | None = None,
+              max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress: Progress = True,
+              vocab_size: int | None = None, rope_theta: float | None = None,
+              activation: str | None = None, trust_pickle: bool = False) -> Path:
+    """`megatron-ucp export-hf`: open any supported checkpoint at `src` and `export` it."""
+    from megatron_ucp import formats
+
+    archs.check_arch(arch)  # before opening (a Megatron-LM source rebuilds its model to open)
+    refuse_non_empty(Path(out))
+    # every fragment read is read whole and its checksum checked, as `convert` does
+    source = formats.open_source(src, progress=progress, verify_fragments=True,
+                                 trust_pickle=trust_pickle)
+    args = megatron_lm_args(src, source.format, trust_pickle)
+    hints = archs.hints_from_args(args) if args is not None else {}
+    return export(source, out, arch, dtype=dtype, max_shard_bytes=max_shard_bytes,
+                  progress=progress, vocab_size=vocab_size, rope_theta=rope_theta,
+                  activation=activation, hints=hints)

@@ -1,0 +1,211 @@
+"""Read a Hugging Face transformers model directory as a source of universal tensors.
+
+The source holds the HF weights as fp32 master weights, zero Adam moments and Adam step 0 (HF
+directories carry no optimizer state); its manifest's `extra` says so (`fresh_optimizer`), so
+`megatron_ucp.load` starts a fresh optimizer from it at any layout with the run's own
+hyper-parameters and schedule. `import_hf` writes it as a universal checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+
+from megatron_ucp.errors import UCPError
+from megatron_ucp.formats.hf import archs, transforms
+from megatron_ucp.formats.manifest import Manifest, ParamEntry
+from megatron_ucp.formats.megatron_rebuild import megatron_specs
+from megatron_ucp.layout import Layout
+from megatron_ucp.progress import Progress
+from megatron_ucp.spec import ParamSpec
+from megatron_ucp.storage import DTYPE_NAMES, ST_TO_DTYPE, Reader, ReadsFiles, refuse_non_empty
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.json"
+INDEX_FILE = "model.safetensors.index.json"
+FRESH = "fresh_optimizer"  # manifest `extra` key: the optimizer state is new (zero moments, step 0)
+RECORD = "hf_import"  # manifest `extra` key: where the weights came from (arch, HF config)
+
+
+def is_hf_dir(path: Path) -> bool:
+    path = Path(path)
+    return (path / CONFIG_FILE).is_file() and (
+        (path / INDEX_FILE).is_file() or any(path.glob("*.safetensors")))
+
+
+class HFDir(ReadsFiles):
+    """The tensors of an HF model directory: name -> safetensors file, shapes and dtypes from the
+    headers, data read on demand."""
+
+    def __init__(self, path: str | Path):
+        self.dir = Path(path)
+        if not (self.dir / CONFIG_FILE).is_file():
+            raise UCPError(f"{self.dir}: no {CONFIG_FILE}; pass a Hugging Face model directory "
+                           "(save_pretrained output)")
+        try:
+            self.config = json.loads((self.dir / CONFIG_FILE).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise UCPError(f"{self.dir / CONFIG_FILE}: cannot read it ({e})") from e
+        self.reader = Reader()
+        self.where = self._index()
+
+    def _index(self) -> dict[str, Path]:
+        index = self.dir / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+                raise UCPError(f"{index}: not a safetensors index ({e})") from e
+            where = {name: self.dir / file for name, file in weight_map.items()}
+            for name, path in where.items():  # the index must not promise what a file lacks
+                if name not in self.reader.open(path).keys():
+                    raise UCPError(f"{index} puts tensor {name!r} in {path.name}, which does not "
+                                   "hold it; the directory is incomplete or mixes two models")
+            return where
+        files = sorted(self.dir.glob("*.safetensors"))
+        if not files:
+            found = [p.name for p in self.dir.glob("*.bin")]
+            raise UCPError(f"{self.dir}: no safetensors weights{f' (found {found})' if found else ''};"
+                           " only safetensors is read (no pickle): re-save the model with "
+                           "save_pretrained(..., safe_serialization=True)")
+        where: dict[str, Path] = {}
+        for path in files:
+            for name in self.reader.open(path).keys():
+                if name in where:
+                    raise UCPError(f"{self.dir}: tensor {name!r} is in both {where[name].name} and "
+                                   f"{path.name}; keep one model per directory")
+                where[name] = path
+        return where
+
+    def header(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """(safetensors dtype, shape) of tensor `name`."""
+        view = self.reader.open(self.where[name]).get_slice(name)
+        return view.get_dtype(), tuple(view.get_shape())
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self.reader.read(self.where[name], name)
+
+
+class HFSource(ReadsFiles):
+    """An HF model directory of a supported architecture as universal tensors (see module doc)."""
+
+    format = "hf"  # its name in the `formats` registry
+
+    def __init__(self, path: str | Path, **_: object):
+        self.hf = HFDir(path)
+        self.dir = self.hf.dir
+        self.reader = self.hf.reader
+        where = str(self.dir)
+        self.arch = archs.arch_of(self.hf.config, where)
+        args, run = archs.megatron_args(self.arch, self.hf.config, where)
+        specs, model = megatron_specs(args)
+        vocab = args.padded_vocab_size
+        model["unpadded_vocab_size"] = vocab  # HF vocabularies carry no padding rows
+        if "rotary_base" in run:
+            model["rotary_base"] = run["rotary_base"]
+            # RoPE has no parameter of that length: a run may train at any max_sequence_length
+            # (the load compares the field when the checkpoint has it); export-hf reads it back
+            # from the record below
+            del model["max_sequence_length"]
+        self.heads = archs.heads_of(model)
+        self.rules = {r.megatron: r for r in archs.rules(self.arch, model)}
+        if set(self.rules) != set(specs):  # the name map disagrees with megatron-core's model
+            raise UCPError(f"internal error: HF {self.arch} name map and megatron-core's model "
+                           f"differ: {sorted(set(self.rules) ^ set(specs))[:4]}; please report it")
+        self.ignored = self._check_tensors(specs)
+        params = {n: ParamEntry(ParamSpec(**{**vars(s), "dtype": self._dtype(n)}), 0.0)
+                  for n, s in specs.items()}
+        record = {"arch": self.arch, "path": where, "config": self.hf.config, "megatron": run}
+        self.manifest = Manifest("universal", 0, Layout(), 1, model, params,
+                                 {"param_groups": [], "grad_scaler": None}, None,
+                                 {FRESH: True, RECORD: record}, seed=1234)
+        self.origin = {"kind": "hf", "path": where, "arch": self.arch}
+        self._last: tuple[str, torch.Tensor] | None = None
+
+    def _check_tensors(self, specs: dict[str, ParamSpec]) -> list[str]:
+        """Every tensor the model needs is there at the shape its config implies, and every tensor
+        there is used (or a known non-parameter buffer). Returns the names skipped."""
+        used = set()
+        for name, rule in self.rules.items():
+            shapes = transforms.hf_shapes(rule.kind, specs[name].shape, self.heads)
+            for hf_name, shape in zip(rule.hf, shapes):
+                if hf_name not in self.hf.where:
+                    raise UCPError(f"{self.dir}: tensor {hf_name!r} is missing; HF {self.arch} with "
+                                   f"this config.json needs it (for megatron's {name})")
+                dtype, got = self.hf.header(hf_name)
+                if got != tuple(shape):
+                    raise UCPError(f"{self.dir}: tensor {hf_name!r} has shape {list(got)}, but "
+                                   f"config.json implies {list(shape)}; the weights do not match "
+                                   "the config")
+                if dtype not in ("F32", "BF16", "F16"):
+                    raise UCPError(f"{self.dir}: tensor {hf_name!r} is {dtype}; only F32, BF16 "
+                                   "and F16 weights are imported (dequantize first)")
+                used.add(hf_name)
+        skipped, unknown = [], []
+        for hf_name in self.hf.where:
+            if hf_name in used:
+                continue
+            if any(re.search(p, hf_name) for p in archs.IGNORED_HF[self.arch]):
+                skipped.append(hf_name)
+            elif hf_name == "lm_head.weight" and self._tied_copy(hf_name):
+                skipped.append(hf_name)
+            else:
+                unknown.append(hf_name)
+        if unknown:
+            raise UCPError(f"{self.dir}: tensor(s) {unknown[:3]}{' ...' if len(unknown) > 3 else ''}"
+                           f" have no place in megatron-core's model of this HF {self.arch} config; "
+                           "refusing to drop them (is config.json the weights' own config?)")
+        return skipped
+
+    def _tied_copy(self, name: str) -> bool:
+        """A tied model's lm_head saved anyway: fine if it is the embedding's copy."""
+        emb = self.rules["embedding.word_embeddings.weight"].hf[0]
+        if "output_layer.weight" in self.rules:
+            return False
+        if not torch.equal(self.hf.tensor(name), self.hf.tensor(emb)):
+            raise UCPError(f"{self.dir}: config.json says tie_word_embeddings, but {name} differs "
+                           f"from {emb}; fix the config (tie_word_embeddings: false)")
+        return True
+
+    def _dtype(self, name: str) -> str:
+        """The model dtype recorded in the spec: the HF weights' (megatron runs may train in another)."""
+        return DTYPE_NAMES[ST_TO_DTYPE[self.hf.header(self.rules[name].hf[0])[0]]]
+
+    def step(self, name: str) -> float:
+        return 0.0
+
+    def read(self, name: str, state: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        box = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+        if state != "param":  # fresh Adam moments
+            return torch.zeros(shape, dtype=torch.float32)
+        if self._last is None or self._last[0] != name:
+            self._last = None  # drop the previous tensor before assembling the next
+            rule = self.rules[name]
+            parts = [self.hf.tensor(n).to(torch.float32) for n in rule.hf]
+            self._last = (name, transforms.join(rule.kind, parts, self.heads, name))
+        return self._last[1][box]
+
+    def rng_ranks(self) -> list[int]:
+        return []
+
+    def rng(self, rank: int) -> tuple[dict[str, torch.Tensor], dict]:
+        return {}, {}
+
+
+def import_hf(hf_dir: str | Path, out: str | Path, *, progress: Progress = True,
+              max_file_bytes: int = 2**31) -> Path:
+    """`megatron-ucp import-hf`: an HF model directory -> a new universal checkpoint (fp32 master
+    weights, zero Adam moments, step 0) that `megatron_ucp.load` reads at any layout."""
+    from megatron_ucp.formats.universal import write
+
+    refuse_non_empty(Path(out))
+    source = HFSource(hf_dir)
+    if source.ignored:
+        log.info("skipped %d non-parameter tensor(s) of the HF checkpoint, e.g. %s",
+                 len(source.ignored), source.ignored[0])
+    return write(source, out, progress=progress, max_file_bytes=max_file_bytes)

@@ -1,0 +1,121 @@
+"""Element order of fused megatron-core tensors versus their Hugging Face counterparts.
+
+Each transform maps one universal tensor (megatron-core's element order, docs/FORMAT.md) to the
+HF tensors that hold the same numbers (`split`), back (`join`), and says the HF shapes without
+touching data (`hf_shapes`), so writers can lay out their files before reading anything.
+
+* `copy`: the same tensor.
+* `conv1d`: HF GPT-2's Conv1D stores `[in, out]`, megatron's linear `[out, in]`: a transpose.
+* `qkv`: megatron's fused `linear_qkv` rows per query group `[q heads of group g; k_g; v_g]`
+  (x head_dim) -> separate `q_proj`, `k_proj`, `v_proj` (GQA; weight or bias).
+* `qkv_cat`: the same rows as one `[q; k; v]` tensor (GPT-2's `c_attn` bias).
+* `qkv_conv1d`: `qkv_cat`, transposed (GPT-2's `c_attn` weight).
+* `gate_up`: SwiGLU `linear_fc1` `[gate; up]` -> `gate_proj`, `up_proj` (Mixtral: `w1`, `w3`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_ucp.errors import UCPError
+
+KINDS = ("copy", "conv1d", "qkv", "qkv_cat", "qkv_conv1d", "gate_up")
+
+
+@dataclass(frozen=True)
+class Heads:
+    """Attention geometry: `heads` query heads in `groups` query groups of `head_dim` each."""
+
+    heads: int
+    groups: int
+    head_dim: int
+
+    @property
+    def per_group(self) -> int:
+        return self.heads // self.groups
+
+    def qkv_rows(self) -> tuple[int, int, int]:
+        """Rows of q, k and v (HF's q_proj, k_proj, v_proj)."""
+        return self.heads * self.head_dim, self.groups * self.head_dim, self.groups * self.head_dim
+
+
+Shape = tuple[int, ...]
+
+
+def hf_shapes(kind: str, shape: Shape, heads: Heads) -> list[Shape]:
+    """The shapes of the HF tensors `split` makes of a universal tensor of `shape`."""
+    rest = tuple(shape[1:])
+    if kind == "copy" or kind == "qkv_cat":
+        return [tuple(shape)]
+    if kind == "conv1d" or kind == "qkv_conv1d":
+        return [tuple(reversed(shape))]
+    if kind == "qkv":
+        return [(rows, *rest) for rows in heads.qkv_rows()]
+    if kind == "gate_up":
+        return [(shape[0] // 2, *rest)] * 2
+    raise ValueError(f"unknown transform {kind!r}")
+
+
+def check_qkv_rows(t: torch.Tensor, heads: Heads, what: str) -> None:
+    rows = sum(heads.qkv_rows())
+    if t.shape[0] != rows:
+        raise UCPError(f"{what}: fused QKV has {t.shape[0]} rows; {heads.heads} heads in "
+                       f"{heads.groups} query groups of {heads.head_dim} need {rows}")
+
+
+def _per_group(t: torch.Tensor, heads: Heads) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v of a fused megatron QKV tensor, each with the groups' rows in group order."""
+    g, d, n = heads.groups, heads.head_dim, heads.per_group
+    grouped = t.reshape(g, (n + 2) * d, *t.shape[1:])
+    q, k, v = grouped.split([n * d, d, d], dim=1)
+    return (q.reshape(g * n * d, *t.shape[1:]), k.reshape(g * d, *t.shape[1:]),
+            v.reshape(g * d, *t.shape[1:]))
+
+
+def split(kind: str, t: torch.Tensor, heads: Heads, what: str = "tensor") -> list[torch.Tensor]:
+    """The HF tensors (contiguous) holding the numbers of universal tensor `t`."""
+    if kind == "copy":
+        out = [t]
+    elif kind == "conv1d":
+        out = [t.t()]
+    elif kind in ("qkv", "qkv_cat", "qkv_conv1d"):
+        check_qkv_rows(t, heads, what)
+        out = list(_per_group(t, heads))
+        if kind != "qkv":
+            out = [torch.cat(out, dim=0)]
+        if kind == "qkv_conv1d":
+            out = [out[0].t()]
+    elif kind == "gate_up":
+        if t.shape[0] % 2:
+            raise UCPError(f"{what}: SwiGLU linear_fc1 has an odd number of rows ({t.shape[0]})")
+        out = list(t.chunk(2, dim=0))
+    else:
+        raise ValueError(f"unknown transform {kind!r}")
+    return [x.contiguous() for x in out]
+
+
+def join(kind: str, parts: list[torch.Tensor], heads: Heads, what: str = "tensor") -> torch.Tensor:
+    """The universal tensor whose `split` gives `parts` (the inverse of `split`)."""
+    if kind == "copy":
+        return parts[0].contiguous()
+    if kind == "conv1d":
+        return parts[0].t().contiguous()
+    if kind == "gate_up":
+        return torch.cat(parts, dim=0)
+    if kind in ("qkv_cat", "qkv_conv1d"):
+        t = parts[0].t() if kind == "qkv_conv1d" else parts[0]
+        q_rows, k_rows, v_rows = heads.qkv_rows()
+        if t.shape[0] != q_rows + k_rows + v_rows:
+            raise UCPError(f"{what}: fused [q; k; v] has {t.shape[0]} rows, {heads.heads} heads "
+                           f"of {heads.head_dim} need {q_rows + k_rows + v_rows}")
+        parts = list(t.split([q_rows, k_rows, v_rows], dim=0))
+    if kind in ("qkv", "qkv_cat", "qkv_conv1d"):
+        q, k, v = parts
+        g, d, n = heads.groups, heads.head_dim, heads.per_group
+        rest = tuple(q.shape[1:])
+        fused = torch.cat([q.reshape(g, n * d, *rest), k.reshape(g, d, *rest),
+                           v.reshape(g, d, *rest)], dim=1)
+        return fused.reshape(g * (n + 2) * d, *rest)
+    raise ValueError(f"unknown transform {kind!r}")

@@ -1,0 +1,106 @@
+"""Launched scenarios for the Hugging Face export/import tests: megatron-core logits of tiny models.
+
+Each function runs inside one rank (`launch.launch`) and handles several model configs in one
+launch (a launch costs tens of seconds of imports): the process group stays up, megatron-core's
+model-parallel groups are rebuilt per config. Logits are gathered over TP and written by rank 0.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+import megatron_ucp as ucp
+from megatron_ucp.layout import Layout
+from megatron_ucp.optimizer_state import OptimizerIndex
+from megatron_ucp.testing import tiny_gpt as tg  # installs the CPU shim first
+
+
+def _build(layout: str, cfg: dict) -> tg.TrainState:
+    lay = Layout.parse(layout)
+    tg.init_distributed(lay)  # the process group once, megatron-core's groups per config
+    return tg.build(tg.TinyGPTConfig(**cfg), lay)
+
+
+def _teardown() -> None:
+    dist.barrier()
+    ps.destroy_model_parallel()
+
+
+@torch.no_grad()
+def logits(st: tg.TrainState, tokens: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary logits [batch, seq, padded vocab] of the model for `tokens` (PP1)."""
+    if st.layout.pp != 1:
+        raise ValueError("logits() runs the model in one stage (PP1)")
+    model = st.model[0]
+    model.eval()
+    seq = tokens.shape[1]
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1)[None, None]
+    positions = torch.arange(seq).expand(tokens.shape[0], -1)
+    out = model(tokens.cuda(), positions.cuda(), mask.cuda()).float().cpu()
+    model.train()
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp > 1:  # the output layer is vocab-parallel: each TP rank holds a block of the vocabulary
+        parts = [torch.empty_like(out) for _ in range(tp)]
+        dist.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
+        out = torch.cat(parts, dim=-1)
+    return out
+
+
+def _write(t: torch.Tensor, path: str) -> None:
+    if dist.get_rank() == 0:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        torch.save(t, path)
+
+
+def train_save_logits(layout: str, runs: list[dict], steps: int, tokens: list) -> list[dict]:
+    """For each run {cfg, save_dir, logits}: train `steps`, save with megatron_ucp.save (the true
+    vocabulary recorded), write the trained model's logits for `tokens`."""
+    out = []
+    for run in runs:
+        st = _build(layout, run["cfg"])
+        losses = [tg.train_step(st) for _ in range(steps)]
+        ucp.save(st.model, st.optimizer, st.scheduler, run["save_dir"], st.iteration,
+                 seed=st.config.seed, vocab_size=st.config.unpadded_vocab_size)
+        _write(logits(st, torch.tensor(tokens)), run["logits"])
+        out.append({"losses": losses})
+        _teardown()
+    return out
+
+
+def _fresh_adam(st: tg.TrainState) -> bool:
+    """This rank's Adam state is new: both moments zero and step 0 for every shard it holds."""
+    index = OptimizerIndex(st.optimizer)
+    for p in index.owner:
+        if index.shard_range(p) is None:
+            continue
+        states, step = index.get(p)
+        if float(step) != 0.0 or states["exp_avg"].any() or states["exp_avg_sq"].any():
+            return False
+    return True
+
+
+def load_logits(layout: str, runs: list[dict], tokens: list, train_steps: int = 1) -> list[dict]:
+    """For each run {cfg, load_dir[, logits][, tokens][, resave_dir]}: build at `layout`,
+    megatron_ucp.load, write the logits for the run's tokens (default `tokens`; PP1), save the loaded
+    state again (resave_dir), then train `train_steps` from it (a fresh optimizer for imports)."""
+    out = []
+    for run in runs:
+        st = _build(layout, run["cfg"])
+        r = ucp.load(st.model, st.optimizer, st.scheduler, run["load_dir"])
+        st.iteration = r.iteration
+        if run.get("logits"):
+            _write(logits(st, torch.tensor(run.get("tokens", tokens))), run["logits"])
+        fresh = _fresh_adam(st)
+        if run.get("resave_dir"):
+            ucp.save(st.model, st.optimizer, st.scheduler, run["resave_dir"], st.iteration,
+                     extra=r.extra, seed=st.config.seed, vocab_size=st.config.unpadded_vocab_size)
+        losses = [tg.train_step(st) for _ in range(train_steps)]
+        out.append({"iteration": r.iteration, "losses": losses, "fresh_adam": fresh,
+                    "finite": all(math.isfinite(x) for x in losses)})
+        _teardown()
+    return out

@@ -1,0 +1,197 @@
+"""Hugging Face export and import against real megatron-core and real transformers (CPU, tiny).
+
+One launch trains a tiny megatron-core GPT per architecture at TP2 for 2 steps, saves it with
+megatron_ucp.save and dumps its logits for fixed tokens. Each save is exported with export-hf
+and loaded with transformers: same logits. Each export is imported back with import-hf and loaded
+by megatron_ucp.load at TP1xDP2 in a second launch: same logits again, and training starts from
+it. Nothing is downloaded: HF models are built from configs here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from megatron_ucp.formats import open_source  # noqa: E402
+from megatron_ucp.formats.hf import export, import_hf  # noqa: E402
+from megatron_ucp.testing.launch import launch  # noqa: E402
+
+HF_SCENARIOS = "megatron_ucp.testing.hf_scenarios"
+ARCHS = ("llama", "qwen2", "gpt2", "mixtral")
+TOL = 1e-4  # fp32 logits, max abs difference
+TRUE_VOCAB = 250  # the model pads it to 256 (vocab rows 250..255 must not be exported)
+BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+            vocab_size=256, unpadded_vocab_size=TRUE_VOCAB, seq_length=32, micro_batch_size=2,
+            global_batch_size=4)
+ROTARY = dict(swiglu=True, normalization="RMSNorm", position_embedding_type="rope",
+              add_bias_linear=False, num_query_groups=2)
+CFGS = {
+    "llama": {**BASE, **ROTARY, "untie_embeddings": True},  # GQA, untied, no biases
+    "qwen2": {**BASE, **ROTARY, "extra": {"add_qkv_bias": True}},  # q/k/v biases, tied
+    "gpt2": dict(BASE),  # megatron's default GPT: learned positions, GELU, biases, LayerNorm, tied
+    # top-2 of 4 experts; megatron-core's MoE wants sequence parallelism with TP
+    "mixtral": {**BASE, **ROTARY, "untie_embeddings": True, "num_experts": 4,
+                "sequence_parallel": True},
+}
+# a transformers Llama built here (biases everywhere, tied, head_dim != hidden / heads) and the
+# megatron-core model of the same architecture (vocabulary 100 padded to 128)
+NATIVE_HF = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, attention_bias=True,
+                 mlp_bias=True, tie_word_embeddings=True, max_position_embeddings=32,
+                 rms_norm_eps=1e-5)
+NATIVE_CFG = {**BASE, **ROTARY, "add_bias_linear": True, "vocab_size": 128,
+              "unpadded_vocab_size": 100, "extra": {"kv_channels": 32}}
+NATIVE_TOKENS = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(8)).tolist()
+TOKENS = torch.randint(0, TRUE_VOCAB, (2, 16), generator=torch.Generator().manual_seed(7)).tolist()
+SHARD_BYTES = 200_000  # several shards per tiny model
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """Per arch: `<arch>/ckpt` (megatron_ucp.save at TP2 after 2 steps), `<arch>/megatron.pt`
+    (its logits for TOKENS), `<arch>/hf` (export-hf of it)."""
+    root = tmp_path_factory.mktemp("hf")
+    todo = [{"cfg": CFGS[a], "save_dir": str(root / a / "ckpt"), "logits": str(root / a / "megatron.pt")}
+            for a in ARCHS]
+    launch(2, f"{HF_SCENARIOS}:train_save_logits", {"layout": "tp2", "runs": todo, "steps": 2,
+                                                      "tokens": TOKENS})
+    for a in ARCHS:
+        export(open_source(root / a / "ckpt"), root / a / "hf", a, max_shard_bytes=SHARD_BYTES,
+               progress=False)
+    return root
+
+
+@pytest.fixture(scope="module")
+def reloaded(runs) -> list[list[dict]]:
+    """import-hf of every export, loaded at TP1xDP2 (logits in `<arch>/reloaded.pt`), then one
+    training step from the fresh optimizer."""
+    todo = []
+    for a in ARCHS:
+        import_hf(runs / a / "hf", runs / a / "imported", progress=False)
+        # (sequence parallelism needs TP > 1)
+        todo.append({"cfg": {**CFGS[a], "sequence_parallel": False},
+                     "load_dir": str(runs / a / "imported"),
+                     "logits": str(runs / a / "reloaded.pt")})
+    torch.manual_seed(0)
+    native = transformers.LlamaForCausalLM(transformers.LlamaConfig(**NATIVE_HF))
+    with torch.no_grad():  # nothing at its init value (zero biases, unit norms)
+        for p in native.parameters():
+            p.normal_(0, 0.2)
+        torch.save(native.eval()(torch.tensor(NATIVE_TOKENS)).logits, runs / "native_hf.pt")
+    native.save_pretrained(runs / "native_hf")
+    import_hf(runs / "native_hf", runs / "native_imported", progress=False)
+    todo.append({"cfg": NATIVE_CFG, "load_dir": str(runs / "native_imported"),
+                 "logits": str(runs / "native_megatron.pt"), "tokens": NATIVE_TOKENS,
+                 "resave_dir": str(runs / "native_resaved")})
+    return launch(2, f"{HF_SCENARIOS}:load_logits", {"layout": "tp1dp2", "runs": todo,
+                                                     "tokens": TOKENS})
+
+
+def hf_logits(hf_dir: Path) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        return model(torch.tensor(TOKENS)).logits
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_export_gives_megatron_logits(runs, arch):
+    megatron = torch.load(runs / arch / "megatron.pt")
+    hf = hf_logits(runs / arch / "hf")
+    assert hf.shape == (2, 16, TRUE_VOCAB)  # padding rows trimmed
+    diff = max_diff(hf, megatron[..., :TRUE_VOCAB])
+    print(f"{arch}: megatron TP2 vs transformers logits max abs diff {diff:.3g}")
+    assert diff <= TOL
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_exported_directory(runs, arch):
+    out = runs / arch / "hf"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(files) > 1 and sorted(set(index["weight_map"].values())) == files
+    assert all(f.startswith("model-") and f.endswith(f"-of-{len(files):05d}.safetensors") for f in files)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == arch and cfg["vocab_size"] == TRUE_VOCAB
+    assert cfg["tie_word_embeddings"] == (not CFGS[arch].get("untie_embeddings", False))
+    assert ("lm_head.weight" in index["weight_map"]) == CFGS[arch].get("untie_embeddings", False)
+    assert (out / "generation_config.json").is_file()
+    if arch != "gpt2":
+        assert cfg["num_key_value_heads"] == 2 and cfg["rope_parameters"]["rope_theta"] == 10000.0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_import_loads_at_another_layout(runs, reloaded, arch):
+    for rank in reloaded:  # each rank: iteration 0, zero Adam moments at step 0, then a step
+        result = rank[ARCHS.index(arch)]
+        assert result["iteration"] == 0 and result["fresh_adam"] and result["finite"]
+    megatron = torch.load(runs / arch / "megatron.pt")
+    diff = max_diff(torch.load(runs / arch / "reloaded.pt")[..., :TRUE_VOCAB], megatron[..., :TRUE_VOCAB])
+    print(f"{arch}: megatron TP2 vs export -> import-hf -> load at TP1xDP2 logits max abs diff {diff:.3g}")
+    assert diff <= TOL
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_imported_specs_are_megatron_cores(runs, arch):
+    """import-hf's specs (from megatron-core's model rebuilt for the HF config) equal those
+    megatron_ucp.save derived from the trained model, up to the vocabulary padding."""
+    saved = open_source(runs / arch / "ckpt").manifest
+    src = open_source(runs / arch / "hf")
+    assert src.format == "hf" and set(src.manifest.params) == set(saved.params)
+    for name, p in saved.params.items():
+        mine = src.manifest.params[name].spec
+        assert (mine.tp_axis, mine.tp_blocks, mine.vocab_rows, mine.buffer) == \
+            (p.spec.tp_axis, p.spec.tp_blocks, p.spec.vocab_rows, p.spec.buffer), name
+        rows = TRUE_VOCAB if p.spec.vocab_rows else p.spec.shape[0]
+        assert mine.shape == (rows, *p.spec.shape[1:]), name
+    assert src.manifest.extra["fresh_optimizer"] is True
+    assert all(src.step(n) == 0.0 for n in src.manifest.params)
+
+
+def test_transformers_model_imports_into_megatron(runs, reloaded):
+    """A model transformers saved (not one export-hf wrote) computes the same in megatron-core
+    after import-hf and megatron_ucp.load at TP1xDP2."""
+    assert all(rank[len(ARCHS)]["fresh_adam"] for rank in reloaded)
+    megatron = torch.load(runs / "native_megatron.pt")[..., :100]
+    diff = max_diff(megatron, torch.load(runs / "native_hf.pt"))
+    print(f"llama (transformers-made, biases, head_dim 32): import-hf -> megatron TP1xDP2 logits "
+          f"max abs diff {diff:.3g}")
+    assert diff <= TOL
+
+
+def test_transformers_model_round_trips_through_megatron(runs, reloaded, tmp_path):
+    """transformers -> import-hf -> megatron_ucp.load at TP1xDP2 (vocabulary padded to 128) ->
+    megatron_ucp.save -> export-hf: the same tensors, bit for bit, and the same config."""
+    from safetensors.torch import load_file
+
+    out = export(open_source(runs / "native_resaved"), tmp_path / "hf", "llama", progress=False)
+    want = {k: v for f in (runs / "native_hf").glob("*.safetensors") for k, v in load_file(f).items()}
+    got = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
+    assert sorted(want) == sorted(got)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    config = json.loads((out / "config.json").read_text())
+    assert {k: config[k] for k in NATIVE_HF} == NATIVE_HF
+
+
+def test_round_trip_through_tp2pp2(runs, reloaded, tmp_path):
+    """The same through megatron_ucp.load at TP2xPP2 (4 ranks; tied embeddings on both stages):
+    export-hf of its save gives the transformers tensors bit for bit."""
+    from safetensors.torch import load_file
+
+    launch(4, f"{HF_SCENARIOS}:load_logits", {
+        "layout": "tp2pp2", "tokens": NATIVE_TOKENS,
+        "runs": [{"cfg": NATIVE_CFG, "load_dir": str(runs / "native_imported"),
+                  "resave_dir": str(tmp_path / "resaved")}]})
+    out = export(open_source(tmp_path / "resaved"), tmp_path / "hf", "llama", progress=False)
+    want = {k: v for f in (runs / "native_hf").glob("*.safetensors") for k, v in load_file(f).items()}
+    got = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
+    assert sorted(want) == sorted(got) and all(torch.equal(want[k], got[k]) for k in want)

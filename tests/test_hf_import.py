@@ -1,0 +1,293 @@
+"""import-hf and export-hf round trips on random tiny transformers models, and bad inputs.
+
+No process group and no training: models are built from configs with random weights (every
+tensor, biases and norms included, drawn at random so a misplaced element shows), saved with
+save_pretrained, imported to a universal checkpoint and exported again, which must give the same
+tensors bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from safetensors import safe_open  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from megatron_ucp.cli import main  # noqa: E402
+from megatron_ucp.errors import UCPError  # noqa: E402
+from megatron_ucp.formats import open_source  # noqa: E402
+from megatron_ucp.formats.hf import export, import_hf  # noqa: E402
+from megatron_ucp.formats.hf.source import HFSource  # noqa: E402
+from megatron_ucp.spec import ParamSpec  # noqa: E402
+
+ROTARY = dict(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+              bos_token_id=1, eos_token_id=2)
+MODELS = {  # name -> (arch, config class, kwargs)
+    "llama": ("llama", "LlamaConfig", {**ROTARY, "rope_theta": 50000.0}),
+    # biases on every linear, tied embeddings, head_dim != hidden / heads
+    "llama_bias": ("llama", "LlamaConfig", {**ROTARY, "attention_bias": True, "mlp_bias": True,
+                                            "tie_word_embeddings": True, "head_dim": 16}),
+    "qwen2": ("qwen2", "Qwen2Config", {**ROTARY, "tie_word_embeddings": True}),
+    "mixtral": ("mixtral", "MixtralConfig", {**ROTARY, "num_local_experts": 3,
+                                             "num_experts_per_tok": 2}),
+    "gpt2": ("gpt2", "GPT2Config", dict(vocab_size=100, n_embd=32, n_layer=2, n_head=4,
+                                        n_positions=64, activation_function="gelu")),
+    "gpt2_untied": ("gpt2", "GPT2Config", dict(vocab_size=100, n_embd=32, n_layer=2, n_head=4,
+                                               n_positions=64, tie_word_embeddings=False)),
+}
+ARCH_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "mixtral": "MixtralForCausalLM", "gpt2": "GPT2LMHeadModel"}
+TOKENS = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(3))
+
+
+def build(name: str, dtype: torch.dtype = torch.float32):
+    arch, cfg_cls, kw = MODELS[name]
+    cfg = getattr(transformers, cfg_cls)(**kw)
+    torch.manual_seed(0)
+    model = getattr(transformers, ARCH_CLASSES[arch])(cfg)
+    with torch.no_grad():  # nothing left at its init value (zero biases, unit norms)
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    return model.to(dtype).eval()
+
+
+def tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(Path(hf_dir).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as s:
+            out.update({k: s.get_tensor(k) for k in s.keys()})
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict[str, Path]:
+    """Each model of MODELS saved with save_pretrained (fp32), plus llama in bf16."""
+    root = tmp_path_factory.mktemp("hf_models")
+    out = {}
+    for name in MODELS:
+        build(name).save_pretrained(root / name)
+        out[name] = root / name
+    build("llama", torch.bfloat16).save_pretrained(root / "llama_bf16")
+    out["llama_bf16"] = root / "llama_bf16"
+    return out
+
+
+@pytest.mark.parametrize("name", [*MODELS, "llama_bf16"])
+def test_round_trip_is_bitwise(saved, tmp_path, name):
+    arch = MODELS[name.removesuffix("_bf16")][0]
+    universal = import_hf(saved[name], tmp_path / "universal", progress=False)
+    u = open_source(universal)
+    assert u.manifest.extra["fresh_optimizer"] is True and u.manifest.iteration == 0
+    some = next(iter(u.manifest.params))
+    assert u.step(some) == 0.0
+    assert not u.read(some, "exp_avg", (0,) * len(u.manifest.params[some].shape),
+                      u.manifest.params[some].shape).any()
+    out = export(u, tmp_path / "hf", arch, max_shard_bytes=20_000, progress=False)
+    a, b = tensors(saved[name]), tensors(out)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    original = json.loads((saved[name] / "config.json").read_text())
+    exported = json.loads((out / "config.json").read_text())
+    same = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "intermediate_size", "rms_norm_eps", "max_position_embeddings",
+            "tie_word_embeddings", "rope_parameters", "attention_bias", "mlp_bias", "bos_token_id",
+            "eos_token_id", "num_local_experts", "num_experts_per_tok", "n_embd", "n_layer",
+            "n_head", "n_positions", "n_inner", "layer_norm_epsilon", "dtype")
+    for k in same:
+        if k in original and original[k] is not None:
+            assert exported[k] == original[k], k
+
+
+@pytest.mark.parametrize("name", ["llama_bias", "mixtral", "gpt2_untied"])
+def test_exported_model_computes_the_same(saved, tmp_path, name):
+    """The round trip through the universal form loads in transformers with the same logits."""
+    import_hf(saved[name], tmp_path / "u", progress=False)
+    out = export(open_source(tmp_path / "u"), tmp_path / "hf", MODELS[name][0], progress=False)
+    with torch.no_grad():
+        want = build(name)(TOKENS).logits
+        got = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(TOKENS).logits
+    assert torch.equal(want, got)
+
+
+def test_hf_directory_is_a_source(saved, tmp_path):
+    """The registry opens an HF directory directly: export-hf from it is the identity."""
+    src = open_source(saved["qwen2"])
+    assert src.format == "hf" and src.manifest.true_vocab == 100
+    out = export(src, tmp_path / "hf", "qwen2", progress=False)
+    a, b = tensors(saved["qwen2"]), tensors(out)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_cli(saved, tmp_path, capsys):
+    assert main(["import-hf", str(saved["llama"]), str(tmp_path / "u"), "--no-progress"]) == 0
+    assert main(["export-hf", str(tmp_path / "u"), str(tmp_path / "hf"), "--arch", "llama",
+                 "--dtype", "bf16", "--no-progress"]) == 0
+    got = tensors(tmp_path / "hf")
+    want = tensors(saved["llama"])
+    assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], want[k].bfloat16()) for k in want)
+    assert main(["export-hf", str(tmp_path / "u"), str(tmp_path / "bad"), "--arch", "gpt2",
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "position_embedding_type" in err and not (tmp_path / "bad").exists()
+
+
+# ------------------------------------------------------------------------------- bad inputs
+
+
+def copy_with(src: Path, dst: Path, drop: str | None = None, add: dict | None = None,
+              config: dict | None = None) -> Path:
+    """A copy of an HF directory with one tensor dropped or some added (one safetensors file),
+    or config.json fields changed."""
+    dst.mkdir()
+    t = tensors(src)
+    if drop:
+        del t[drop]
+    t.update(add or {})
+    save_file(t, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, **(config or {})}))
+    return dst
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(drop="model.layers.1.mlp.up_proj.weight"), "model.layers.1.mlp.up_proj.weight' is missing"),
+    (dict(config={"intermediate_size": 64}), "config.json implies"),
+    (dict(add={"model.layers.0.self_attn.q_norm.weight": torch.ones(8)}), "have no place"),
+    (dict(config={"hidden_act": "gelu"}), "hidden_act"),
+    (dict(config={"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}),
+     "rope_type"),
+    (dict(config={"attention_bias": True}), "attention_bias"),
+    (dict(config={"model_type": "bert"}), "model_type 'bert' is not supported"),
+])
+def test_import_refuses(saved, tmp_path, change, message):
+    bad = copy_with(saved["llama"], tmp_path / "bad", **change)
+    with pytest.raises(UCPError, match=message):
+        import_hf(bad, tmp_path / "u", progress=False)
+    assert not (tmp_path / "u").exists()
+
+
+def test_import_refuses_pickled_weights(saved, tmp_path):
+    (tmp_path / "bin").mkdir()
+    shutil.copy(saved["llama"] / "config.json", tmp_path / "bin")
+    (tmp_path / "bin" / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(UCPError, match="only safetensors"):
+        import_hf(tmp_path / "bin", tmp_path / "u", progress=False)
+
+
+@pytest.mark.parametrize("name, arch, field", [
+    ("gpt2", "llama", "position_embedding_type"),  # a non-rotary model as llama
+    ("llama", "gpt2", "position_embedding_type"),
+    ("llama", "qwen2", "add_qkv_bias"),  # qwen2 needs q/k/v biases
+    ("qwen2", "llama", "add_qkv_bias"),  # llama's attention_bias also covers o_proj
+    ("llama_bias", "qwen2", "add_bias_linear"),  # biases where the arch has none
+    ("llama_bias", "mixtral", "add_bias_linear"),
+    ("llama", "mixtral", "num_moe_experts"),
+    ("mixtral", "llama", "num_moe_experts"),
+])
+def test_export_refuses_what_the_arch_cannot_represent(saved, tmp_path, name, arch, field):
+    with pytest.raises(UCPError, match=f"cannot export as HF {arch}: model config {field}"):
+        export(HFSource(saved[name]), tmp_path / "hf", arch, progress=False)
+    assert not (tmp_path / "hf").exists()
+
+
+def test_export_refuses_bad_models(saved, tmp_path):
+    with pytest.raises(UCPError, match="unknown HF architecture 'bert'"):
+        export(HFSource(saved["llama"]), tmp_path / "a", "bert", progress=False)
+    src = HFSource(saved["llama"])
+    src.manifest.model["qk_layernorm"] = True
+    with pytest.raises(UCPError, match="qk_layernorm=True: HF llama has no QK-norm"):
+        export(src, tmp_path / "b", "llama", progress=False)
+    src = HFSource(saved["llama"])  # a parameter the config does not announce: never dropped
+    name = "decoder.layers.0.self_attention.q_layernorm.weight"
+    src.manifest.params[name] = type(src.manifest.params["decoder.final_layernorm.weight"])(
+        ParamSpec(name, (8,), "float32", None), 0.0)
+    with pytest.raises(UCPError, match=r"q_layernorm.weight'\] have no place in HF llama"):
+        export(src, tmp_path / "c", "llama", progress=False)
+    src = HFSource(saved["llama"])
+    del src.manifest.params["decoder.layers.1.mlp.linear_fc2.weight"]
+    with pytest.raises(UCPError, match="lacks parameter.*linear_fc2"):
+        export(src, tmp_path / "d", "llama", progress=False)
+    with pytest.raises(UCPError, match="does not fit"):
+        export(HFSource(saved["llama"]), tmp_path / "e", "llama", vocab_size=101, progress=False)
+    (tmp_path / "f").mkdir()
+    (tmp_path / "f" / "x").write_text("")
+    with pytest.raises(UCPError, match="not empty"):
+        export(HFSource(saved["llama"]), tmp_path / "f", "llama", progress=False)
+    assert not any(p.name.endswith(".partial") for p in tmp_path.iterdir())
+
+
+def test_activation_the_checkpoint_does_not_record(saved, tmp_path):
+    """megatron_ucp.save does not record the MLP activation: import-hf's record or the caller
+    says it; a wrong one for the architecture is refused."""
+    out = export(HFSource(saved["gpt2_untied"]), tmp_path / "a", "gpt2", progress=False)
+    assert json.loads((out / "config.json").read_text())["activation_function"] == "gelu_new"
+    out = export(HFSource(saved["gpt2"]), tmp_path / "b", "gpt2", activation="openai_gelu",
+                 progress=False)
+    assert json.loads((out / "config.json").read_text())["activation_function"] == "gelu_new"
+    with pytest.raises(UCPError, match="model config activation='swiglu'"):
+        export(HFSource(saved["gpt2"]), tmp_path / "c", "gpt2", activation="swiglu", progress=False)
+
+
+FIXTURES = Path(__file__).parent / "fixtures" / "megatron_lm"
+
+
+@pytest.mark.parametrize("fixture, arch", [("torch_llama_tp2", "llama"),
+                                           ("torch_dist_tp2_dp2", "gpt2")])
+def test_megatron_lm_checkpoint_exports(tmp_path, fixture, arch):
+    """Megatron-LM checkpoints (torch and torch_dist, trained at TP2) export too: every weight
+    comes back through import-hf as the source's master weight in the export dtype, and
+    transformers runs the model."""
+    from megatron_ucp.formats.hf import export_hf
+
+    src = FIXTURES / fixture / "ckpt"
+    out = export_hf(src, tmp_path / "hf", arch, progress=False)
+    source, back = open_source(src), HFSource(out)
+    dtype = transformers.AutoConfig.from_pretrained(out).dtype
+    assert set(back.manifest.params) == set(source.manifest.params)
+    for name, p in source.manifest.params.items():
+        box = ((0,) * len(p.shape), p.shape)
+        assert torch.equal(source.read(name, "param", *box).to(dtype).float(),
+                           back.read(name, "param", *box)), name
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.isfinite(model(TOKENS[:, :8]).logits).all()
+
+
+def test_export_streams_one_tensor_at_a_time(saved, tmp_path):
+    """Each universal tensor is read once, whole, and only its master weight; progress goes
+    through the factory it is given (the CLI's tqdm)."""
+    src = HFSource(saved["mixtral"])
+    reads: list[tuple[str, str]] = []
+    real = src.read
+
+    def read(name, state, offset, shape):
+        reads.append((name, state))
+        assert offset == (0,) * len(shape)
+        return real(name, state, offset, shape)
+
+    src.read = read
+    bars = []
+
+    class Bar:
+        def __init__(self, total, desc, unit):
+            self.total, self.done = total, 0
+            bars.append(self)
+
+        def update(self, n=1):
+            self.done += n
+
+        def close(self):
+            pass
+
+    export(src, tmp_path / "hf", "mixtral", progress=Bar)
+    assert sorted(reads) == sorted((n, "param") for n in src.manifest.params)
+    assert len(bars) == 1 and bars[0].total == bars[0].done == len(src.manifest.params)
