@@ -34,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from megatron_ucp.errors import UCPError
+from megatron_ucp.formats.megatron_common import null_tokenizer_vocab
 
 UNIVERSAL_FORMAT = "universal"  # the --ckpt-format value that means "megatron-ucp, both ways"
 # Megatron-LM args written to the checkpoint's `extra` and restored on load: the training loop
@@ -128,8 +129,7 @@ def true_vocab_size(args: argparse.Namespace) -> int | None:
 
         size = int(get_tokenizer().vocab_size)
     except Exception:  # no megatron.training, or the tokenizer was not built (tests, custom loops)
-        if getattr(args, "tokenizer_type", None) == "NullTokenizer" and getattr(args, "vocab_size", None):
-            size = int(args.vocab_size) + 1
+        size = null_tokenizer_vocab(args)
     padded = getattr(args, "padded_vocab_size", None)
     if size is None or (padded is not None and size > padded):
         return None

@@ -251,9 +251,11 @@ def test_megatron_lm_checkpoint_exports(tmp_path, fixture, arch):
     src = FIXTURES / fixture / "ckpt"
     out = export_hf(src, tmp_path / "hf", arch, progress=False)
     source, back = open_source(src), HFSource(out)
-    dtype = transformers.AutoConfig.from_pretrained(out).dtype
+    config = transformers.AutoConfig.from_pretrained(out)
+    dtype = config.dtype
+    assert config.vocab_size == 251  # NullTokenizer --vocab-size 250 + EOD; Megatron pads to 256
     assert set(back.manifest.params) == set(source.manifest.params)
-    for name, p in source.manifest.params.items():
+    for name, p in back.manifest.params.items():
         box = ((0,) * len(p.shape), p.shape)
         assert torch.equal(source.read(name, "param", *box).to(dtype).float(),
                            back.read(name, "param", *box)), name

@@ -231,6 +231,14 @@ def rng_shard_key(pp_rank: int, tp_rank: int, pp: int, tp: int,
     return f"rng_state/shard_{pp_rank}.{tp_rank}_{pp}.{tp}"
 
 
+def null_tokenizer_vocab(args) -> int | None:
+    """The vocabulary of a run with --tokenizer-type NullTokenizer: its --vocab-size ids plus the
+    EOD token it appends. None for other tokenizers (args record only the padded size)."""
+    if getattr(args, "tokenizer_type", None) == "NullTokenizer" and getattr(args, "vocab_size", None):
+        return int(args.vocab_size) + 1
+    return None
+
+
 def check_supported(args, where: Path | str) -> None:
     """Refuse runs whose model or optimizer state megatron-ucp cannot rebuild from args."""
     problems = []

@@ -21,6 +21,7 @@ from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.hf import archs, transforms
 from megatron_ucp.formats.hf.archs import Rule
 from megatron_ucp.formats.manifest import Manifest
+from megatron_ucp.formats.megatron_common import null_tokenizer_vocab
 from megatron_ucp.progress import Progress, bar
 from megatron_ucp.storage import (
     DTYPE_NAMES,
@@ -297,6 +298,8 @@ def export_hf(src: str | Path, out: str | Path, arch: str, *, dtype: str | None 
                                  trust_pickle=trust_pickle)
     args = megatron_lm_args(src, source.format, trust_pickle)
     hints = archs.hints_from_args(args) if args is not None else {}
+    if vocab_size is None and args is not None:  # Megatron-LM keeps the padding rows: drop them
+        vocab_size = null_tokenizer_vocab(args)
     return export(source, out, arch, dtype=dtype, max_shard_bytes=max_shard_bytes,
                   progress=progress, vocab_size=vocab_size, rope_theta=rope_theta,
                   activation=activation, hints=hints)
