@@ -10,6 +10,7 @@ source run's args, so their source must be a Megatron-LM checkpoint.
 
 from __future__ import annotations
 
+import logging
 import math
 import shutil
 import time
@@ -23,6 +24,8 @@ from megatron_ucp.layout import Layout
 from megatron_ucp.progress import Progress
 from megatron_ucp.storage import refuse_non_empty, staged_dir
 from megatron_ucp.validation import check_layout
+
+log = logging.getLogger(__name__)
 
 # --target-format value -> format name
 TARGET_FORMATS = {"universal": "universal", "torch": "megatron_torch",
@@ -179,6 +182,10 @@ def _reshard_to_megatron(load, out: Path, target: Layout | None, kind: str, targ
         raise UCPError(f"--target-format {target_format}: writing a Megatron-LM checkpoint needs a "
                        "target layout (rank files, flat buffers and args depend on it); pass "
                        "target=Layout(...) (CLI: --target-tp/--target-pp/--target-dp ...)")
+    scratch = out.with_name(f".{out.name}.universal")
+    if scratch.exists():  # left by a conversion killed after its commit (or before its cleanup)
+        log.warning("removing %s, the scratch copy of an interrupted conversion", scratch)
+        shutil.rmtree(scratch, ignore_errors=True)
     refuse_non_empty(out)
     src = formats.get(kind).run_fields(load, trust_pickle)
     if first is None and last is None and src["layout"].pp == target.pp:
@@ -187,8 +194,6 @@ def _reshard_to_megatron(load, out: Path, target: Layout | None, kind: str, targ
     rng = src["rng_by_position"]
     if rng and src["layout"] != target:  # per-rank states belong to the source ranks: rank 0's
         rng = rng.get((0, 0), next(iter(rng.values())))
-    scratch = out.with_name(f".{out.name}.universal")
-    shutil.rmtree(scratch, ignore_errors=True)
     try:
         convert(load, scratch, progress=progress, workers=workers, fmt=kind, trust_pickle=trust_pickle)
         source = formats.open_megatron_ucp(scratch)

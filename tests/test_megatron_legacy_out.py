@@ -377,3 +377,17 @@ def test_universal_conversion_is_validated_before_commit(fault, tmp_path, monkey
             "stray_tensor": "holds tensor(s) ['stray/param']",
             "wrong_step": "at Adam step 7.0, the source at 6.0"}[fault] in str(ei.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_scratch_of_an_interrupted_conversion_is_removed(tmp_path):
+    """A Megatron-target reshard killed after its commit leaves `.<out>.universal` behind; the
+    next reshard to that path removes it, even when it then refuses the complete output."""
+    src = FIXTURES / "torch_dp2" / "ckpt"
+    out = tmp_path / "out"
+    reshard(src, out, Layout(tp=2), target_format="torch", progress=False)
+    scratch = tmp_path / ".out.universal"
+    scratch.mkdir()
+    (scratch / "params_00000.safetensors").write_bytes(b"half")
+    with pytest.raises(UCPError, match="exists and is not empty"):
+        reshard(src, out, Layout(tp=2), target_format="torch", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
