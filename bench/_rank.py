@@ -16,6 +16,7 @@ from __future__ import annotations  # noqa: I001  (tiny_gpt must come before meg
 
 from megatron_ucp.testing import tiny_gpt as tg  # installs the CPU shim
 from megatron_ucp.testing.cpu_shim import REAL_CUDA
+from megatron_ucp.testing.scenarios import setup
 
 import gc
 import os
@@ -38,7 +39,6 @@ from megatron.core.utils import unwrap_model
 
 import megatron_ucp as ucp
 from bench._measure import PeakMemory, dir_bytes, drop_page_cache, proc_io
-from megatron_ucp.layout import Layout
 from megatron_ucp.optimizer_state import STATES, OptimizerIndex
 from megatron_ucp.param_spec import local_params
 
@@ -49,12 +49,6 @@ RAW_WRITE = "raw_write"
 MCORE_DP = "mcore_dp_reshardable"
 MCORE_FULL = "mcore_fully_reshardable"
 SHARDING = {MCORE_DP: "dp_reshardable", MCORE_FULL: "fully_reshardable"}
-
-
-def _setup(layout: str, cfg: dict) -> tg.TrainState:
-    lay = Layout.parse(layout)
-    tg.init_distributed(lay)
-    return tg.build(tg.TinyGPTConfig(**cfg), lay)
 
 
 def _timed(fn: Callable[[], Any], sample_s: float, collective: bool = True) -> dict:
@@ -220,7 +214,7 @@ def save_bench(layout: str, cfg: dict, train_steps: int, workdir: str, reps: int
     a multiprocessing Manager, lazy imports). The op order rotates each timed round. Keeps the last
     round of each op on disk under `workdir/<op>` for the load benchmark.
     """
-    st = _setup(layout, cfg)
+    st = setup(layout, cfg)
     t0 = time.perf_counter()
     losses = [tg.train_step(st) for _ in range(train_steps)]
     train_s = time.perf_counter() - t0
@@ -444,7 +438,7 @@ def load_bench(layout: str, cfg: dict, sources: dict[str, str], reps: int, sampl
     ops: "ucp_load" / "ucp_load_universal" (megatron_ucp.load) and "mcore_load" (a megatron-core
     fully_reshardable checkpoint through dist_checkpointing.load, as Megatron-LM loads it).
     """
-    st = _setup(layout, cfg)
+    st = setup(layout, cfg)
     # Allocate Adam state up front (untimed): a fresh optimizer has none, and whichever loader ran
     # first would otherwise pay for allocating it (both loaders do this themselves when needed).
     OptimizerIndex(st.optimizer).ensure_state()

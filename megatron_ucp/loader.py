@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megatron_ucp import rng
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats import open_megatron_ucp
+from megatron_ucp.formats.manifest import RUN_HYPERPARAMETERS
 from megatron_ucp.layout import Layout
 from megatron_ucp.local_slice import read_local
 from megatron_ucp.optimizer_state import OptimizerIndex
@@ -120,12 +121,8 @@ def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: 
                            f"checkpoint gives them different Adam steps ({steps}); it mixes iterations")
         index.set(param, states, next(iter(steps.values()))[0])
     index.copy_main_to_model(model_chunks)
-    groups = manifest.optimizer["param_groups"]
-    # imports without hyper-parameters (import-hf; import-deepspeed unless its name map gives
-    # them) keep the run's own
-    imported = manifest.extra.get("fresh_optimizer") or "deepspeed_import" in manifest.extra
-    if groups or not imported:
-        index.load_param_groups(groups)
+    if not manifest.extra.get(RUN_HYPERPARAMETERS):  # imports without them keep the run's
+        index.load_param_groups(manifest.optimizer["param_groups"])
     index.load_grad_scaler(manifest.optimizer.get("grad_scaler"))
     if scheduler is not None and manifest.scheduler:
         scheduler.num_steps = 0  # load_state_dict advances by the saved count

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from megatron_ucp.errors import UCPError
+from megatron_ucp.formats.manifest import check_same_params, not_committed
 from megatron_ucp.layout import Layout
 from megatron_ucp.storage import refuse_non_empty
 from megatron_ucp.validation import check_layout
@@ -348,23 +349,19 @@ def check_export(out: Path, source, open_written: Callable[[Path], Any]) -> None
     """Before a Megatron-LM export is committed: it opens with its own reader (which checks that
     the flat buffers or stacked tensors cover every element of every parameter once), and holds
     exactly the source's parameters, at their shapes (vocab rows padded up) and Adam step."""
-    def refuse(what: str) -> UCPError:
-        return UCPError(f"{out}: internal error, the written checkpoint {what}; nothing was "
-                        "committed. Please report it with the source checkpoint's manifest")
-
     written = open_written(out)
     have, want = written.manifest.params, source.manifest.params
-    missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
-    if missing or extra:
-        raise refuse(f"lacks parameter(s) {missing[:3]} / has unexpected {extra[:3]}")
+    check_same_params(out, have, want)
     step = single_step(source)
     for name, p in want.items():
         got = have[name].shape
         padded = p.spec.vocab_rows and got[1:] == p.shape[1:] and got[0] >= p.shape[0]
         if got != p.shape and not padded:
-            raise refuse(f"has {name!r} at shape {list(got)}, the source at {list(p.shape)}")
+            raise not_committed(out, f"has {name!r} at shape {list(got)}, the source at "
+                                f"{list(p.shape)}")
         if not p.spec.buffer and written.step(name) != step:
-            raise refuse(f"has {name!r} at Adam step {written.step(name)}, the source at {step}")
+            raise not_committed(out, f"has {name!r} at Adam step {written.step(name)}, the source "
+                                f"at {step}")
 
 
 # ------------------------------------------------------ optimizer param groups and scheduler

@@ -294,3 +294,15 @@ def megatron_specs(args: argparse.Namespace) -> tuple[dict[str, ParamSpec], dict
         cfg = model_config(chunks, args)
         del chunks
     return specs, cfg
+
+
+def import_specs(args: argparse.Namespace, run: dict, true_vocab: int) -> tuple[dict[str, ParamSpec], dict]:
+    """`megatron_specs` of an imported model, its config recording the importer's true vocabulary
+    and rotary base. RoPE has no parameter of max_sequence_length, so that field is dropped: a run
+    may train at any length (a load compares it only when the checkpoint has it)."""
+    specs, model = megatron_specs(args)
+    model["unpadded_vocab_size"] = true_vocab
+    if "rotary_base" in run:
+        model["rotary_base"] = run["rotary_base"]
+        model.pop("max_sequence_length", None)
+    return specs, model

@@ -86,7 +86,7 @@ def save_then_die(layout: str, cfg: dict, save_dir: str, marker: str, victim: in
     rank goes on to train and then waits in `finalize` (the commit never happens)."""
     scenarios, tg = _training()
     save_module = _save_module()
-    st = scenarios._setup(layout, cfg)
+    st = scenarios.setup(layout, cfg)
     losses = [tg.train_step(st) for _ in range(steps)]
     if dump_dir:
         scenarios.dump_local_state(st, dump_dir)
@@ -225,7 +225,7 @@ def save_kill_trial(layout: str, cfg: dict, root: str, dump_dir: str, async_save
 
     scenarios, tg = _training()
     save_module = _save_module()
-    st = scenarios._setup(layout, cfg)
+    st = scenarios.setup(layout, cfg)
     for _ in range(2):
         tg.train_step(st)
     scenarios.dump_local_state(st, str(Path(dump_dir) / "iter_0000002"))
@@ -260,7 +260,7 @@ def resume_and_save(layout: str, cfg: dict, loads: list[str], dump_dir: str, sav
     import megatron_ucp as ucp
 
     scenarios, tg = _training()
-    st = scenarios._setup(layout, cfg)
+    st = scenarios.setup(layout, cfg)
     loaded = []
     for i, load_dir in enumerate(loads):
         r = ucp.load(st.model, st.optimizer, st.scheduler, load_dir)

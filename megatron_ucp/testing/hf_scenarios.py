@@ -15,15 +15,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 import megatron_ucp as ucp
-from megatron_ucp.layout import Layout
 from megatron_ucp.optimizer_state import OptimizerIndex
 from megatron_ucp.testing import tiny_gpt as tg  # installs the CPU shim first
-
-
-def _build(layout: str, cfg: dict) -> tg.TrainState:
-    lay = Layout.parse(layout)
-    tg.init_distributed(lay)  # the process group once, megatron-core's groups per config
-    return tg.build(tg.TinyGPTConfig(**cfg), lay)
+from megatron_ucp.testing.scenarios import setup
 
 
 def _teardown() -> None:
@@ -62,7 +56,7 @@ def train_save_logits(layout: str, runs: list[dict], steps: int, tokens: list) -
     vocabulary recorded), write the trained model's logits for `tokens`."""
     out = []
     for run in runs:
-        st = _build(layout, run["cfg"])
+        st = setup(layout, run["cfg"])
         losses = [tg.train_step(st) for _ in range(steps)]
         ucp.save(st.model, st.optimizer, st.scheduler, run["save_dir"], st.iteration,
                  seed=st.config.seed, vocab_size=st.config.unpadded_vocab_size)
@@ -90,7 +84,7 @@ def load_logits(layout: str, runs: list[dict], tokens: list, train_steps: int = 
     state again (resave_dir), then train `train_steps` from it (a fresh optimizer for imports)."""
     out = []
     for run in runs:
-        st = _build(layout, run["cfg"])
+        st = setup(layout, run["cfg"])
         r = ucp.load(st.model, st.optimizer, st.scheduler, run["load_dir"])
         st.iteration = r.iteration
         if run.get("logits"):

@@ -28,7 +28,8 @@ def _scaler_state(st: tg.TrainState) -> dict | None:
     return {k: float(v) for k, v in scaler.state_dict().items()} if scaler is not None else None
 
 
-def _setup(layout: str, cfg: dict) -> tg.TrainState:
+def setup(layout: str, cfg: dict) -> tg.TrainState:
+    """The tiny GPT of `cfg` at `layout` (the process group once, megatron-core's groups per call)."""
     lay = Layout.parse(layout)
     tg.init_distributed(lay)
     return tg.build(tg.TinyGPTConfig(**cfg), lay)
@@ -84,7 +85,7 @@ def train_and_save(layout: str, cfg: dict, steps: int, save_dir: str, continue_s
     async_save: the background writer is held until the continued steps have changed every
     parameter and Adam moment in place, so the files must come from the staged copies.
     """
-    st = _setup(layout, cfg)
+    st = setup(layout, cfg)
     losses = [tg.train_step(st) for _ in range(steps)]
     if dump_dir:
         dump_local_state(st, dump_dir)
@@ -118,7 +119,7 @@ def async_saves(layout: str, cfg: dict, save_dir: str, dump_dir: str, fail_rank:
     """Async save at step 2, two async saves in a row (3 and 4, the second commits the first), then
     (fail_rank) an async save 5 whose background write raises ENOSPC on that rank: the error comes
     out of the next finalize on every rank, once, and save 6 works again."""
-    st = _setup(layout, cfg)
+    st = setup(layout, cfg)
     out: dict = {"committed": []}
     for _ in range(2):
         tg.train_step(st)
@@ -168,7 +169,7 @@ def load_and_train(layout: str, cfg: dict, load_dir: str, steps: int, dump_dir: 
 
     sabotage="scheduler" restarts the LR schedule after the load (negative control for tests).
     """
-    st = _setup(layout, cfg)
+    st = setup(layout, cfg)
     t0 = time.perf_counter()
     r = ucp.load(st.model, st.optimizer, st.scheduler, load_dir)
     load_s = time.perf_counter() - t0
@@ -192,7 +193,7 @@ def load_and_train(layout: str, cfg: dict, load_dir: str, steps: int, dump_dir: 
 
 def train_fresh(layout: str, cfg: dict, steps: int) -> dict:
     """Train from initialisation (identical at every layout): measures the reduction-order floor."""
-    st = _setup(layout, cfg)
+    st = setup(layout, cfg)
     losses = [tg.train_step(st) for _ in range(steps)]
     tg.destroy()
     return {"losses": losses}
@@ -200,7 +201,7 @@ def train_fresh(layout: str, cfg: dict, steps: int) -> dict:
 
 def param_specs(layout: str, cfg: dict) -> list[dict]:
     """This rank's canonical universal specs (no training): what megatron_ucp derives from the model."""
-    st = _setup(layout, cfg)
+    st = setup(layout, cfg)
     from megatron_ucp.param_spec import local_params
 
     out = [lp.spec.to_json() for lp in local_params(st.model) if lp.canonical]

@@ -57,10 +57,10 @@ def to_megatron(layout: str, t: torch.Tensor, heads: Heads, rows: int, blocks: i
     if layout == "vocab_rows":
         return t[:rows]
     if layout == "qkv_per_head":
-        transforms.check_qkv_rows(t, heads, what)
+        transforms.check_qkv_rows(t.shape[0], heads, what)
         return t
     if layout == "qkv_concat":
-        transforms.check_qkv_rows(t, heads, what)
+        transforms.check_qkv_rows(t.shape[0], heads, what)
         block = _block_heads(heads, blocks, what)
         parts = t.chunk(blocks, dim=0)
         return torch.cat([transforms.join("qkv_cat", [p], block, what) for p in parts], dim=0)

@@ -106,18 +106,12 @@ class NameMap:
 
     # ------------------------------------------------------------------ megatron-core model
 
-    def heads(self) -> Heads:
-        m = self.model
-        heads = m["num_attention_heads"]
-        return Heads(heads, m["num_query_groups"] or heads,
-                     m["kv_channels"] or m["hidden_size"] // heads)
-
     def megatron_args(self) -> tuple[argparse.Namespace, dict]:
         """Megatron-LM style args of the map's megatron-core model (one rank; the rebuild's
         input, `megatron_rebuild.megatron_specs`), and what a megatron run must set that the
         model config does not record (the activation, the rotary base)."""
         m = self.model
-        heads, h = m["num_attention_heads"], self.heads()
+        heads, h = m["num_attention_heads"], Heads.of(m)
         bias = m["add_bias_linear"]
         args = dict(
             tensor_model_parallel_size=1, pipeline_model_parallel_size=1, world_size=1,

@@ -24,9 +24,10 @@ import torch
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.deepspeed import layouts
 from megatron_ucp.formats.deepspeed.name_map import DTYPES, NameMap, Rule
-from megatron_ucp.formats.manifest import Manifest, ParamEntry
+from megatron_ucp.formats.hf.transforms import Heads
+from megatron_ucp.formats.manifest import RUN_HYPERPARAMETERS, Manifest, ParamEntry
 from megatron_ucp.formats.megatron_common import torch_load
-from megatron_ucp.formats.megatron_rebuild import megatron_specs
+from megatron_ucp.formats.megatron_rebuild import import_specs
 from megatron_ucp.layout import Layout
 from megatron_ucp.progress import Progress
 from megatron_ucp.spec import ParamSpec
@@ -87,21 +88,20 @@ class DSUniversalDir:
     def file(self, name: str, stem: str) -> Path:
         return self.zero / name / f"{stem}.pt"
 
-    def load(self, name: str, stem: str, count: bool = True) -> Any:
-        """The unpickled `<name>/<stem>.pt` (memory-mapped); `count`: its bytes are read."""
+    def load(self, name: str, stem: str) -> Any:
+        """The unpickled `<name>/<stem>.pt` (memory-mapped), counted as read."""
         path = self.file(name, stem)
         obj = torch_load(path, f"ds_to_universal writes {stem}.pt for every parameter with "
                          "optimizer state; the folder is incomplete: convert the DeepSpeed checkpoint "
                          "again (ds_to_universal --inject_missing_state)", self.trust_pickle, HOLDS)
-        if count:
-            self.bytes_read += path.stat().st_size
-            self.files_opened += 1
+        self.bytes_read += path.stat().st_size
+        self.files_opened += 1
         return obj
 
-    def tensor(self, name: str, state: str, count: bool = True) -> torch.Tensor:
+    def tensor(self, name: str, state: str) -> torch.Tensor:
         """Full fp32 tensor of a state (`param`, `exp_avg`, `exp_avg_sq`) of DeepSpeed parameter `name`."""
         stem = STATE_FILES[state]
-        obj = self.load(name, stem, count)
+        obj = self.load(name, stem)
         t = obj.get("param") if isinstance(obj, dict) else obj
         if not torch.is_tensor(t):
             found = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
@@ -137,31 +137,32 @@ class DeepSpeedSource:
         self.dir = self.ds.dir
         where = str(self.dir)
         args, run = self.map.megatron_args()
-        specs, model = megatron_specs(args)
-        model["unpadded_vocab_size"] = self.map.model["vocab_size"]
-        if "rotary_base" in run:  # as import-hf: RoPE has no parameter of max_sequence_length
-            model["rotary_base"] = run["rotary_base"]
-            model.pop("max_sequence_length", None)
-        self.heads = self.map.heads()
+        specs, model = import_specs(args, run, self.map.model["vocab_size"])
+        self.heads = Heads.of(self.map.model)
         self.rules = self.map.assign(self.ds.names, specs, where)
         dtype = DTYPES[self.map.model["params_dtype"]]
+        # each state file is unpickled (memory-mapped) once: checked here, its data read by `read`
+        self._mapped: dict[tuple[str, str], torch.Tensor] = {}
         steps = {n: self._check(n, ds_name, rule, specs[n]) for n, (ds_name, rule) in self.rules.items()}
         params = {n: ParamEntry(ParamSpec(**{**vars(s), "dtype": dtype}), steps[n])
                   for n, s in specs.items()}
         record = {"path": where, "name_map": str(self.map.path), "model": self.map.model,
                   "megatron": run}
+        groups = self.map.param_groups()
+        extra = {RECORD: record, **({} if groups else {RUN_HYPERPARAMETERS: True})}
         self.manifest = Manifest("universal", int(max(steps.values())), Layout(), 1, model, params,
-                                 {"param_groups": self.map.param_groups(), "grad_scaler": None},
-                                 None, {RECORD: record}, seed=1234)
+                                 {"param_groups": groups, "grad_scaler": None}, None, extra,
+                                 seed=1234)
         self.origin = {"kind": "deepspeed", "path": where, "name_map": str(self.map.path)}
         self._last: tuple[str, str, torch.Tensor] | None = None
 
     def _check(self, name: str, ds_name: str, rule: Rule, spec: ParamSpec) -> float:
         """Every state file of `ds_name` is there at a shape the rule's layout turns into the
         megatron-core parameter's; returns its Adam step. (The .pt files are memory-mapped: this
-        reads their headers, not their data.)"""
+        reads their headers, not their data; `read` takes the mapped tensors.)"""
         for state in STATE_FILES:
-            shape = tuple(self.ds.tensor(ds_name, state, count=False).shape)
+            t = self._mapped[(ds_name, state)] = self.ds.tensor(ds_name, state)
+            shape = tuple(t.shape)
             if not layouts.fits(rule.layout, shape, spec.shape):
                 raise UCPError(f"{self.ds.file(ds_name, STATE_FILES[state])}: DeepSpeed parameter "
                                f"{ds_name!r} has shape {list(shape)}, but name map {self.map.path} "
@@ -191,7 +192,8 @@ class DeepSpeedSource:
         if self._last is None or self._last[:2] != (name, state):
             self._last = None  # drop the previous tensor before assembling the next
             ds_name, rule = self.rules[name]
-            t = self.ds.tensor(ds_name, state).to(torch.float32)
+            t = self._mapped.pop((ds_name, state), None)  # read once; later reads load again
+            t = (self.ds.tensor(ds_name, state) if t is None else t).to(torch.float32)
             full = layouts.to_megatron(rule.layout, t, self.heads, self.manifest.params[name].shape[0],
                                        rule.qkv_blocks, f"{self.ds.file(ds_name, STATE_FILES[state])}")
             self._last = (name, state, full.contiguous())

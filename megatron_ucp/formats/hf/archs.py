@@ -127,13 +127,6 @@ def check_arch(arch: str) -> str:
 # ------------------------------------------------------------------------- megatron side
 
 
-def heads_of(cfg: dict) -> Heads:
-    """Attention geometry of a megatron model config (manifest `model`)."""
-    heads = cfg["num_attention_heads"]
-    return Heads(heads, cfg.get("num_query_groups") or heads,
-                 cfg.get("kv_channels") or cfg["hidden_size"] // heads)
-
-
 def features(cfg: dict) -> set[str]:
     """Which optional parameters a megatron model has (see `FEATURES`)."""
     out = set()
@@ -189,7 +182,7 @@ def check_exportable(arch: str, cfg: dict, hints: dict) -> None:
     for field, default, why in common:
         if _differs(get(field, default), default):
             raise _fail(arch, field, get(field), why.format(arch=arch))
-    h = heads_of(cfg)
+    h = Heads.of(cfg)
     if h.heads % h.groups:
         raise _fail(arch, "num_query_groups", h.groups, "does not divide num_attention_heads")
     feats = features(cfg)
@@ -262,7 +255,7 @@ def _require(arch: str, cfg: dict, field: str, value, why: str) -> None:
 def hf_config(arch: str, cfg: dict, *, vocab: int, dtype: str, rope_theta: float,
               hints: dict, tokens: dict) -> dict:
     """config.json of HF `arch` for megatron model config `cfg` (already `check_exportable`)."""
-    h = heads_of(cfg)
+    h = Heads.of(cfg)
     tied = "untied" not in features(cfg)
     eps = cfg.get("layernorm_epsilon", 1e-5)
     common = {"architectures": [HF_CLASS[arch]], "model_type": arch, "vocab_size": vocab,

@@ -89,16 +89,15 @@ def plan(arch: str, manifest: Manifest, vocab: int, dtype: torch.dtype,
     if extra:
         raise UCPError(f"parameter(s) {extra[:3]}{' ...' if len(extra) > 3 else ''} have no place in "
                        f"HF {arch}; refusing to drop them (export a model {arch} can represent)")
-    heads = archs.heads_of(manifest.model)
+    heads = transforms.Heads.of(manifest.model)
     size = torch.empty((), dtype=dtype).element_size()
     out, shard, used = [], 0, 0
     for r in rules:
         spec = manifest.params[r.megatron].spec
         shape = (vocab, *spec.shape[1:]) if spec.vocab_rows else spec.shape
         shapes = transforms.hf_shapes(r.kind, shape, heads)
-        if r.kind in ("qkv", "qkv_cat", "qkv_conv1d") and shape[0] != sum(heads.qkv_rows()):
-            raise UCPError(f"parameter {r.megatron} has {shape[0]} rows; {heads.heads} heads in "
-                           f"{heads.groups} query groups of {heads.head_dim} need {sum(heads.qkv_rows())}")
+        if r.kind in ("qkv", "qkv_cat", "qkv_conv1d"):
+            transforms.check_qkv_rows(shape[0], heads, f"parameter {r.megatron}")
         shards = []
         for s in shapes:
             nbytes = size * int(torch.Size(s).numel())
@@ -227,7 +226,7 @@ def write_shards(out_dir: Path, source, planned: list[Planned], n_shards: int,
                  dtype: torch.dtype, done) -> int:
     """Stream the planned tensors into their shard files: read one universal tensor, split it,
     write its HF tensors, drop it. Returns the bytes written."""
-    heads = archs.heads_of(source.manifest.model)
+    heads = transforms.Heads.of(source.manifest.model)
     size = torch.empty((), dtype=dtype).element_size()
     writer, current, total = None, -1, 0
     for p in planned:
@@ -267,23 +266,6 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
-def megatron_lm_args(path: str | Path, fmt: str, trust_pickle: bool = False):
-    """The run args of a Megatron-LM checkpoint (one small file read), or None for other formats."""
-    from megatron_ucp.formats.megatron_common import resolve_iteration
-
-    if fmt == "megatron_torch_dist":
-        from megatron_ucp.formats.megatron_dist.reader import read_common
-
-        return read_common(path, trust_pickle)[2]
-    if fmt == "megatron_torch":
-        from megatron_ucp.formats.megatron_legacy.layout import MODEL_FILE, is_iteration, rank_dirs, read_args
-
-        iter_dir, _ = resolve_iteration(path, is_iteration, "--ckpt-format torch")
-        found = rank_dirs(iter_dir)
-        return read_args(found[0] / MODEL_FILE, found, trust_pickle)
-    return None
-
-
 def export_hf(src: str | Path, out: str | Path, arch: str, *, dtype: str | None = None,
               max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress: Progress = True,
               vocab_size: int | None = None, rope_theta: float | None = None,
@@ -296,7 +278,7 @@ def export_hf(src: str | Path, out: str | Path, arch: str, *, dtype: str | None 
     # every fragment read is read whole and its checksum checked, as `convert` does
     source = formats.open_source(src, progress=progress, verify_fragments=True,
                                  trust_pickle=trust_pickle)
-    args = megatron_lm_args(src, source.format, trust_pickle)
+    args = getattr(source, "args", None)  # a Megatron-LM source's run args
     hints = archs.hints_from_args(args) if args is not None else {}
     if vocab_size is None and args is not None:  # Megatron-LM keeps the padding rows: drop them
         vocab_size = null_tokenizer_vocab(args)

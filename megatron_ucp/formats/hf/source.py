@@ -17,8 +17,8 @@ import torch
 
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.hf import archs, transforms
-from megatron_ucp.formats.manifest import Manifest, ParamEntry
-from megatron_ucp.formats.megatron_rebuild import megatron_specs
+from megatron_ucp.formats.manifest import RUN_HYPERPARAMETERS, Manifest, ParamEntry
+from megatron_ucp.formats.megatron_rebuild import import_specs
 from megatron_ucp.layout import Layout
 from megatron_ucp.progress import Progress
 from megatron_ucp.spec import ParamSpec
@@ -62,8 +62,9 @@ class HFDir(ReadsFiles):
             except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
                 raise UCPError(f"{index}: not a safetensors index ({e})") from e
             where = {name: self.dir / file for name, file in weight_map.items()}
+            held = {path: set(self.reader.open(path).keys()) for path in set(where.values())}
             for name, path in where.items():  # the index must not promise what a file lacks
-                if name not in self.reader.open(path).keys():
+                if name not in held[path]:
                     raise UCPError(f"{index} puts tensor {name!r} in {path.name}, which does not "
                                    "hold it; the directory is incomplete or mixes two models")
             return where
@@ -103,16 +104,10 @@ class HFSource(ReadsFiles):
         where = str(self.dir)
         self.arch = archs.arch_of(self.hf.config, where)
         args, run = archs.megatron_args(self.arch, self.hf.config, where)
-        specs, model = megatron_specs(args)
-        vocab = args.padded_vocab_size
-        model["unpadded_vocab_size"] = vocab  # HF vocabularies carry no padding rows
-        if "rotary_base" in run:
-            model["rotary_base"] = run["rotary_base"]
-            # RoPE has no parameter of that length: a run may train at any max_sequence_length
-            # (the load compares the field when the checkpoint has it); export-hf reads it back
-            # from the record below
-            del model["max_sequence_length"]
-        self.heads = archs.heads_of(model)
+        # HF vocabularies carry no padding rows; export-hf reads max_sequence_length back from
+        # the record below
+        specs, model = import_specs(args, run, args.padded_vocab_size)
+        self.heads = transforms.Heads.of(model)
         self.rules = {r.megatron: r for r in archs.rules(self.arch, model)}
         if set(self.rules) != set(specs):  # the name map disagrees with megatron-core's model
             raise UCPError(f"internal error: HF {self.arch} name map and megatron-core's model "
@@ -123,7 +118,7 @@ class HFSource(ReadsFiles):
         record = {"arch": self.arch, "path": where, "config": self.hf.config, "megatron": run}
         self.manifest = Manifest("universal", 0, Layout(), 1, model, params,
                                  {"param_groups": [], "grad_scaler": None}, None,
-                                 {FRESH: True, RECORD: record}, seed=1234)
+                                 {FRESH: True, RUN_HYPERPARAMETERS: True, RECORD: record}, seed=1234)
         self.origin = {"kind": "hf", "path": where, "arch": self.arch}
         self._last: tuple[str, torch.Tensor] | None = None
 
@@ -165,8 +160,6 @@ class HFSource(ReadsFiles):
     def _tied_copy(self, name: str) -> bool:
         """A tied model's lm_head saved anyway: fine if it is the embedding's copy."""
         emb = self.rules["embedding.word_embeddings.weight"].hf[0]
-        if "output_layer.weight" in self.rules:
-            return False
         if not torch.equal(self.hf.tensor(name), self.hf.tensor(emb)):
             raise UCPError(f"{self.dir}: config.json says tie_word_embeddings, but {name} differs "
                            f"from {emb}; fix the config (tie_word_embeddings: false)")

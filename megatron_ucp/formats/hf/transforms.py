@@ -21,8 +21,6 @@ import torch
 
 from megatron_ucp.errors import UCPError
 
-KINDS = ("copy", "conv1d", "qkv", "qkv_cat", "qkv_conv1d", "gate_up")
-
 
 @dataclass(frozen=True)
 class Heads:
@@ -35,6 +33,13 @@ class Heads:
     @property
     def per_group(self) -> int:
         return self.heads // self.groups
+
+    @classmethod
+    def of(cls, cfg: dict) -> Heads:
+        """The geometry of a megatron model config (manifest `model`, or a name map's model)."""
+        heads = cfg["num_attention_heads"]
+        return cls(heads, cfg.get("num_query_groups") or heads,
+                   cfg.get("kv_channels") or cfg["hidden_size"] // heads)
 
     def qkv_rows(self) -> tuple[int, int, int]:
         """Rows of q, k and v (HF's q_proj, k_proj, v_proj)."""
@@ -58,11 +63,12 @@ def hf_shapes(kind: str, shape: Shape, heads: Heads) -> list[Shape]:
     raise ValueError(f"unknown transform {kind!r}")
 
 
-def check_qkv_rows(t: torch.Tensor, heads: Heads, what: str) -> None:
-    rows = sum(heads.qkv_rows())
-    if t.shape[0] != rows:
-        raise UCPError(f"{what}: fused QKV has {t.shape[0]} rows; {heads.heads} heads in "
-                       f"{heads.groups} query groups of {heads.head_dim} need {rows}")
+def check_qkv_rows(rows: int, heads: Heads, what: str) -> None:
+    """A fused QKV tensor of `rows` rows fits the attention geometry."""
+    need = sum(heads.qkv_rows())
+    if rows != need:
+        raise UCPError(f"{what}: fused QKV has {rows} rows; {heads.heads} heads in "
+                       f"{heads.groups} query groups of {heads.head_dim} need {need}")
 
 
 def _per_group(t: torch.Tensor, heads: Heads) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -81,7 +87,7 @@ def split(kind: str, t: torch.Tensor, heads: Heads, what: str = "tensor") -> lis
     elif kind == "conv1d":
         out = [t.t()]
     elif kind in ("qkv", "qkv_cat", "qkv_conv1d"):
-        check_qkv_rows(t, heads, what)
+        check_qkv_rows(t.shape[0], heads, what)
         out = list(_per_group(t, heads))
         if kind != "qkv":
             out = [torch.cat(out, dim=0)]
@@ -106,11 +112,8 @@ def join(kind: str, parts: list[torch.Tensor], heads: Heads, what: str = "tensor
         return torch.cat(parts, dim=0)
     if kind in ("qkv_cat", "qkv_conv1d"):
         t = parts[0].t() if kind == "qkv_conv1d" else parts[0]
-        q_rows, k_rows, v_rows = heads.qkv_rows()
-        if t.shape[0] != q_rows + k_rows + v_rows:
-            raise UCPError(f"{what}: fused [q; k; v] has {t.shape[0]} rows, {heads.heads} heads "
-                           f"of {heads.head_dim} need {q_rows + k_rows + v_rows}")
-        parts = list(t.split([q_rows, k_rows, v_rows], dim=0))
+        check_qkv_rows(t.shape[0], heads, what)
+        parts = list(t.split(list(heads.qkv_rows()), dim=0))
     if kind in ("qkv", "qkv_cat", "qkv_conv1d"):
         q, k, v = parts
         g, d, n = heads.groups, heads.head_dim, heads.per_group

@@ -14,14 +14,21 @@ from __future__ import annotations
 import dataclasses
 import io
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from megatron_ucp.errors import UCPError
-from megatron_ucp.formats.megatron_common import unpickle
-from megatron_ucp.formats.megatron_rebuild import build_chunks, model_config, single_rank_args, source_rank
+from megatron_ucp.formats.megatron_common import layout, unpickle
+from megatron_ucp.formats.megatron_rebuild import (
+    build_chunks,
+    model_config,
+    single_rank_args,
+    source_rank,
+    wrap_ddp,
+)
 from megatron_ucp.param_spec import local_params
 
 COMMON_FILE = "common.pt"
@@ -52,6 +59,25 @@ def bucket_key(mp_rank: int, buffer: int, dtypes: tuple, bucket: int) -> str:
 
 def param_groups_key(mp_rank: int) -> str:
     return f"optimizer.distributed.dp_group_idx_{mp_rank}.optimizer/shard_0_1"
+
+
+def model_parallel_ranks(args) -> Iterator[tuple[int, list]]:
+    """(model-parallel rank, its chunks inside megatron-core DDP) for every (PP, TP) rank at DP
+    rank 0 of the run `args` describe: whose DistributedOptimizer buckets the dp_reshardable form
+    stores. Each is rebuilt on a fake group with meta tensors (the layout, no data) and yielded
+    inside that rank's parallel state, so take what is needed before the next one."""
+    from megatron.core import parallel_state as ps
+
+    lay = layout(args)
+    for pp_rank in range(lay.pp):
+        for tp_rank in range(lay.tp):
+            rank = tp_rank + lay.tp * lay.dp * pp_rank  # megatron's default order tp-cp-ep-dp-pp
+            with source_rank(args, rank):
+                if (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                        ps.get_data_parallel_rank()) != (tp_rank, pp_rank, 0):
+                    raise UCPError(f"rank {rank} is not (tp {tp_rank}, pp {pp_rank}, dp 0) in "
+                                   "megatron's rank order; unsupported rank order")
+                yield ps.get_model_parallel_group().rank(), wrap_ddp(build_chunks(args), args)
 
 
 class DistReader:

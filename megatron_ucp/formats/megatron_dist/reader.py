@@ -43,11 +43,11 @@ from megatron_ucp.formats.megatron_dist.layout import (
     Param,
     bucket_key,
     is_iteration,
+    model_parallel_ranks,
     param_groups_key,
     plan_model,
     state_key,
 )
-from megatron_ucp.formats.megatron_rebuild import build_chunks, source_rank, wrap_ddp
 from megatron_ucp.param_spec import local_params
 from megatron_ucp.progress import Progress
 from megatron_ucp.spec import STATES, ParamSpec
@@ -78,7 +78,7 @@ class TorchDistSource:
     def __init__(self, load_dir: str | Path, progress: Progress = True, trust_pickle: bool = False):
         t0 = time.perf_counter()
         ckpt, common, args = read_common(load_dir, trust_pickle)
-        self.dir = ckpt
+        self.dir, self.args = ckpt, args  # the run's args
         self.reader = reader = DistReader(ckpt, trust_pickle=trust_pickle)
         opt = common.get("optimizer") or {}
         sharding = opt.get("param_state_sharding_type") or (common.get("content_metadata") or {}).get(
@@ -219,52 +219,40 @@ def _check_optimizer_keys(reader: DistReader, plan: dict[str, Param], sharding: 
 
 def _plan_dp_reshardable(args, reader: DistReader, plan: dict[str, Param]) -> set[str]:
     """Attach each parameter's flat-buffer slabs, from megatron-core DDP at the source layout.
-    Returns the buckets that hold replicas (read from their canonical copy, not from there)."""
-    from megatron.core import parallel_state as ps
-
+    Returns the buckets that hold replicas (read from their canonical copy, not from there).
+    MoE runs are refused before (TorchDistSource)."""
     lay = layout(args)
-    if lay.vpp or lay.cp > 1 or lay.ep > 1 or getattr(args, "num_experts", None):
-        raise UCPError("dp_reshardable torch_dist import supports TP/PP/DP layouts of dense GPT "
-                       f"models only (got {lay}, num_experts={getattr(args, 'num_experts', None)})")
+    if lay.vpp or lay.cp > 1:
+        raise UCPError(f"dp_reshardable torch_dist import supports TP/PP/DP layouts only (got {lay})")
     if getattr(args, "transformer_impl", "local") != "local":
         raise UCPError(f"dp_reshardable flat buffers follow the parameter order of the layer spec; "
                        f"this checkpoint used transformer_impl={args.transformer_impl!r}, which "
                        "cannot be rebuilt here (TransformerEngine not installed)")
-    tp, pp, dp = lay.tp, lay.pp, lay.dp
     replica_buckets = set()
-    for pp_rank in range(pp):
-        for tp_rank in range(tp):
-            rank = tp_rank + tp * dp * pp_rank  # megatron's default order tp-cp-ep-dp-pp, dp rank 0
-            with source_rank(args, rank):
-                if (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-                        ps.get_data_parallel_rank()) != (tp_rank, pp_rank, 0):
-                    raise UCPError(f"rank {rank} is not (tp {tp_rank}, pp {pp_rank}, dp 0) in "
-                                   "megatron's rank order; unsupported rank order")
-                mp_rank = ps.get_model_parallel_group().rank()
-                ddp = wrap_ddp(build_chunks(args), args)[0]
-                lps = {id(lp.param): lp for lp in local_params([ddp])}
-                for g, buf in enumerate(ddp.buffers):
-                    for param, (start, _end, b) in buf.param_index_map.items():
-                        lp = lps[id(param)]
-                        bucket = bucket_key(mp_rank, g, (buf.param_dtype, buf.grad_dtype), b)
-                        if not lp.canonical:
-                            replica_buckets.add(bucket)
-                            continue
-                        local_start = start - buf.buckets[b].offset
-                        if f"{bucket}.param" not in reader.meta:
-                            raise UCPError(f"{reader.dir}: flat optimizer buffer "
-                                           f"{bucket + '.param'!r} (model-parallel rank {mp_rank}) "
-                                           "is missing")
-                        size = reader.shape(f"{bucket}.param")[0]
-                        if local_start + param.numel() > size:
-                            raise UCPError(f"{reader.dir}: {bucket!r} has {size} elements but "
-                                           f"{lp.spec.name!r} ends at {local_start + param.numel()}")
-                        if lp.spec.name not in plan:
-                            raise UCPError(f"parameter {lp.spec.name!r} at TP {tp_rank} PP {pp_rank} "
-                                           "is not in the TP1 model")
-                        plan[lp.spec.name].slabs.append(
-                            (bucket, local_start + lp.base, lp.numel, lp.pieces))
-                del ddp
+    for mp_rank, chunks in model_parallel_ranks(args):
+        ddp = chunks[0]  # no VPP: one chunk
+        lps = {id(lp.param): lp for lp in local_params([ddp])}
+        for g, buf in enumerate(ddp.buffers):
+            for param, (start, _end, b) in buf.param_index_map.items():
+                lp = lps[id(param)]
+                bucket = bucket_key(mp_rank, g, (buf.param_dtype, buf.grad_dtype), b)
+                if not lp.canonical:
+                    replica_buckets.add(bucket)
+                    continue
+                local_start = start - buf.buckets[b].offset
+                if f"{bucket}.param" not in reader.meta:
+                    raise UCPError(f"{reader.dir}: flat optimizer buffer "
+                                   f"{bucket + '.param'!r} (model-parallel rank {mp_rank}) "
+                                   "is missing")
+                size = reader.shape(f"{bucket}.param")[0]
+                if local_start + param.numel() > size:
+                    raise UCPError(f"{reader.dir}: {bucket!r} has {size} elements but "
+                                   f"{lp.spec.name!r} ends at {local_start + param.numel()}")
+                if lp.spec.name not in plan:
+                    raise UCPError(f"parameter {lp.spec.name!r} of model-parallel rank {mp_rank} "
+                                   "is not in the TP1 model")
+                plan[lp.spec.name].slabs.append(
+                    (bucket, local_start + lp.base, lp.numel, lp.pieces))
     for name, p in plan.items():
         covered = sum(math.prod(pc.shape) for s in p.slabs for pc in s[3])
         if covered != math.prod(p.spec["shape"]):

@@ -41,6 +41,7 @@ from megatron_ucp.formats.megatron_dist.layout import (
     METADATA_JSON,
     SHARDINGS,
     bucket_key,
+    model_parallel_ranks,
     object_value,
     param_groups_key,
     plan_model,
@@ -48,7 +49,7 @@ from megatron_ucp.formats.megatron_dist.layout import (
     state_key,
 )
 from megatron_ucp.formats.megatron_dist.reader import TorchDistSource
-from megatron_ucp.formats.megatron_rebuild import build_chunks, single_rank_args, source_rank, wrap_ddp
+from megatron_ucp.formats.megatron_rebuild import build_chunks, single_rank_args, source_rank
 from megatron_ucp.layout import Layout
 from megatron_ucp.local_slice import read_local
 from megatron_ucp.param_spec import local_params
@@ -141,7 +142,8 @@ def write(source, save_dir: str | Path, target: Layout, args_template, *,
             raise UCPError(f"internal: {key!r} has stacked entries {sorted(index)}")
         shape = tuple(plan[names[0]].spec["shape"])
         buffer = saved[names[0]].spec.buffer
-        states = ("param",) if buffer else STATES
+        # dp_reshardable keeps moments in the buckets (read there, per rank): the master only here
+        states = ("param",) if buffer or sharding == "dp_reshardable" else STATES
         tensors = {s: torch.empty((*stacked, *shape), dtype=torch.float32) for s in states}
         for n in names:
             for s in states:
@@ -178,7 +180,7 @@ def write(source, save_dir: str | Path, target: Layout, args_template, *,
         optimizer = optimizer if moe else optimizer[0]
         content = dict(FULLY_RESHARDABLE_CONTENT)
     else:  # the param groups (and step) are stored per model-parallel rank, next to its buckets
-        state_dict.update(_dp_reshardable_state(source, args, target, groups, progress))
+        state_dict.update(_dp_reshardable_state(source, args, groups, progress))
         optimizer = {"param_state_sharding_type": sharding}
         content = {"distrib_optim_sharding_type": sharding, "singleton_local_shards": False,
                    "chained_optim_avoid_prefix": True}
@@ -205,50 +207,43 @@ def write(source, save_dir: str | Path, target: Layout, args_template, *,
     return out
 
 
-def _dp_reshardable_state(source, args, target: Layout, groups: list[dict],
-                          progress: Progress) -> dict:
+def _dp_reshardable_state(source, args, groups: list[dict], progress: Progress) -> dict:
     """The `optimizer.distributed.dp_group_idx_<k>.*` entries of every target model-parallel rank
     k, as DistributedOptimizer.sharded_param_state_dp_reshardable saves them: per DDP bucket one
     1-D tensor per state of the bucket's unpadded length (parameters at their DDP offsets, zero
     gaps), the per-bucket sizes and the rank's param groups with the step."""
-    from megatron.core import parallel_state as ps
+    def bucket_layout(chunks: list) -> list:
+        """Per DDP buffer: its dtypes, (padded, unpadded) size of each bucket, and (param, bucket,
+        start in the bucket) of every parameter copy (the tied output layer's too: Megatron keeps
+        state for each)."""
+        lps = {id(lp.param): lp for lp in local_params(chunks)}
+        return [((buf.param_dtype, buf.grad_dtype),
+                 [(b.grad_data.numel(), b.numel_unpadded) for b in buf.buckets],
+                 [(lps[id(param)], b, start - buf.buckets[b].offset)
+                  for param, (start, _end, b) in buf.param_index_map.items()])
+                for c in chunks for buf in c.buffers]
 
+    # the layouts first: tensors made inside a rebuilt rank's context would be on the meta device
+    ranks = [(mp_rank, bucket_layout(chunks)) for mp_rank, chunks in model_parallel_ranks(args)]
     out: dict = {}
-    done = bar(progress, target.tp * target.pp, "export dp_reshardable", "rank")
-    for pp_rank in range(target.pp):
-        for tp_rank in range(target.tp):
-            rank = tp_rank + target.tp * target.dp * pp_rank  # order tp-cp-ep-dp-pp, DP rank 0
-            with source_rank(args, rank):
-                if (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-                        ps.get_data_parallel_rank()) != (tp_rank, pp_rank, 0):
-                    raise UCPError(f"internal: global rank {rank} is not (tp {tp_rank}, pp {pp_rank}, "
-                                   "dp 0) in megatron's rank order")
-                mp_rank = ps.get_model_parallel_group().rank()
-                ddp = wrap_ddp(build_chunks(args), args)  # meta tensors: the layout, no data
-                lps = {id(lp.param): lp for lp in local_params(ddp)}
-                buffers = [((buf.param_dtype, buf.grad_dtype),
-                            [(b.grad_data.numel(), b.numel_unpadded) for b in buf.buckets],
-                            # every copy, the tied output layer's too: Megatron keeps state for each
-                            [(lps[id(param)], b, start - buf.buckets[b].offset)
-                             for param, (start, _end, b) in buf.param_index_map.items()])
-                           for c in ddp for buf in c.buffers]
-                del ddp
-            numel, unpadded = [], []
-            for g, (dtypes, sizes, where) in enumerate(buffers):
-                numel.append({dtypes: [n for n, _ in sizes]})
-                unpadded.append({dtypes: [n for _, n in sizes]})
-                flats = [{s: torch.zeros(n, dtype=torch.float32) for s in STATES} for _, n in sizes]
-                for lp, b, start in where:
-                    a = start + lp.base
-                    for s in STATES:
-                        flats[b][s][a:a + lp.numel] = read_local(source, lp, s, 0, lp.numel)
-                for b, flat in enumerate(flats):
-                    for s, t in flat.items():
-                        out[f"{bucket_key(mp_rank, g, dtypes, b)}.{s}"] = t
-            prefix = f"optimizer.distributed.dp_group_idx_{mp_rank}"
-            out[param_groups_key(mp_rank)] = object_value({"param_groups": groups})
-            out[f"{prefix}.per_bucket_numel/shard_0_1"] = object_value(numel)
-            out[f"{prefix}.per_bucket_numel_unpadded/shard_0_1"] = object_value(unpadded)
-            done.update(1)
+    done = bar(progress, len(ranks), "export dp_reshardable", "rank")
+    for mp_rank, buffers in ranks:
+        numel, unpadded = [], []
+        for g, (dtypes, sizes, where) in enumerate(buffers):
+            numel.append({dtypes: [n for n, _ in sizes]})
+            unpadded.append({dtypes: [n for _, n in sizes]})
+            flats = [{s: torch.zeros(n, dtype=torch.float32) for s in STATES} for _, n in sizes]
+            for lp, b, start in where:
+                a = start + lp.base
+                for s in STATES:
+                    flats[b][s][a:a + lp.numel] = read_local(source, lp, s, 0, lp.numel)
+            for b, flat in enumerate(flats):
+                for s, t in flat.items():
+                    out[f"{bucket_key(mp_rank, g, dtypes, b)}.{s}"] = t
+        prefix = f"optimizer.distributed.dp_group_idx_{mp_rank}"
+        out[param_groups_key(mp_rank)] = object_value({"param_groups": groups})
+        out[f"{prefix}.per_bucket_numel/shard_0_1"] = object_value(numel)
+        out[f"{prefix}.per_bucket_numel_unpadded/shard_0_1"] = object_value(unpadded)
+        done.update(1)
     done.close()
     return out

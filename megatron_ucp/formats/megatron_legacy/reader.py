@@ -95,7 +95,7 @@ class LegacySource:
         t0 = time.perf_counter()
         iter_dir, iteration = resolve_iteration(load_dir, is_iteration, "--ckpt-format torch")
         found = rank_dirs(iter_dir)
-        args = read_args(found[0] / MODEL_FILE, found, trust_pickle)
+        self.args = args = read_args(found[0] / MODEL_FILE, found, trust_pickle)  # the run's
         check_supported(args, found[0] / MODEL_FILE)
         if iteration is None:  # a directory whose name does not say: its first rank file does
             iteration = load_file(found[0] / MODEL_FILE, trust_pickle).get("iteration")

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 
-from megatron_ucp.errors import UCPError
 from megatron_ucp.formats import manifest as mf
 from megatron_ucp.formats.manifest import Manifest, ParamEntry, TensorEntry
 from megatron_ucp.formats.universal.source import RNG_FILE, data_file_name, rng_prefix
@@ -122,28 +121,25 @@ def check_written(out_dir: Path, specs: dict[str, ParamSpec], source) -> None:
     names exactly the source's parameters, at their shapes and Adam steps; each state is one full
     fp32 tensor in its file's header and no data file holds a tensor the manifest does not name.
     So every element of every universal tensor is written exactly once."""
-    def refuse(what: str) -> UCPError:
-        return UCPError(f"{out_dir}: internal error, the written universal checkpoint {what}; "
-                        "nothing was committed. Please report it with the source's manifest")
-
     written = mf.read(out_dir).params
-    missing, extra = sorted(set(specs) - set(written)), sorted(set(written) - set(specs))
-    if missing or extra:
-        raise refuse(f"lacks parameter(s) {missing[:3]} / has unexpected {extra[:3]}")
+    mf.check_same_params(out_dir, written, specs)
     reader, named = Reader(), {}
     for name, p in written.items():
-        if p.shape != specs[name].shape or set(p.tensors) != set(states_of(specs[name])):
-            raise refuse(f"has {name!r} as {list(p.shape)} {sorted(p.tensors)}, the source as "
-                         f"{list(specs[name].shape)} {sorted(states_of(specs[name]))}")
+        want = specs[name]
+        if p.shape != want.shape or set(p.tensors) != set(states_of(want)):
+            raise mf.not_committed(out_dir, f"has {name!r} as {list(p.shape)} {sorted(p.tensors)}, "
+                                   f"the source as {list(want.shape)} {sorted(states_of(want))}")
         if p.step != source.step(name):
-            raise refuse(f"has {name!r} at Adam step {p.step}, the source at {source.step(name)}")
+            raise mf.not_committed(out_dir, f"has {name!r} at Adam step {p.step}, the source at "
+                                   f"{source.step(name)}")
         for e in p.tensors.values():
             reader.check(out_dir / e.file, e.key, "F32", p.shape)
             named.setdefault(e.file, set()).add(e.key)
     for file, keys in named.items():
         stray = sorted(set(reader.open(out_dir / file).keys()) - keys)
         if stray:
-            raise refuse(f"file {file} holds tensor(s) {stray[:3]} that no manifest entry names")
+            raise mf.not_committed(out_dir, f"file {file} holds tensor(s) {stray[:3]} that no "
+                                   "manifest entry names")
 
 
 def write(source, out: str | Path, *, progress: Progress = True, max_file_bytes: int = 2**31,
