@@ -1,5 +1,5 @@
 """`megatron-ucp` command line: convert, inspect, reshard, verify, diff, import-legacy,
-import-torch-dist, export-hf, import-hf, import-deepspeed."""
+import-torch-dist, export-hf, import-hf, import-deepspeed, plan-recompute."""
 
 from __future__ import annotations
 
@@ -93,7 +93,28 @@ def main(argv: list[str] | None = None) -> int:
                    help="unpickle the zero/*.pt files with the plain unpickler (runs code from the "
                    "files): only for checkpoints you trust that hold types outside the allowlist "
                    "(tensors, numbers, flags)")
+    p = sub.add_parser("plan-recompute", help="Lynx: per-layer recompute choices, overlap windows and "
+                       "a recompute-aware stage partition under a memory limit, against Megatron's "
+                       "best recompute setting (simulated)")
+    p.add_argument("--config", required=True, metavar="MODEL.yaml",
+                   help="model config (configs/recompute/*.yaml)")
+    for flag in ("tp", "pp", "dp"):
+        p.add_argument(f"--{flag}", type=int, required=True)
+    p.add_argument("--micro-batch", type=int, required=True)
+    p.add_argument("--global-batch", type=int, required=True)
+    p.add_argument("--memory-gib", type=float, required=True,
+                   help="memory per GPU for weights, grads, optimizer state and activations")
+    p.add_argument("--profile", metavar="PROFILE.json", default=None,
+                   help="measured profile (megatron-ucp profile-recompute); default: published "
+                   "figures of --gpu")
+    p.add_argument("--gpu", default="A100-80GB", help="published figures to use without --profile "
+                   "(A100-80GB, H100-80GB)")
+    p.add_argument("--vpp", type=int, default=None, help="interleaved schedule: model chunks per stage")
+    p.add_argument("--out", default="recompute-plan.json", metavar="PLAN.json",
+                   help="where to write the plan (default recompute-plan.json)")
     args = parser.parse_args(argv)
+    if args.command == "plan-recompute":
+        return _plan_recompute(args)
 
     import logging
 
@@ -165,6 +186,55 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         logger.removeHandler(handler)
+    return 0
+
+
+def _plan_recompute(args) -> int:
+    """megatron-ucp plan-recompute: print the plan table, write the plan JSON."""
+    from megatron_ucp.recompute import hardware, planner
+    from megatron_ucp.recompute import plan as plan_io
+    from megatron_ucp.recompute import profile as profile_io
+    from megatron_ucp.recompute.simulator import SimulatorError
+
+    errors = (hardware.ModelConfigError, planner.PlannerError, profile_io.ProfileError,
+              plan_io.PlanError, SimulatorError)
+    try:
+        model = hardware.load_model_config(args.config)
+        model["micro_batch_size"] = args.micro_batch
+        hardware.check_tp(model, args.tp, args.config)
+        if args.profile:
+            prof = profile_io.load(args.profile)
+            if prof.tp != args.tp and prof.source == "published" and prof.device.split()[0] in hardware.GPUS:
+                prof = hardware.published_profile(model, args.tp, args.micro_batch, prof.device.split()[0])
+            elif prof.tp != args.tp:
+                raise planner.PlannerError(
+                    f"{args.profile}: the profile was taken at TP {prof.tp}, not --tp {args.tp}; "
+                    f"profile again with `megatron-ucp profile-recompute --tp {args.tp}` (or omit "
+                    "--profile to plan with published figures)")
+            for field in ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                          "seq_length", "micro_batch_size"):
+                want, got = model.get(field), prof.model.get(field)
+                if got is not None and got != want:
+                    raise planner.PlannerError(
+                        f"{args.profile}: field model.{field} is {got}, but {args.config} with "
+                        f"--micro-batch {args.micro_batch} says {want}; profile this model and "
+                        "micro-batch again")
+        else:
+            prof = hardware.published_profile(model, args.tp, args.micro_batch, args.gpu)
+        result = planner.plan(prof, pp=args.pp, dp=args.dp, global_batch_size=args.global_batch,
+                              memory_limit_bytes=int(args.memory_gib * 2**30),
+                              num_layers=model["num_layers"], vpp=args.vpp, model=model)
+    except planner.NothingFitsError as e:
+        print(f"megatron-ucp: {e}", file=sys.stderr)
+        return 2
+    except errors as e:
+        print(f"megatron-ucp: error: {e}", file=sys.stderr)
+        return 2
+    import pathlib
+
+    print(planner.format_plan(result, pathlib.Path(args.config).stem))
+    plan_io.save(result, args.out)
+    print(f"plan written to {args.out}")
     return 0
 
 

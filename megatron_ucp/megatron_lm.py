@@ -10,6 +10,9 @@ call to Megatron-LM's own function unchanged.
 * `--universal-checkpoint` (or `--ckpt-format universal`): `--load` is a megatron-ucp save root,
   fragment directory or universal directory, loaded at the current TP/PP/DP layout whatever layout
   it was saved at.
+* `--overlap-recompute PLAN.json`: the training loop's forward-backward function executes a
+  megatron-ucp recompute plan (`megatron_ucp.recompute.runtime`): per-layer recompute choices, full
+  layers recomputed while the stage waits for its output gradient (`get_forward_backward_func`).
 
 Two ways in:
 
@@ -64,6 +67,12 @@ def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         group.add_argument("--ucp-save", action="store_true",
                            help="Save checkpoints with megatron_ucp (fragment form, loadable at any "
                                 "layout) instead of Megatron-LM's own format.")
+    if "--overlap-recompute" not in have:
+        group.add_argument("--overlap-recompute", default=None, metavar="PLAN.json",
+                           help="Execute a megatron-ucp recompute plan (`megatron-ucp plan-recompute`):"
+                                " each layer's recompute as planned, full layers recomputed while the "
+                                "stage waits for its output gradient. Replaces --recompute-granularity;"
+                                " run with the plan's --decoder-first/last-pipeline-num-layers.")
     for action in parser._actions:
         if action.dest == "ckpt_format" and action.choices is not None \
                 and UNIVERSAL_FORMAT not in action.choices:
@@ -311,6 +320,36 @@ def _update_megatron_lm_state(args: argparse.Namespace, iteration: int) -> None:
     ckpt.set_loaded_iteration(iteration)
 
 
+# ------------------------------------------------------------------- overlapped recomputation
+
+_OVERLAP_SCHEDULES: dict[str, Callable] = {}  # plan path -> its forward-backward function
+
+
+def get_forward_backward_func(pp_size: int | None = None, vp_size: int | None = None) -> Callable:
+    """megatron-core's `get_forward_backward_func` (same signature), for Megatron-LM's training loop.
+
+    With `--overlap-recompute PLAN.json` it returns the function that executes that plan
+    (`megatron_ucp.recompute.runtime.forward_backward_func`; it picks megatron-core's schedule for
+    the initialised layout itself, so pp_size/vp_size are not used); otherwise megatron-core's own
+    function for pp_size/vp_size. The plan is loaded once per path.
+    """
+    path = getattr(_get_args(), "overlap_recompute", None)
+    if not path:
+        from megatron.core.pipeline_parallel import get_forward_backward_func as core_func
+
+        return core_func(pp_size, vp_size)
+    if path not in _OVERLAP_SCHEDULES:
+        from megatron_ucp.recompute import plan as recompute_plan
+        from megatron_ucp.recompute import runtime
+
+        plan = recompute_plan.load(path)  # PlanError naming the file when it is not a plan
+        _OVERLAP_SCHEDULES[path] = runtime.forward_backward_func(plan)
+        _print_rank_0(f"--overlap-recompute {path}: {sum(lp.recompute == 'full' for lp in plan.layers)}"
+                      f" full, {sum(lp.recompute == 'selective' for lp in plan.layers)} selective of "
+                      f"{len(plan.layers)} layers, partition {plan.layers_per_stage}")
+    return _OVERLAP_SCHEDULES[path]
+
+
 # ------------------------------------------------------------------------------ installation
 
 def _wrap_parse_args(parse_args: Callable) -> Callable:
@@ -334,8 +373,9 @@ def install() -> None:
 
     `megatron.training.training` imported save_checkpoint / load_checkpoint by name, so both it and
     `megatron.training.checkpointing` get the hooks; Megatron-LM's argument parser gets the flags
-    (parse_args is wrapped so the script's own extra_args_provider still runs). Call it after the
-    CPU shim (if any) and before pretrain(). Idempotent.
+    (parse_args is wrapped so the script's own extra_args_provider still runs); the training loop's
+    `get_forward_backward_func` becomes the --overlap-recompute hook. Call it after the CPU shim (if
+    any) and before pretrain(). Idempotent.
     """
     import megatron.training.arguments as arguments
     import megatron.training.checkpointing as ckpt
@@ -356,6 +396,9 @@ def install() -> None:
     for module in (async_utils, training, ckpt):
         if hasattr(module, "maybe_finalize_async_save"):
             module.maybe_finalize_async_save = maybe_finalize_async_save
+    # training.py imported get_forward_backward_func by name; ours hands back megatron-core's
+    # unless --overlap-recompute is set
+    training.get_forward_backward_func = get_forward_backward_func
     arguments.parse_args = _wrap_parse_args(arguments.parse_args)
     initialize.parse_args = _wrap_parse_args(initialize.parse_args)
 

@@ -138,6 +138,39 @@ def test_extra_args_provider_adds_flags_and_universal_format():
     assert megatron_lm.wants_ucp_load(argparse.Namespace(ckpt_format="torch", universal_checkpoint=True))
 
 
+def test_overlap_recompute_flag_selects_the_plan_schedule(tmp_path, monkeypatch):
+    """--overlap-recompute PLAN.json: the training loop's forward-backward function executes the
+    plan (launched runs of it: tests/test_recompute_runtime.py); without it, megatron-core's."""
+    import megatron_ucp.testing.cpu_shim  # noqa: F401, I001  (must precede megatron.core)
+    from megatron.core.pipeline_parallel import schedules
+
+    from megatron_ucp.recompute import plan as recompute_plan
+    from megatron_ucp.recompute.plan import PlanError
+    from megatron_ucp.testing.recompute_scenarios import make_plan
+
+    parser = megatron_lm.extra_args_provider(argparse.ArgumentParser())
+    assert parser.parse_args([]).overlap_recompute is None
+    path = tmp_path / "plan.json"
+    assert parser.parse_args(["--overlap-recompute", str(path)]).overlap_recompute == str(path)
+
+    monkeypatch.setattr(megatron_lm, "_ARGS_SOURCE", lambda: _megatron_args())
+    assert megatron_lm.get_forward_backward_func(2, None) is \
+        schedules.forward_backward_pipelining_without_interleaving
+    assert megatron_lm.get_forward_backward_func(1, None) is schedules.forward_backward_no_pipelining
+
+    recompute_plan.save(make_plan(["full", "none", "full:inline", "selective:core_attn"], 2, CFG), path)
+    monkeypatch.setattr(megatron_lm, "_ARGS_SOURCE", lambda: _megatron_args(overlap_recompute=str(path)))
+    monkeypatch.setattr(megatron_lm, "_OVERLAP_SCHEDULES", {})
+    func = megatron_lm.get_forward_backward_func()
+    assert func.__qualname__.startswith("forward_backward_func.")  # runtime's, not megatron-core's
+    assert megatron_lm.get_forward_backward_func() is func  # loaded once
+    bad = tmp_path / "not_a_plan.json"
+    bad.write_text('{"version": 99}')
+    monkeypatch.setattr(megatron_lm, "_ARGS_SOURCE", lambda: _megatron_args(overlap_recompute=str(bad)))
+    with pytest.raises(PlanError, match="not_a_plan.json"):
+        megatron_lm.get_forward_backward_func()
+
+
 def test_true_vocab_size():
     assert megatron_lm.true_vocab_size(_megatron_args()) == 251  # NullTokenizer adds EOD
     assert megatron_lm.true_vocab_size(_megatron_args(tokenizer_type="GPT2BPETokenizer")) is None
