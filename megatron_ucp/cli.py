@@ -1,5 +1,5 @@
 """`megatron-ucp` command line: convert, inspect, reshard, verify, diff, import-legacy,
-import-torch-dist, export-hf, import-hf, import-deepspeed, plan-recompute."""
+import-torch-dist, export-hf, import-hf, import-deepspeed, profile-recompute, plan-recompute."""
 
 from __future__ import annotations
 
@@ -112,6 +112,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vpp", type=int, default=None, help="interleaved schedule: model chunks per stage")
     p.add_argument("--out", default="recompute-plan.json", metavar="PLAN.json",
                    help="where to write the plan (default recompute-plan.json)")
+    sub.add_parser("profile-recompute", add_help=False,
+                   help="Lynx: measure per-module layer costs and p2p/TP all-reduce costs on the real "
+                   "megatron-core layers into a profile for plan-recompute (its own --help)")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["profile-recompute"]:  # its flags are the profiler's own parser's
+        from megatron_ucp.recompute import profiler
+
+        return profiler.main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "plan-recompute":
         return _plan_recompute(args)

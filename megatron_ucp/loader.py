@@ -76,6 +76,19 @@ def _check_params(source, params: list[LocalParam], strict: bool) -> None:
                        "architecture or pass strict=False to drop them")
 
 
+def _set_shard(index: OptimizerIndex, source, param, shard: tuple[int, int], states: dict,
+               steps: dict) -> None:
+    """Check that the regions read tile the parameter's optimizer shard at one Adam step, then
+    copy the shard into the optimizer."""
+    if sum(n for _, n in steps.values()) != shard[1] - shard[0]:
+        raise UCPError(f"internal: the regions of {sorted(steps)} do not tile their parameter's "
+                       "optimizer shard")
+    if len({st for st, _ in steps.values()}) != 1:
+        raise UCPError(f"{source.dir}: {sorted(steps)} share one local parameter but the "
+                       f"checkpoint gives them different Adam steps ({steps}); it mixes iterations")
+    index.set(param, states, next(iter(steps.values()))[0])
+
+
 def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: bool = True,
          verify_checksums: bool = True) -> LoadResult:
     """Fill model weights, DistributedOptimizer master weights, Adam moments and step, scheduler,
@@ -92,7 +105,10 @@ def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: 
 
     index = OptimizerIndex(optimizer)
     index.ensure_state()
-    shards: dict[int, tuple] = {}  # id(param) -> (param, shard range, states, steps)
+    # id(param) -> (param, shard range, states, steps) while its regions are being read; handed to
+    # the optimizer as soon as they tile the shard, so host memory holds one parameter's shard at
+    # a time, not the rank's whole optimizer state
+    shards: dict[int, tuple] = {}
     for lp in params:
         if lp.spec.buffer:  # every holder reads its whole local slice; no optimizer state
             with torch.no_grad():
@@ -112,14 +128,10 @@ def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: 
         for s in STATES:
             states[s][a - shard[0]:b - shard[0]] = read_local(source, lp, s, a - lp.base, b - lp.base)
         steps[lp.spec.name] = (source.step(lp.spec.name), b - a)
-    for param, shard, states, steps in shards.values():
-        if sum(n for _, n in steps.values()) != shard[1] - shard[0]:
-            raise UCPError(f"internal: the regions of {sorted(steps)} do not tile their parameter's "
-                           "optimizer shard")
-        if len({st for st, _ in steps.values()}) != 1:
-            raise UCPError(f"{source.dir}: {sorted(steps)} share one local parameter but the "
-                           f"checkpoint gives them different Adam steps ({steps}); it mixes iterations")
-        index.set(param, states, next(iter(steps.values()))[0])
+        if sum(n for _, n in steps.values()) == shard[1] - shard[0]:
+            _set_shard(index, source, *shards.pop(id(lp.param)))
+    for param, shard, states, steps in shards.values():  # regions that do not tile their shard
+        _set_shard(index, source, param, shard, states, steps)
     index.copy_main_to_model(model_chunks)
     if not manifest.extra.get(RUN_HYPERPARAMETERS):  # imports without them keep the run's
         index.load_param_groups(manifest.optimizer["param_groups"])

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from megatron.core.utils import unwrap_model
-
 from megatron_ucp.errors import UCPError
 from megatron_ucp.layout import Layout
 
@@ -18,6 +16,10 @@ ARCH_FIELDS = (
 
 def model_config(model_chunks: list) -> dict:
     """The architecture of the model as JSON: TransformerConfig scalars plus GPT-level fields."""
+    # imported here: the offline tools (convert, inspect) use this module without a model and
+    # need not pay megatron-core's import (seconds, ~130 MB)
+    from megatron.core.utils import unwrap_model
+
     model = unwrap_model(model_chunks[0])
     cfg = {k: v for k, v in vars(model.config).items()
            if isinstance(v, (bool, int, float, str)) or v is None}
