@@ -91,7 +91,7 @@ def bench_row(config: str, tp: int, pp: int, dp: int, gpu: str, micro_batch: int
         p_even = min(evens, key=lambda x: x.predicted.step_s) if evens else None
         no_overlap = planner.plan(profile, pp=pp, dp=dp, global_batch_size=GLOBAL_BATCH,
                                   memory_limit_bytes=limit, model=model,
-                                  choices=[c for c in planner.all_choices() if c != "full:p2p_wait"])
+                                  choices=[c for c in planner.all_choices(model) if c != "full:p2p_wait"])
         base = p.baseline.get("predicted")
         entry = {
             "limit_gib": limit / GIB,
