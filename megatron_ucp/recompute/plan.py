@@ -13,11 +13,10 @@ recomputation runs in:
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from megatron_ucp.recompute.profile import SELECTIVE
+from megatron_ucp.recompute.profile import SELECTIVE, read_json, write_json
 
 FORMAT_VERSION = 1
 CHOICES = ("none", "selective", "full")
@@ -132,13 +131,10 @@ class Plan:
 
 
 def save(plan: Plan, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(plan.to_json(), indent=1) + "\n")
+    write_json(plan.to_json(), path)
 
 
 def load(path: str | Path) -> Plan:
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise PlanError(f"{path}: cannot read a recompute plan ({e})") from None
+    data = read_json(path, PlanError, "recompute plan")
     data.pop("megatron_args", None)
     return Plan.from_json(data, str(path))

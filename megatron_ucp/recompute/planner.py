@@ -54,6 +54,7 @@ from megatron_ucp.recompute.plan import LayerPlan, Plan
 from megatron_ucp.recompute.profile import SELECTIVE, Profile
 from megatron_ucp.recompute.simulator import (
     ChunkCost,
+    add_stage_ends,
     chunk_costs,
     chunk_layers,
     memory_terms,
@@ -421,14 +422,8 @@ class _Search:
             row = []
             for c in range(self.vpp):
                 cc = replace(opt.chunk)
-                if r == 0 and c == 0:
-                    cc.fwd_s += ends.embedding_fwd_s
-                    cc.bwd_s += ends.embedding_bwd_s
-                    cc.kept_bytes += ends.embedding_act_bytes
-                if r == self.pp - 1 and c == self.vpp - 1:
-                    cc.fwd_s += ends.output_fwd_s
-                    cc.bwd_s += ends.output_bwd_s
-                    cc.kept_bytes += ends.output_act_bytes
+                add_stage_ends(cc, ends, first=r == 0 and c == 0,
+                               last=r == self.pp - 1 and c == self.vpp - 1)
                 row.append(cc)
             out.append(row)
         return out

@@ -133,13 +133,21 @@ class Profile:
             raise ProfileError(f"{where}: malformed entry ({e})") from None
 
 
+def write_json(data: dict, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(data, indent=1) + "\n")
+
+
+def read_json(path: str | Path, error: type[ValueError], what: str) -> dict:
+    """The JSON object in `path`; `error` naming the file when it cannot be read or parsed."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise error(f"{path}: cannot read a {what} ({e})") from None
+
+
 def save(profile: Profile, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(profile.to_json(), indent=1) + "\n")
+    write_json(profile.to_json(), path)
 
 
 def load(path: str | Path) -> Profile:
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ProfileError(f"{path}: cannot read a recompute profile ({e})") from None
-    return Profile.from_json(data, str(path))
+    return Profile.from_json(read_json(path, ProfileError, "recompute profile"), str(path))

@@ -237,6 +237,17 @@ def _times_shared(sched: _Schedule, durations: list, p2p_s: float, slots: int) -
         else:
             ready_at[r] = None  # set when the dependency finishes
 
+    def finish(r: int, op: int) -> None:
+        """Op `op` of rank r ends now: its rank and the ops waiting on it may become ready."""
+        end[op] = now
+        cursor[r] += 1
+        for waiting in dependents.get(op, ()):
+            wr = sched.rank_of[waiting]
+            if cursor[wr] == waiting and wr not in remaining:
+                prev = end[waiting - 1] if waiting > sched.rank_slices[wr][0] else 0.0
+                next_ready(wr, prev)
+        next_ready(r, now)
+
     for r in range(sched.pp):
         next_ready(r, 0.0)
     done = 0
@@ -253,15 +264,8 @@ def _times_shared(sched: _Schedule, durations: list, p2p_s: float, slots: int) -
                 start[op] = now
                 work = durations[deps[op][1]]
                 if work <= 0.0:
-                    end[op] = now
+                    finish(r, op)
                     done += 1
-                    cursor[r] += 1
-                    for waiting in dependents.get(op, ()):
-                        wr = sched.rank_of[waiting]
-                        if cursor[wr] == waiting and wr not in remaining:
-                            prev = end[waiting - 1] if waiting > sched.rank_slices[wr][0] else 0.0
-                            next_ready(wr, prev)
-                    next_ready(r, now)
                     started = True
                 else:
                     remaining[r] = work
@@ -278,17 +282,9 @@ def _times_shared(sched: _Schedule, durations: list, p2p_s: float, slots: int) -
             remaining[r] -= rate * (t_next - now)
         now = t_next
         for r in [r for r, w in remaining.items() if w <= 1e-12 * max(1.0, now)]:
-            op = cursor[r]
             del remaining[r]
-            end[op] = now
+            finish(r, cursor[r])
             done += 1
-            cursor[r] += 1
-            for waiting in dependents.get(op, ()):
-                wr = sched.rank_of[waiting]
-                if cursor[wr] == waiting and wr not in remaining:
-                    prev = end[waiting - 1] if waiting > sched.rank_slices[wr][0] else 0.0
-                    next_ready(wr, prev)
-            next_ready(r, now)
     return start, end
 
 
@@ -422,6 +418,18 @@ def chunk_layers(layers_per_stage: list, vpp: int | None) -> list[list[range]]:
     return [[range((c * pp + r) * n, (c * pp + r + 1) * n) for c in range(vpp)] for r in range(pp)]
 
 
+def add_stage_ends(c: ChunkCost, ends, first: bool, last: bool) -> None:
+    """Add the embedding (first virtual stage) and output layer + loss (last) to a chunk's costs."""
+    if first:
+        c.fwd_s += ends.embedding_fwd_s
+        c.bwd_s += ends.embedding_bwd_s
+        c.kept_bytes += ends.embedding_act_bytes
+    if last:
+        c.fwd_s += ends.output_fwd_s
+        c.bwd_s += ends.output_bwd_s
+        c.kept_bytes += ends.output_act_bytes
+
+
 def chunk_costs(profile: Profile, layers: list, layers_per_stage: list,
                 vpp: int | None = None) -> list[list[ChunkCost]]:
     """Per-rank, per-chunk costs of LayerPlans (stage ends added to the first and last chunk)."""
@@ -444,14 +452,7 @@ def chunk_costs(profile: Profile, layers: list, layers_per_stage: list,
                 c.kept_bytes += kept
                 c.overlap_bytes += overlap
                 c.transient_bytes = max(c.transient_bytes, transient)
-            if r == 0 and ci == 0:
-                c.fwd_s += ends.embedding_fwd_s
-                c.bwd_s += ends.embedding_bwd_s
-                c.kept_bytes += ends.embedding_act_bytes
-            if r == pp - 1 and ci == nchunks - 1:
-                c.fwd_s += ends.output_fwd_s
-                c.bwd_s += ends.output_bwd_s
-                c.kept_bytes += ends.output_act_bytes
+            add_stage_ends(c, ends, first=r == 0 and ci == 0, last=r == pp - 1 and ci == nchunks - 1)
             row.append(c)
         out.append(row)
     return out
