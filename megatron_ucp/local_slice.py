@@ -7,11 +7,14 @@ rank files rebuilt at the target layout).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_ucp.param_spec import LocalParam
 from megatron_ucp.spec import Piece
+
+if TYPE_CHECKING:  # (param_spec imports megatron-core, which assembling a slice does not need)
+    from megatron_ucp.param_spec import LocalParam
 
 
 def read_local(source, lp: LocalParam, state: str, a: int, b: int) -> torch.Tensor:

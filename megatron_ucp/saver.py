@@ -3,11 +3,13 @@
 One path for synchronous and asynchronous saves:
 1. `save` stages the rank's fragment tensors on the host (`staging.HostStager`: pinned buffers and
    one synchronize on a GPU) and starts writing its rank file into
-   `<root>/.iter_XXXXXXX.partial/` (fsynced), inline or in a background thread. No collective
-   but the barrier after rank 0 prepares the directory.
+   `<root>/.iter_XXXXXXX.partial/` (fsynced), inline or in the process's background writer
+   thread. No collective but one barrier, after the copies (rank 0 has prepared the directory
+   meanwhile). An asynchronous save blocks training only for what makes the saved state that of
+   the call: the copies, the Adam steps, the RNG states, rank 0's scheduler and hyper-parameters.
 2. `finalize` (the commit; collective) checks with one small all-reduce that every rank's file is
-   written, gathers every rank's fragment records (metadata) to rank 0, which builds the fragment
-   index (`fragment_index`: every element saved exactly once, or nothing is committed), writes
+   written, gathers every rank's fragment records (metadata, compressed) to rank 0, which builds
+   the fragment index (`build_index`: every element saved exactly once, or nothing is committed), writes
    manifest.json, fsyncs, renames the directory to `iter_XXXXXXX` and atomically replaces
    `<root>/latest`; the outcome is broadcast. A synchronous save finalizes before returning; an
    asynchronous one when the next save starts, when `finalize()` is called (Megatron-LM calls it
@@ -25,6 +27,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +37,15 @@ import torch.distributed as dist
 from megatron_ucp import rng
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats import manifest as mf
-from megatron_ucp.formats.fragments import Fragment, build_index, merge_specs, rank_file_name, write_rank_file
+from megatron_ucp.formats.fragments import (
+    Fragment,
+    build_index,
+    index_part,
+    merge_specs,
+    part_records,
+    rank_file_name,
+    write_rank_file,
+)
 from megatron_ucp.formats.manifest import Manifest, paused_gc
 from megatron_ucp.layout import Layout
 from megatron_ucp.optimizer_state import OptimizerIndex
@@ -45,6 +56,7 @@ from megatron_ucp.validation import model_config
 
 log = logging.getLogger(__name__)
 STAGER = HostStager()  # one per process: its host buffer is reused by every save
+WRITER = ThreadPoolExecutor(1, thread_name_prefix="megatron-ucp-save")  # asynchronous saves' writes
 
 
 @dataclass
@@ -55,17 +67,18 @@ class PendingSave:
     root: Path
     staged: StagedDir  # <root>/.iter_XXXXXXX.partial -> <root>/iter_XXXXXXX
     manifest: Manifest | None  # rank 0 only: everything but the parameters' index and the byte count
-    index_part: tuple  # (specs, fragment records) this rank contributes to the index at commit
+    specs: list[dict]  # the specs this rank contributes to the index at commit (maybe none)
+    fragments: list[Fragment]  # its fragments: their records go into the index at commit
     started: float
     stage_seconds: float
-    thread: threading.Thread | None = None
+    background: Future | None = None  # the write, when asynchronous
     nbytes: int = 0
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
     def write(self, fragments: list[Fragment], rng_tensors: dict, rng_meta: dict, coords: dict) -> None:
         try:
-            if self.thread is not None and before_background_write is not None:
+            if self.background is not None and before_background_write is not None:
                 before_background_write(self)
             self.nbytes = write_rank_file(self.staged.partial / rank_file_name(dist.get_rank()),
                                           fragments, rng_tensors, rng_meta, coords)
@@ -114,8 +127,10 @@ def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: 
         for tmp in root.glob(f".{mf.LATEST}.tmp*"):  # a process killed while replacing `latest`
             tmp.unlink(missing_ok=True)
         target.create(replace=True)  # re-saving an iteration replaces it at the commit
-    dist.barrier()
 
+    # The state at this call, captured before returning (training may change it right after):
+    # the optimizer shard's bytes, the Adam steps, the RNG states and, on rank 0, the scheduler
+    # and hyper-parameters. Everything else (the index records, the file) is derived later.
     index = OptimizerIndex(optimizer)
     params, specs = _model_specs(model_chunks)
     fragments, steps = [], []
@@ -133,7 +148,8 @@ def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: 
         if b <= a:
             continue
         tensors, step = index.get(lp.param)
-        tensors = {s: t[a - shard[0]:b - shard[0]] for s, t in tensors.items()}
+        if (a, b) != shard:  # (usually the whole shard: no slicing)
+            tensors = {s: t[a - shard[0]:b - shard[0]] for s, t in tensors.items()}
         fragments.append(Fragment(lp.spec.name, lp.local_shape, lp.pieces, a - lp.base, b - lp.base,
                                   0.0, tensors))
         steps.append(step)
@@ -150,9 +166,8 @@ def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: 
     rng_tensors, rng_meta = rng.capture()
     coords = {"tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
               "dp": ps.get_data_parallel_rank()}
-    # What this rank adds to the fragment index at commit: its fragment records, and the specs if it
-    # is the first data-parallel replica of its model-parallel position (DP replicas hold the same).
-    records = [f.record() for f in fragments]
+    # The specs this rank adds to the fragment index at commit: the first data-parallel replica of
+    # its model-parallel position (DP replicas hold the same).
     dense_first = ps.get_data_parallel_rank(with_context_parallel=True) == 0
     expert_first = ps.get_expert_data_parallel_rank() == 0
     mine = [spec for lp, spec in zip(params, specs)
@@ -165,14 +180,17 @@ def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: 
             optimizer={"param_groups": index.param_groups(), "grad_scaler": index.grad_scaler()},
             scheduler=scheduler.state_dict() if scheduler is not None else None,
             extra=extra or {}, seed=seed)
+    # Rank 0 has prepared the directory once every rank is here: the one barrier, after the
+    # copies, so that its file-system work and the ranks' copies overlap.
+    dist.barrier()
     global _PENDING
-    _PENDING = PendingSave(iteration, root, target, manifest, (mine, records), t0,
+    _PENDING = PendingSave(iteration, root, target, manifest, mine, fragments, t0,
                            time.perf_counter() - t0)
     job = (fragments, rng_tensors, rng_meta, coords)
     if async_save:
-        _PENDING.thread = threading.Thread(target=_PENDING.write, args=job, daemon=True,
-                                           name=f"megatron-ucp-save-{iteration}")
-        _PENDING.thread.start()
+        # one writer thread for the process, started by the first save: starting a thread per save
+        # would stall each by the wait for it to run
+        _PENDING.background = WRITER.submit(_PENDING.write, *job)
         if rank == 0:
             log.info("staged iteration %d at %s in %.3fs; writing %s in the background", iteration,
                      layout, _PENDING.stage_seconds, final)
@@ -221,18 +239,19 @@ def finalize(blocking: bool = True) -> bool:
     if running:  # a rank failed while others still write: wait for them, then clean up
         p.done.wait()
     _PENDING = None
-    if p.thread is not None:
-        p.thread.join()
+    if p.background is not None:
+        p.background.result()  # (its errors are in p.error)
     problem = [None]
     if not n_failed:
         # Metadata only, O(fragments + tensors) at rank 0. Rank 0 builds the fragment index, checks
         # that it tiles every tensor exactly and commits; every rank then learns the outcome.
         gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(p.index_part, gathered, dst=0)
+        dist.gather_object(index_part(p.specs, [f.record() for f in p.fragments]), gathered, dst=0)
         if dist.get_rank() == 0:
             try:
-                with paused_gc():
-                    indexed = build_index(merge_specs([g[0] for g in gathered]), [g[1] for g in gathered],
+                with paused_gc():  # each rank's records parsed only while they are indexed
+                    indexed = build_index(merge_specs([g[0] for g in gathered]),
+                                          (part_records(g[1]) for g in gathered),
                                           where=f"saving iteration {p.iteration} to {p.staged.final}")
                 _commit(p, indexed, nbytes)
             except UCPError as e:
@@ -259,7 +278,7 @@ def finalize(blocking: bool = True) -> bool:
     if problem[0]:
         raise UCPError(problem[0])
     if dist.get_rank() == 0:
-        blocked = p.stage_seconds if p.thread is not None else time.perf_counter() - p.started
+        blocked = p.stage_seconds if p.background is not None else time.perf_counter() - p.started
         log.info("saved iteration %d to %s (%.1f MiB) in %.2fs, training blocked %.2fs", p.iteration,
                  p.staged.final, nbytes / 2**20, time.perf_counter() - p.started, blocked)
     return True

@@ -10,20 +10,39 @@
 
 from __future__ import annotations
 
+import copy
+import gc
 import itertools
 import json
 import math
 import shutil
+import weakref
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import SCENARIOS, STEPS
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from reference import assemble, compare_to_reference
 
 import megatron_ucp as ucp
+from megatron_ucp.formats import manifest as mf
 from megatron_ucp.formats import open_source
-from megatron_ucp.formats.fragments import build_index
+from megatron_ucp.formats.fragments import (
+    Fragment,
+    FragmentSource,
+    build_index,
+    check_tiling,
+    index_part,
+    merge_specs,
+    write_rank_file,
+)
+from megatron_ucp.formats.fragments.index import tiling_suspects
+from megatron_ucp.formats.manifest import Manifest, ParamEntry, _Check, paused_gc
+from megatron_ucp.layout import Layout
 from megatron_ucp.local_slice import flat_range_boxes
+from megatron_ucp.spec import STATES, ParamSpec, Piece
 from megatron_ucp.testing.launch import LaunchError, launch
 
 
@@ -118,3 +137,230 @@ def test_flat_range_boxes_cover_exactly_the_range():
                              for off, sh in boxes])
             assert torch.equal(got, torch.arange(lo, hi)), (shape, lo, hi)
             assert len(boxes) <= 2 * len(shape) - 1
+
+
+def test_a_different_slice_at_the_same_place_is_its_own_slice():
+    # the builder keys slices by where their first piece sits, confirmed by comparing them whole:
+    # a slice with the same first offset but another local shape must not join the first one
+    records = [[("w", [2, 2], ROWS, 0, 4, 1.0)], [("w", [4, 1], [[0, [0, 0], [4, 1], [1, 1]]], 0, 4, 1.0)],
+               [("w", [2, 2], ROWS_2, 0, 4, 1.0)]]
+    with pytest.raises(ucp.UCPError, match="parameter w: ranks .* saved overlapping slices"):
+        build_index(SPEC, records)
+
+
+def test_slices_cut_along_different_dims_that_overlap_are_refused():
+    # rows [2, 4) and columns [0, 2) of a [4, 4] tensor: the volumes add up (8 + 8), the boxes
+    # overlap in [2, 4) x [0, 2) and leave [0, 2) x [2, 4) unsaved
+    spec = {"w": ParamSpec("w", (4, 4), "float32", 0).to_json()}
+    records = [[("w", [2, 4], [[0, [2, 0], [2, 4], [4, 1]]], 0, 8, 1.0)],
+               [("w", [4, 2], [[0, [0, 0], [4, 2], [2, 1]]], 0, 8, 1.0)]]
+    with pytest.raises(ucp.UCPError, match="parameter w: ranks .* saved overlapping slices"):
+        build_index(spec, records)
+
+
+def test_ranks_that_disagree_on_a_spec_are_refused():
+    spec = ParamSpec("w", (4, 2), "float32", 0, aliases=["v"]).to_json()
+    other = {**spec, "tp_axis": 1}
+    same = index_part([spec], [])[0]
+    assert merge_specs([same, None, same]) == {"w": spec}
+    with pytest.raises(ucp.UCPError, match="parameter w: ranks disagree on its spec"):
+        merge_specs([same, index_part([other], [])[0]])
+
+
+# ---- the bulk check: every tensor the exact check could refuse is among its suspects
+
+# (name, shape, slices as [local_shape, pieces, fragment cuts]); the rank of a fragment is its index
+BULK_MODEL = [
+    ("qkv", [8, 4], [([4, 4], [[0, [0, 0], [4, 4], [4, 1]]], [0, 10, 16]),
+                     ([4, 4], [[0, [4, 0], [4, 4], [4, 1]]], [0, 16])]),
+    ("fc1", [8, 2], [([4, 2], [[0, [0, 0], [2, 2], [2, 1]], [4, [4, 0], [2, 2], [2, 1]]], [0, 3, 8]),
+                     ([4, 2], [[0, [2, 0], [2, 2], [2, 1]], [4, [6, 0], [2, 2], [2, 1]]], [0, 8])]),
+    ("proj", [2, 6], [([2, 3], [[0, [0, 0], [2, 3], [3, 1]]], [0, 6]),
+                      ([2, 3], [[0, [0, 3], [2, 3], [3, 1]]], [0, 1, 6])]),
+    ("expert", [3, 2], [([6], [[0, [0, 0], [3, 2], [1, 3]]], [0, 6])]),  # a transposed piece
+    ("norm", [5], [([5], [[0, [0], [5], [1]]], [0, 5])]),
+]
+
+
+def _bulk_index() -> dict:
+    params = {}
+    for name, shape, slices in BULK_MODEL:
+        entries = [{"fragments": [[i % 3, a, b] for i, (a, b) in enumerate(zip(cuts, cuts[1:]))],
+                    "local_shape": list(local), "pieces": copy.deepcopy(pieces)}
+                   for local, pieces, cuts in slices]
+        params[name] = {"name": name, "shape": shape, "dtype": "float32", "tp_axis": 0, "step": 1.0,
+                        "slices": entries}
+    return params
+
+
+def _refused(entry: ParamEntry, overlap: bool) -> str | None:
+    """What the exact path says of a tensor: the parse of its slices, then check_tiling."""
+    try:
+        if not entry.slices:
+            return "no slices"
+        check_tiling("t", entry.name, entry.shape, entry.slices, overlap=overlap)
+    except Exception as e:  # (a save's own entries are not parsed: garbage fails as it may)
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _numbers(x, path=()) -> list[tuple]:
+    if isinstance(x, list):
+        return [p for i, v in enumerate(x) for p in _numbers(v, (*path, i))]
+    if isinstance(x, dict):
+        return [p for k, v in x.items() for p in _numbers(v, (*path, k))]
+    return [path]
+
+
+def _edited(edits: list[tuple[int, object]], drop: int, where: str | None) -> dict:
+    """The bulk model with numbers under `where` (None: any) replaced, and the list holding
+    number `drop` (a fragment, a piece, a shape) shortened."""
+    raw = _bulk_index()
+    numbers = [(n, path) for n in raw for path in _numbers(raw[n]["slices"], ("slices",))
+               if where is None or where in path]
+    for choice, value in edits:
+        name, path = numbers[choice % len(numbers)]
+        parent = raw[name]
+        for k in path[:-1]:
+            parent = parent[k]
+        parent[path[-1]] = value
+    if drop < len(numbers):
+        name, path = numbers[drop]
+        container = raw[name]
+        for k in path[:-2]:
+            container = container[k]
+        if isinstance(container, list) and container:
+            container.pop(0)
+    return raw
+
+
+INTS = [0, 1, 2, 3, 4, 5, 6, 8, 16, -1, 2**41]
+# (a bool is a number to the bulk check, True == 1: the parse refuses it when the tensor is read,
+# test_a_number_that_is_not_an_int_is_refused_when_read)
+ANY_VALUE = st.sampled_from([*INTS, 2**70, 1.5, "x", None, [], [1, 2, 3]])
+
+
+@settings(max_examples=300, deadline=None)
+@given(edits=st.lists(st.tuples(st.integers(0, 10**6), ANY_VALUE), min_size=1, max_size=3),
+       drop=st.integers(0, 60))
+def test_bulk_check_at_open_suspects_every_tensor_with_a_broken_fragment(edits, drop):
+    raw = _edited(edits, drop, "fragments")
+    check = _Check("m")
+    params = {n: ParamEntry.from_json(d, "fragments", 3, check, f"params[{n!r}]") for n, d in raw.items()}
+    suspects = set(tiling_suspects(params, 3, whole=False))
+    for name, entry in params.items():
+        why = _refused(entry, overlap=False)
+        assert why is None or name in suspects, (name, why, raw[name]["slices"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(edits=st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from(INTS)), min_size=1, max_size=3),
+       drop=st.integers(0, 120))
+def test_bulk_check_at_save_suspects_every_tensor_check_tiling_refuses(edits, drop):
+    raw = _edited(edits, drop, None)
+    params = {n: ParamEntry(ParamSpec(n, tuple(d["shape"]), "float32", 0), 1.0, slices_json=d["slices"])
+              for n, d in raw.items()}  # as build_index makes them
+    suspects = set(tiling_suspects(params, 3, whole=True))
+    for name, entry in params.items():
+        why = _refused(entry, overlap=True)
+        assert why is None or name in suspects, (name, why, raw[name]["slices"])
+
+
+def test_unmodified_bulk_index_has_no_suspects():
+    check = _Check("m")
+    params = {n: ParamEntry.from_json(d, "fragments", 3, check, f"params[{n!r}]")
+              for n, d in _bulk_index().items()}
+    assert tiling_suspects(params, 3, whole=True) == [] and tiling_suspects(params, 3, whole=False) == []
+    assert all(_refused(p, overlap=True) is None for p in params.values())
+
+
+# ---- the open checks every tensor's fragments; a tensor's slices are parsed when first read
+
+def _three_tensor_checkpoint(d: Path) -> dict:
+    g = torch.Generator().manual_seed(0)
+    full = {n: torch.randn(4, 3, generator=g) for n in "abc"}
+    records = [[], []]
+    for rank in range(2):
+        frags = [Fragment(n, (2, 3), [Piece.rows(0, (2 * rank, 0), (2, 3))], 0, 6, 5.0,
+                          {s: full[n][2 * rank:2 * rank + 2].reshape(-1).clone() for s in STATES})
+                 for n in "abc"]
+        write_rank_file(d / f"rank_{rank:05d}.safetensors", frags, {}, {}, {"tp": rank})
+        records[rank] = [f.record() for f in frags]
+    m = Manifest.fragments(iteration=5, layout=Layout(tp=2), world_size=2, model={}, optimizer={
+        "param_groups": []}, scheduler=None, extra={}, seed=1)
+    m.params = build_index({n: ParamSpec(n, (4, 3), "float32", 0).to_json() for n in "abc"}, records)
+    return {"manifest": json.loads(mf.encode(m)), "full": full}
+
+
+def test_open_refuses_a_broken_fragment_of_any_tensor(tmp_path):
+    ck = _three_tensor_checkpoint(tmp_path)
+    m = ck["manifest"]
+    m["params"]["c"]["slices"][1]["fragments"].append([1, 0, 6])
+    with pytest.raises(ucp.UCPError, match=r"parameter c: elements \[0, 6\) of a saved slice are saved tw"):
+        FragmentSource(tmp_path, Manifest.from_json(m, "m"))
+
+
+def test_a_tensor_is_parsed_when_first_read(tmp_path):
+    ck = _three_tensor_checkpoint(tmp_path)
+    m = ck["manifest"]
+    m["params"]["c"]["slices"][0]["pieces"][0][2] = [2, "3"]  # a damaged piece of c only
+    source = FragmentSource(tmp_path, Manifest.from_json(m, str(tmp_path / "manifest.json")))
+    assert torch.equal(source.read("a", "exp_avg", (1, 0), (2, 3)), ck["full"]["a"][1:3])
+    assert source.manifest.params["c"]._slices is None  # not needed by the read of a
+    with pytest.raises(ucp.UCPError, match=r"manifest.json: params\['c'\].slices\[0\].pieces\[0\]"):
+        source.read("c", "param", (0, 0), (4, 3))
+
+
+def test_a_source_dropped_after_reads_unmaps_its_rank_files_at_once(tmp_path):
+    # the rank files stay mapped while anything holds the source; a reference cycle through it
+    # would keep them mapped until a full collection (a tmpfs then cannot be unmounted)
+    ck = _three_tensor_checkpoint(tmp_path)
+    source = FragmentSource(tmp_path, Manifest.from_json(ck["manifest"], "m"))
+    assert torch.equal(source.read("b", "param", (0, 0), (4, 3)), ck["full"]["b"])
+
+    def mapped() -> int:
+        return sum(str(tmp_path) in line for line in Path("/proc/self/maps").read_text().splitlines())
+
+    gone = weakref.ref(source)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        before = mapped() if Path("/proc/self/maps").exists() else None
+        del source
+        assert gone() is None, "a reference cycle keeps the FragmentSource alive"
+        if before is not None:
+            assert before > 0 and mapped() == 0
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@pytest.mark.parametrize("field,index,value", [("pieces", 3, [True, 1]), ("pieces", 1, [0.0, 0]),
+                                               ("pieces", 0, False), ("fragments", 0, True)])
+def test_a_number_that_is_not_an_int_is_refused_when_read(tmp_path, field, index, value):
+    # (True == 1 and 0.0 == 0 in Python: such an entry would pass every comparison and then fail
+    # deep in torch, or read another rank's file)
+    ck = _three_tensor_checkpoint(tmp_path)
+    m = ck["manifest"]
+    m["params"]["c"]["slices"][0][field][0][index] = value
+    source = FragmentSource(tmp_path, Manifest.from_json(m, str(tmp_path / "manifest.json")))
+    expected = (r"params\['c'\].slices\[0\].pieces\[0\]: .* is not \[start" if field == "pieces"
+                else r"bad fragment entry \[True, 0, 6\] at params\['c'\].slices\[0\].fragments\[0\]")
+    with pytest.raises(ucp.UCPError, match=expected):
+        source.read("c", "param", (0, 0), (4, 3))
+
+
+def test_paused_gc_collects_young_cycles_first_and_leaves_no_young_objects():
+    class Node:
+        pass
+
+    cycle = Node()
+    cycle.me = cycle
+    gone = weakref.ref(cycle)
+    del cycle
+    with paused_gc():
+        kept = [[i] for i in range(50_000)]
+    assert gone() is None  # collected before the pause: not promoted to the oldest generation
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    assert gc.get_count()[0] < 1000  # the lists are not waiting for a young collection to walk them
+    assert len(kept) == 50_000

@@ -14,7 +14,6 @@ import contextlib
 import gc
 import json
 import math
-from array import array
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain
@@ -39,13 +38,25 @@ KINDS = ("fragments", "universal")
 def paused_gc() -> Iterator[None]:
     """No cyclic garbage collection while building or parsing metadata: it allocates millions of
     small containers and no cycles, and the collector's passes over them would cost seconds
-    (measured 5x on the 4096-rank plan benchmark)."""
+    (measured 5x on the 4096-rank plan benchmark).
+
+    Re-enabling alone would only defer that cost: every container allocated in the pause sits in
+    the youngest generation, and the first collection after it walks them all (0.4 s for a
+    4096-rank index). So the survivors are moved to the oldest generation unexamined (`gc.freeze`
+    then `gc.unfreeze`), where only the rare full collections see them, as any long-lived data.
+    Young garbage cycles from before the pause are collected first (a young collection: cheap),
+    so none is held back until the next full collection."""
     enabled = gc.isenabled()
+    if enabled:
+        gc.collect(1)
     gc.disable()
     try:
         yield
     finally:
         if enabled:
+            if gc.get_freeze_count() == 0:  # nobody else's frozen objects would be thawed
+                gc.freeze()
+                gc.unfreeze()
             gc.enable()
 
 
@@ -152,7 +163,29 @@ class ParamEntry:
     spec: ParamSpec
     step: float | None = None  # None only in fragment manifests of versions 1 and 2
     tensors: dict[str, TensorEntry] | None = None  # universal
-    slices: list[SliceEntry] | None = None  # fragments, version 3
+    # fragments, version 3: the slice entries as JSON, as written; `slices` parses them
+    slices_json: list | None = None
+    # how `slices` checks them: (the manifest's checker, number of rank files); None: entries
+    # built by the save itself (`build_index`), which checks their tiling before anything is
+    # committed
+    parse_check: tuple[_Check, int] | None = field(default=None, repr=False, compare=False)
+    _slices: list[SliceEntry] | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def slices(self) -> list[SliceEntry] | None:
+        """The saved slices (fragments, version 3), parsed and checked on first use: a load reads
+        a few of the thousands of tensors an index holds (the fragment source checks in bulk
+        that every tensor's fragments tile its slices when it opens the checkpoint)."""
+        if self._slices is None and self.slices_json is not None:
+            if self.parse_check is None:
+                self._slices = [SliceEntry(tuple(s["local_shape"]), [Piece.from_json(p) for p in s["pieces"]],
+                                           [FragmentEntry(*f) for f in s["fragments"]])
+                                for s in self.slices_json]
+            else:
+                check, n_files = self.parse_check
+                self._slices = [_slice_from_json(s, n_files, check, f"params[{self.name!r}].slices[{i}]",
+                                                 self.name) for i, s in enumerate(self.slices_json)]
+        return self._slices
 
     @property
     def name(self) -> str:
@@ -167,17 +200,22 @@ class ParamEntry:
         return states_of(self.spec)
 
     def to_json(self) -> dict:
-        d = self.spec.to_json()
+        # (`ParamSpec.to_json` without dataclasses.asdict's deep copy: 20k specs in an index)
+        d = {**vars(self.spec), "shape": list(self.spec.shape), "aliases": list(self.spec.aliases)}
         if self.step is not None:
             d["step"] = self.step
         if self.tensors is not None:
             d["tensors"] = {s: t.to_json() for s, t in self.tensors.items()}
-        if self.slices is not None:
-            d["slices"] = [s.to_json() for s in self.slices]
+        if self.slices_json is not None:
+            d["slices"] = self.slices_json
         return d
 
     @classmethod
     def from_json(cls, d, kind: str, n_files: int, check: _Check, path: str) -> ParamEntry:
+        if kind == "fragments" and _plain_fragment_entry(d):  # the common case, checked in one go
+            spec = ParamSpec(d["name"], tuple(d["shape"]), d["dtype"], d["tp_axis"], d.get("tp_blocks", 1),
+                             list(d.get("aliases", [])), d.get("vocab_rows", False), d.get("buffer", False))
+            return cls(spec, d.get("step"), slices_json=d.get("slices"), parse_check=(check, n_files))
         storage = ("tensors",) if kind == "universal" else ("slices",)
         check.obj(d, path, _SPEC_REQUIRED + (("step",) + storage if kind == "universal" else ()),
                   _SPEC_OPTIONAL + ("step",) + storage)
@@ -211,38 +249,54 @@ class ParamEntry:
                 if t["key"] != f"{spec.name}/{s}":  # the key names the tensor: no other's bytes
                     raise check.fail(f"{path}.tensors.{s}.key", f"{t['key']!r} is not "
                                      f"'{spec.name}/{s}'")
-        if "slices" in d:
-            entry.slices = [_slice_from_json(s, n_files, check, f"{path}.slices[{i}]", spec.name)
-                            for i, s in enumerate(check.typed(d["slices"], f"{path}.slices", list))]
+        if "slices" in d:  # parsed when used (`slices`)
+            entry.slices_json = check.typed(d["slices"], f"{path}.slices", list)
+            entry.parse_check = (check, n_files)
         return entry
 
 
+_FRAGMENT_ENTRY_FIELDS = frozenset(_SPEC_REQUIRED + _SPEC_OPTIONAL + ("step", "slices"))
+_DTYPES = frozenset(("float32", "bfloat16", "float16"))
+
+
+def _plain_fragment_entry(d) -> bool:
+    """Whether `d` is a valid fragments param entry, in one expression (an index at thousands of
+    ranks has tens of thousands); False sends it through the field-by-field checks, which name
+    what is wrong. Its slices are checked when parsed (`ParamEntry.slices`)."""
+    if type(d) is not dict or not d.keys() <= _FRAGMENT_ENTRY_FIELDS:
+        return False
+    name, shape, tp_axis = d.get("name"), d.get("shape"), d.get("tp_axis", False)
+    step, aliases = d.get("step", 0), d.get("aliases", [])
+    return (type(name) is str and name != "" and "/" not in name and "\\" not in name
+            and ".." not in name and name[0] != "."
+            and type(shape) is list and all(type(n) is int and n >= 0 for n in shape)
+            and type(d.get("dtype")) is str and d["dtype"] in _DTYPES
+            and (tp_axis is None or (type(tp_axis) is int and 0 <= tp_axis < len(shape)))
+            and type(d.get("tp_blocks", 1)) is int
+            and type(aliases) is list and all(type(a) is str for a in aliases)
+            and type(d.get("vocab_rows", False)) is bool and type(d.get("buffer", False)) is bool
+            and type(step) in (int, float) and type(d.get("slices", [])) is list)
+
+
 def _slice_from_json(d, n_files: int, check: _Check, path: str, name: str) -> SliceEntry:
-    # one pass, no per-field helper calls: an index at thousands of ranks has ~10^5 slices
+    # (parsed when its tensor is first read: `ParamEntry.slices`)
     if type(d) is not dict or len(d) != 3:
         check.obj(d, path, ("local_shape", "pieces", "fragments"))
     try:
         local = tuple(d["local_shape"])
         size = math.prod(local)
         pieces = [Piece(p[0], tuple(p[1]), tuple(p[2]), tuple(p[3])) for p in d["pieces"]]
+        if any(len(p) != 4 for p in d["pieces"]):
+            raise ValueError("a piece is not [start, offset, shape, strides]")
         frags = [FragmentEntry(*f) for f in d["fragments"]]
     except (KeyError, TypeError, IndexError, ValueError) as e:
         raise check.fail(path, f"malformed slice entry ({type(e).__name__}: {e}); expected "
                          "{local_shape: [int], pieces: [[start, offset, shape, strides]], "
                          "fragments: [[file, start, end]]}") from e
-    # the common case in bulk (every number a non-negative int, every piece and fragment inside
-    # the local tensor), at C speed where possible; only a failure pays for finding the entry
-    try:
-        numbers = array("q", local)
-        for p in d["pieces"]:
-            numbers.append(p[0])
-            numbers.extend(p[1])
-            numbers.extend(p[2])
-            numbers.extend(p[3])
-        numbers.extend(chain.from_iterable(d["fragments"]))
-        ints = min(numbers, default=0) >= 0  # (array("q") refuses floats and strings)
-    except (TypeError, OverflowError):
-        ints = False
+    # the common case first (every number a non-negative int, not a bool, a float or a string;
+    # every piece and fragment inside the local tensor); only a failure pays for finding the entry
+    ints = _nonneg_ints(chain(local, *((pc.start, *pc.offset, *pc.shape, *pc.strides) for pc in pieces),
+                              chain.from_iterable(frags)))
     if ints and all(f.file < n_files and f.start < f.end <= size for f in frags):
         # each piece a one-to-one view, together exactly the local tensor (pieces that
         # interleave are checked element by element when the slice is first read)
@@ -480,9 +534,10 @@ def read_checkpoint(path: str | Path) -> tuple[Path, Manifest]:
 
 def encode(manifest: Manifest) -> str:
     """Compact JSON: a fragment index at thousands of ranks is tens of MB (`python -m json.tool`
-    or `megatron-ucp inspect` show it readably)."""
+    or `megatron-ucp inspect` show it readably). The manifest is a tree, so the encoder's cycle
+    bookkeeping (a fifth of its time) is skipped: a cyclic `extra` fails as RecursionError."""
     with paused_gc():
-        return json.dumps(manifest.to_json(), sort_keys=True, separators=(",", ":"))
+        return json.dumps(manifest.to_json(), sort_keys=True, separators=(",", ":"), check_circular=False)
 
 
 def write(ckpt_dir: Path, manifest: Manifest) -> None:

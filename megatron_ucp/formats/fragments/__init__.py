@@ -6,7 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatron_ucp.formats import manifest as mf
-from megatron_ucp.formats.fragments.index import Record, build_index, check_tiling, merge_specs
+from megatron_ucp.formats.fragments.index import (
+    Record,
+    build_index,
+    check_tiling,
+    index_part,
+    merge_specs,
+    part_records,
+)
 from megatron_ucp.formats.fragments.rank_file import Fragment, rank_file_name, write_rank_file
 from megatron_ucp.formats.fragments.source import FragmentSource
 
@@ -18,5 +25,5 @@ def from_manifest(ckpt: Path, manifest: mf.Manifest, verify_checksums: bool = Tr
     return FragmentSource(ckpt, manifest, verify_checksums, verify_fragments)
 
 
-__all__ = ["NAME", "from_manifest", "FragmentSource", "Fragment",
-           "Record", "build_index", "check_tiling", "merge_specs", "rank_file_name", "write_rank_file"]
+__all__ = ["NAME", "from_manifest", "FragmentSource", "Fragment", "Record", "build_index", "check_tiling",
+           "index_part", "merge_specs", "part_records", "rank_file_name", "write_rank_file"]

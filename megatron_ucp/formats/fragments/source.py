@@ -10,21 +10,63 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
 from megatron_ucp.errors import UCPError
-from megatron_ucp.formats.fragments.index import check_tiling
+from megatron_ucp.formats.fragments.index import check_tiling, tiling_suspects
 from megatron_ucp.formats.fragments.rank_file import header_fragments, rank_file_name, read_rng
-from megatron_ucp.formats.manifest import FragmentEntry, Manifest, SliceEntry, paused_gc
+from megatron_ucp.formats.manifest import FragmentEntry, Manifest, SliceEntry
 from megatron_ucp.spec import Piece, tiles_exactly
 from megatron_ucp.storage import Reader, ReadsFiles, crc32
 
 RECENT_BYTES = 256 * 2**20  # whole local tensors / fragments kept for reuse (oldest evicted first)
 DAMAGED_INDEX = ("the manifest's index or the rank files are damaged or incomplete: restore them or "
                  "load another iteration")
+
+
+class _Paths:
+    """The rank files' paths by index, each made when first asked for (a load opens a few of
+    thousands)."""
+
+    def __init__(self, root: Path, names: list[str]):
+        self.root, self.names = root, names
+
+    def __getitem__(self, i: int) -> Path:
+        return self.root / self.names[i]
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __iter__(self) -> Iterator[Path]:
+        return (self.root / name for name in self.names)
+
+
+class _IndexSlices(dict):
+    """name -> the tensor's saved slices, parsed (`ParamEntry.slices`) and checked (`_check_volume`)
+    when first asked for. It holds no reference to its FragmentSource: a cycle through the source
+    would keep the rank files' mappings alive until a full garbage collection."""
+
+    def __init__(self, ckpt_dir: Path, params: dict):
+        super().__init__()
+        self.dir, self.params = ckpt_dir, params
+
+    def __missing__(self, name: str) -> list[SliceEntry]:
+        slices = self.params[name].slices
+        _check_volume(self.dir, name, self.params[name].shape, slices)
+        self[name] = slices
+        return slices
+
+
+def _check_volume(ckpt_dir: Path, name: str, shape: tuple[int, ...], slices: list[SliceEntry]) -> None:
+    """Every element of the tensor is in exactly one fragment (the volume: the reads check where
+    the slices fall)."""
+    if not slices:
+        raise UCPError(f"{ckpt_dir}: no rank file holds parameter {name}; the checkpoint "
+                       "is incomplete (a rank file is missing or from another save)")
+    check_tiling(str(ckpt_dir), name, shape, slices, overlap=False, advice=DAMAGED_INDEX)
 
 
 class FragmentSource(ReadsFiles):
@@ -50,20 +92,19 @@ class FragmentSource(ReadsFiles):
         self._matched: set[tuple[int, int]] = set()  # (id(slice), fragment file)
         self._tiled: set[int] = set()  # slices whose interleaved pieces were checked
         files = manifest.files or [rank_file_name(r) for r in range(manifest.layout_world_size)]
-        self.files = [self.dir / f for f in files]
-        if all(p.slices is not None and p.step is not None for p in manifest.params.values()):
-            # version 3: the index
-            self.slices = {name: p.slices for name, p in manifest.params.items()}
+        self.files = _Paths(self.dir, files)
+        if all(p.slices_json is not None and p.step is not None for p in manifest.params.values()):
+            # version 3: the index. Every tensor's fragments are checked now, in bulk (the
+            # suspects one by one); its slices are parsed, and their volume checked, when it is
+            # first read (a load reads a few of thousands)
+            self.slices = _IndexSlices(self.dir, manifest.params)
             self.steps = {name: p.step for name, p in manifest.params.items()}
+            for name in tiling_suspects(manifest.params, len(files), whole=False):
+                self.slices[name]  # parsed and checked now
         else:  # versions 1 and 2: every rank file's header lists its fragments
             self._from_headers()
-        with paused_gc():
-            for name, p in manifest.params.items():
-                if not self.slices.get(name):
-                    raise UCPError(f"{self.dir}: no rank file holds parameter {name}; the checkpoint "
-                                   "is incomplete (a rank file is missing or from another save)")
-                check_tiling(str(self.dir), name, p.shape, self.slices[name], overlap=False,
-                             advice=DAMAGED_INDEX)
+            for name in manifest.params:
+                _check_volume(self.dir, name, manifest.params[name].shape, self.slices.get(name, []))
 
     def _from_headers(self) -> None:
         self.slices: dict[str, list[SliceEntry]] = {}
@@ -176,11 +217,12 @@ class FragmentSource(ReadsFiles):
 
     def read(self, name: str, state: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
         """Box [offset, offset + shape) of universal tensor `name`, state `state`, as fp32."""
+        slices = self.slices[name]  # (checked against the tensor's shape before allocating it)
         out = torch.empty(shape, dtype=torch.float32)
         # which elements of the box were written: each exactly once, or the index is wrong (the
-        # open checks only the volume of a tensor's slices, this read checks where they fall)
+        # first use checks only the volume of a tensor's slices, this read checks where they fall)
         written = torch.zeros(shape, dtype=torch.bool)
-        for sl in self.slices[name]:
+        for sl in slices:
             self._check_interleaved(name, sl)
             for pc in sl.pieces:
                 lo = [max(o, p) for o, p in zip(offset, pc.offset)]
