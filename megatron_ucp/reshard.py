@@ -59,7 +59,7 @@ def convert(load: str | Path, universal_dir: str | Path, *, progress: Progress =
     Megatron-LM files with the plain unpickler (otherwise only the types Megatron-LM writes).
 
     Every fragment of a fragment checkpoint is read whole once and its checksum checked. Peak
-    memory is about one parameter state per writer, not the model. workers > 1 writes the data
+    memory is about two parameter states per writer, not the model. workers > 1 writes the data
     files in forked processes.
     """
     refuse_non_empty(Path(universal_dir))  # before a possibly long source rebuild

@@ -311,6 +311,66 @@ def test_a_tensor_is_parsed_when_first_read(tmp_path):
         source.read("c", "param", (0, 0), (4, 3))
 
 
+def test_a_read_refuses_slices_that_overlap_or_leave_a_gap(tmp_path):
+    # rank 1's slice of c placed over rank 0's: the volume still adds up (the open passes), the
+    # read of the whole tensor finds the overlap and the read of the rows nobody holds the gap
+    ck = _three_tensor_checkpoint(tmp_path)
+    m = ck["manifest"]
+    for pc in m["params"]["c"]["slices"][1]["pieces"]:
+        pc[1] = [0, 0]
+    source = FragmentSource(tmp_path, Manifest.from_json(m, "m"))
+    assert torch.equal(source.read("b", "param", (0, 0), (4, 3)), ck["full"]["b"])
+    with pytest.raises(ucp.UCPError, match=r"parameter c: two saved slices hold the same elements "
+                                           r"\(at \[0, 0\]\)"):
+        source.read("c", "param", (0, 0), (4, 3))
+    with pytest.raises(ucp.UCPError, match=r"parameter c: 6 of 6 requested elements are saved by no rank"):
+        source.read("c", "param", (2, 0), (2, 3))  # nobody holds rows 2-3 now
+    assert torch.equal(source.read("a", "exp_avg", (1, 1), (2, 2)), ck["full"]["a"][1:3, 1:])
+
+
+def _mapped_file(address: int) -> str | None:
+    """The file mapped at `address` ('' if anonymous memory; None where /proc is not there)."""
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        return None
+    for line in maps.read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        if lo <= address < hi:
+            return fields[5] if len(fields) > 5 else ""
+    return ""
+
+
+def test_a_conversion_reads_a_whole_fragment_without_a_copy_and_reuses_its_checked_crc(tmp_path):
+    # rank 0 holds w whole (4 x 3, row-major), v is split in two fragments: w comes back as a
+    # view of the mapped file with its header's crc32, v (and w's first rows) as a copy without one
+    import zlib
+
+    g = torch.Generator().manual_seed(1)
+    full = {n: torch.randn(4, 3, generator=g) for n in "wv"}
+    frags = [Fragment("w", (4, 3), [Piece.rows(0, (0, 0), (4, 3))], 0, 12, 5.0,
+                      {s: full["w"].reshape(-1).clone() for s in STATES})]
+    v = [Fragment("v", (4, 3), [Piece.rows(0, (0, 0), (4, 3))], a, b, 5.0,
+                  {s: full["v"].reshape(-1)[a:b].clone() for s in STATES}) for a, b in ((0, 5), (5, 12))]
+    ranks = [frags + v[:1], v[1:]]  # v's flat range DP-sharded over two ranks
+    for rank, held in enumerate(ranks):
+        write_rank_file(tmp_path / f"rank_{rank:05d}.safetensors", held, {}, {}, {"dp": rank})
+    m = Manifest.fragments(iteration=5, layout=Layout(dp=2), world_size=2, model={}, optimizer={
+        "param_groups": []}, scheduler=None, extra={}, seed=1)
+    m.params = build_index({n: ParamSpec(n, (4, 3), "float32", 0).to_json() for n in "wv"},
+                           [[f.record() for f in held] for held in ranks])
+    source = FragmentSource(tmp_path, Manifest.from_json(json.loads(mf.encode(m)), "m"))
+    for state in STATES:
+        t, crc = source.read_leading("w", state, (4, 3))
+        assert torch.equal(t, full["w"]) and crc == zlib.crc32(t.numpy().tobytes())
+        assert _mapped_file(t.data_ptr()) in (None, str(tmp_path / "rank_00000.safetensors"))
+        t, crc = source.read_leading("v", state, (4, 3))
+        assert torch.equal(t, full["v"]) and crc is None
+        assert not (_mapped_file(t.data_ptr()) or "").endswith(".safetensors")  # a copy
+        t, crc = source.read_leading("w", state, (3, 3))  # the rows up to a true vocabulary
+        assert torch.equal(t, full["w"][:3]) and crc is None
+
+
 def test_a_source_dropped_after_reads_unmaps_its_rank_files_at_once(tmp_path):
     # the rank files stay mapped while anything holds the source; a reference cycle through it
     # would keep them mapped until a full collection (a tmpfs then cannot be unmounted)

@@ -19,7 +19,7 @@ from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.fragments.index import check_tiling, tiling_suspects
 from megatron_ucp.formats.fragments.rank_file import header_fragments, rank_file_name, read_rng
 from megatron_ucp.formats.manifest import FragmentEntry, Manifest, SliceEntry
-from megatron_ucp.spec import Piece, tiles_exactly
+from megatron_ucp.spec import Piece, contiguous_strides, tiles_exactly
 from megatron_ucp.storage import Reader, ReadsFiles, crc32
 
 RECENT_BYTES = 256 * 2**20  # whole local tensors / fragments kept for reuse (oldest evicted first)
@@ -196,7 +196,9 @@ class FragmentSource(ReadsFiles):
         return n
 
     def _read_flat(self, name: str, state: str, sl: SliceEntry, a: int, b: int) -> torch.Tensor:
-        buf = torch.empty(b - a, dtype=torch.float32)
+        """Elements [a, b) of the slice's flattened local tensor. May be a view of a mapped file or
+        of a cached fragment: the caller copies it out, never writes to it."""
+        parts = []
         for f in sl.fragments:
             s, e = max(a, f.start), min(b, f.end)
             if e <= s:
@@ -212,40 +214,81 @@ class FragmentSource(ReadsFiles):
                 self.reader.check(self.files[f.file], f"{name}/{state}", "F32", (f.end - f.start,))
                 t = self.reader.read(self.files[f.file], f"{name}/{state}",
                                      (slice(s - f.start, e - f.start),))
-            buf[s - a:e - a] = t
+            parts.append((s, t))
+        if len(parts) == 1 and parts[0][0] == a and parts[0][1].numel() == b - a:
+            return parts[0][1]  # one fragment holds the range: no gathering copy
+        buf = torch.empty(b - a, dtype=torch.float32)
+        for s, t in parts:
+            buf[s - a:s - a + t.numel()] = t
         return buf
 
     def read(self, name: str, state: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
-        """Box [offset, offset + shape) of universal tensor `name`, state `state`, as fp32."""
+        """Box [offset, offset + shape) of universal tensor `name`, state `state`, as fp32 (a new
+        tensor: it shares memory with no file and no cache)."""
         slices = self.slices[name]  # (checked against the tensor's shape before allocating it)
-        out = torch.empty(shape, dtype=torch.float32)
-        # which elements of the box were written: each exactly once, or the index is wrong (the
-        # first use checks only the volume of a tensor's slices, this read checks where they fall)
-        written = torch.zeros(shape, dtype=torch.bool)
+        hits = []  # (the part of the box a piece holds: lo, hi; its slice; the piece)
         for sl in slices:
             self._check_interleaved(name, sl)
             for pc in sl.pieces:
                 lo = [max(o, p) for o, p in zip(offset, pc.offset)]
                 hi = [min(o + n, p + m) for o, n, p, m in zip(offset, shape, pc.offset, pc.shape)]
-                if any(h <= lo_ for lo_, h in zip(lo, hi)):
-                    continue
-                first, last = pc.span(tuple(a - p for a, p in zip(lo, pc.offset)),
-                                      tuple(b - p for b, p in zip(hi, pc.offset)))
-                if pc.contiguous:
-                    flat = self._read_flat(name, state, sl, first, last + 1)
-                else:  # a transposed piece interleaves with its neighbours: read the tensor once
-                    flat = self._cached((name, state, "slice", id(sl)), lambda sl=sl: self._read_flat(
-                        name, state, sl, 0, math.prod(sl.local_shape)))[first:]
-                box = tuple(slice(lo_ - o, h - o) for lo_, h, o in zip(lo, hi, offset))
-                if written[box].any():
-                    raise UCPError(f"{self.dir}: parameter {name}: two saved slices hold the same "
-                                   f"elements (at {lo}); {DAMAGED_INDEX}")
-                out[box] = flat.as_strided([h - lo_ for lo_, h in zip(lo, hi)], pc.strides)
-                written[box] = True
-        if not bool(written.all()):
-            raise UCPError(f"{self.dir}: parameter {name}: {int((~written).sum())} of {out.numel()} "
-                           f"requested elements are saved by no rank; {DAMAGED_INDEX}")
+                if all(lo_ < h for lo_, h in zip(lo, hi)):
+                    hits.append((lo, hi, sl, pc))
+        # every element of the box in exactly one piece, or the index is wrong (the first use
+        # checks only the volume of a tensor's slices, this read checks where they fall)
+        self._check_cover(name, shape, [(lo, hi) for lo, hi, _, _ in hits])
+        out = torch.empty(shape, dtype=torch.float32)
+        for lo, hi, sl, pc in hits:
+            first, last = pc.span(tuple(a - p for a, p in zip(lo, pc.offset)),
+                                  tuple(b - p for b, p in zip(hi, pc.offset)))
+            if pc.contiguous:
+                flat = self._read_flat(name, state, sl, first, last + 1)
+            else:  # a transposed piece interleaves with its neighbours: read the tensor once
+                flat = self._cached((name, state, "slice", id(sl)), lambda sl=sl: self._read_flat(
+                    name, state, sl, 0, math.prod(sl.local_shape)))[first:]
+            box = tuple(slice(lo_ - o, h - o) for lo_, h, o in zip(lo, hi, offset))
+            out[box] = flat.as_strided([h - lo_ for lo_, h in zip(lo, hi)], pc.strides)
         return out
+
+    def read_leading(self, name: str, state: str, shape: tuple[int, ...]) -> tuple[torch.Tensor, int | None]:
+        """Box [0, shape) of universal tensor `name` (the whole tensor, or its rows up to the true
+        vocabulary) for a caller that only reads it (a conversion writing it out), and its crc32
+        when known. Where the box is the whole tensor and one fragment holds it, row-major (a
+        layout that neither splits nor DP-shards it): that fragment itself, checksum checked, a
+        view of the mapped rank file (no copy), with the crc32 the file's header gave. Else
+        `read`'s copy and None."""
+        shape = tuple(shape)
+        slices = self.slices[name]
+        whole = (tuple(self.manifest.params[name].shape) == shape and len(slices) == 1
+                 and len(slices[0].pieces) == 1 and len(slices[0].fragments) == 1)
+        if whole:
+            sl, pc, f = slices[0], slices[0].pieces[0], slices[0].fragments[0]
+            whole = (pc.start == 0 and tuple(pc.offset) == (0,) * len(shape) and tuple(pc.shape) == shape
+                     and tuple(pc.strides) == contiguous_strides(shape)
+                     and (f.start, f.end) == (0, math.prod(shape)))
+        if not whole or not self.verify_checksums:
+            return self.read(name, state, (0,) * len(shape), shape), None
+        self._check_interleaved(name, sl)
+        return self._read_fragment(name, state, sl, f).view(shape), self._header(name, sl, f)["crc32"][state]
+
+    def _check_cover(self, name: str, shape: tuple[int, ...],
+                     boxes: list[tuple[list[int], list[int]]]) -> None:
+        """The boxes (each the part of the request one piece holds) tile the request: no two
+        overlap, and their volumes add up to it. Box arithmetic, not a mask over the elements."""
+        lo = torch.tensor([b[0] for b in boxes], dtype=torch.int64).reshape(len(boxes), len(shape))
+        hi = torch.tensor([b[1] for b in boxes], dtype=torch.int64).reshape(len(boxes), len(shape))
+        for i in range(0, len(boxes), 1024):  # (a block of rows at a time: bounded memory)
+            meet = (torch.maximum(lo[i:i + 1024, None], lo[None]) <
+                    torch.minimum(hi[i:i + 1024, None], hi[None])).all(-1)
+            meet[torch.arange(meet.shape[0]), torch.arange(i, i + meet.shape[0])] = False
+            if bool(meet.any()):
+                j = i + int(meet.any(1).nonzero()[0])
+                raise UCPError(f"{self.dir}: parameter {name}: two saved slices hold the same "
+                               f"elements (at {boxes[j][0]}); {DAMAGED_INDEX}")
+        held = sum(math.prod(h - lo_ for lo_, h in zip(lo_b, hi_b)) for lo_b, hi_b in boxes)
+        if held != math.prod(shape):
+            raise UCPError(f"{self.dir}: parameter {name}: {math.prod(shape) - held} of "
+                           f"{math.prod(shape)} requested elements are saved by no rank; {DAMAGED_INDEX}")
 
     def _check_interleaved(self, name: str, sl: SliceEntry) -> None:
         """Pieces that interleave (not intervals) are checked element by element, once, when

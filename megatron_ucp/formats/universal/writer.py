@@ -13,7 +13,7 @@ import math
 import multiprocessing
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -26,7 +26,8 @@ from megatron_ucp.spec import ParamSpec, states_of
 from megatron_ucp.storage import Reader, SafetensorsWriter, crc32, staged_dir, write_tensors
 
 log = logging.getLogger(__name__)
-ReadFull = Callable[[str, str], torch.Tensor]
+# (name, state) -> the full tensor, and its crc32 when the source already knows it (else None)
+ReadFull = Callable[[str, str], tuple[torch.Tensor, int | None]]
 
 
 def _plan_files(params: dict[str, ParamSpec], max_file_bytes: int, workers: int) -> list[list[str]]:
@@ -48,18 +49,30 @@ def _plan_files(params: dict[str, ParamSpec], max_file_bytes: int, workers: int)
 
 def _write_file(out_dir: Path, i: int, names: list[str], params: dict[str, ParamSpec],
                 read_full: ReadFull, progress=None) -> dict[str, dict[str, TensorEntry]]:
+    """One data file. A writer thread checksums and writes each tensor while the next one is read
+    (zlib and file writes release the GIL): at most two tensors are held, the one being written
+    and the one just read."""
     fname = data_file_name(i)
     w = SafetensorsWriter(out_dir / fname, [(f"{n}/{s}", torch.float32, params[n].shape)
                                             for n in names for s in states_of(params[n])])
-    entries: dict[str, dict[str, TensorEntry]] = {}
-    for n in names:
-        entries[n] = {}
-        for s in states_of(params[n]):
-            t = read_full(n, s)
-            w.write(f"{n}/{s}", t)
-            entries[n][s] = TensorEntry(fname, f"{n}/{s}", crc32(t))
-        if progress is not None:
-            progress.update(1)
+    entries: dict[str, dict[str, TensorEntry]] = {n: {} for n in names}
+
+    def write_one(n: str, s: str, t: torch.Tensor, crc: int | None) -> None:
+        w.write(f"{n}/{s}", t)
+        entries[n][s] = TensorEntry(fname, f"{n}/{s}", crc32(t) if crc is None else crc)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="megatron-ucp-write") as writer:
+        pending: Future | None = None
+        for n in names:
+            for s in states_of(params[n]):
+                t, crc = read_full(n, s)
+                if pending is not None:
+                    pending.result()  # (its error, if any, raised here)
+                pending = writer.submit(write_one, n, s, t, crc)
+            if progress is not None:
+                progress.update(1)
+        if pending is not None:
+            pending.result()
     w.close()
     return entries
 
@@ -142,11 +155,20 @@ def check_written(out_dir: Path, specs: dict[str, ParamSpec], source) -> None:
                                    "manifest entry names")
 
 
+def _read_full(source, name: str, state: str, shape: tuple[int, ...]) -> tuple[torch.Tensor, int | None]:
+    """The whole tensor from the source, and its crc32 where the source checked these very bytes
+    (`read_leading` of a fragment source: one whole fragment, not copied)."""
+    if hasattr(source, "read_leading"):
+        return source.read_leading(name, state, shape)
+    return source.read(name, state, (0,) * len(shape), shape), None
+
+
 def write(source, out: str | Path, *, progress: Progress = True, max_file_bytes: int = 2**31,
           workers: int = 1) -> Path:
     """Consolidate any source (`formats.open_source`) into a new universal directory; returns it.
 
-    Peak memory is about one parameter state per writer (the tensor being written), not the model.
+    Peak memory is about two parameter states per writer (one being written, the next read), not
+    the model.
     """
     t0 = time.perf_counter()
     out = Path(out)
@@ -155,9 +177,8 @@ def write(source, out: str | Path, *, progress: Progress = True, max_file_bytes:
     done = bar(progress, len(specs), f"{source.origin['kind']} -> universal", "param")
     with staged_dir(out, check=lambda d: check_written(d, specs, source)) as partial:
         try:
-            entries = write_params(
-                partial, specs, lambda n, s: source.read(n, s, (0,) * len(specs[n].shape), specs[n].shape),
-                max_file_bytes, done, workers)
+            entries = write_params(partial, specs, lambda n, s: _read_full(source, n, s, specs[n].shape),
+                                   max_file_bytes, done, workers)
         finally:
             done.close()
         ranks = source.rng_ranks()
