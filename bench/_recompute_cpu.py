@@ -176,6 +176,7 @@ def measure_table(pps: tuple = (2, 4), model: dict | None = None, global_batch: 
                    "recompute_counts": meas["recompute_counts"]}
             if setting == "overlapped":
                 # the same plan with "p2p_wait" on the last stage too, as the simulator predicts it
+                # (the runtime recomputes those inline, and the simulator costs them so: the same peak)
                 wait = predict(profile, setting, pp, num_microbatches, last_stage="p2p_wait")
                 row["predicted_activation_peak_bytes_last_stage_p2p_wait"] = wait.activation_peak_bytes[-1]
             rows.append(row)

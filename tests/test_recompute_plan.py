@@ -136,34 +136,56 @@ def test_interleaved_order_matches_megatron_core():
 
 
 def test_memory_terms_equal_the_walk():
-    for pp, nmb, vpp in ((4, 6, 1), (4, 8, 2), (2, 5, 3)):
-        chunks = [[ChunkCost(1.0, 2.0, 0.5, 100 + 10 * r + (7 if (r, c) == (0, 0) else 0)
-                             + (13 if (r, c) == (pp - 1, vpp - 1) else 0), 30, 17) for c in range(vpp)]
-                  for r in range(pp)]
-        walked = simulator._activation_peaks(simulator._schedule(pp, nmb, vpp), chunks)
-        for r, terms in enumerate(memory_terms(pp, nmb, vpp)):
-            kept = 100 + 10 * r
-            expected = max(a * kept + (a0 * 7 if r == 0 else 0) + (al * 13 if r == pp - 1 else 0)
-                           + o * 30 + t * 17 for a, a0, al, o, t in terms)
-            assert walked[r] == expected
+    # the last rank's last chunk keeps `out` output-layer bytes, which its backward frees before it
+    # re-creates the 17 transient bytes: below, equal to and above the transient
+    for out in (13, 17, 40):
+        for pp, nmb, vpp in ((4, 6, 1), (4, 8, 2), (2, 5, 3)):
+            chunks = [[ChunkCost(1.0, 2.0, 0.5, 100 + 10 * r + (7 if (r, c) == (0, 0) else 0)
+                                 + (out if (r, c) == (pp - 1, vpp - 1) else 0), 30, 17,
+                                 out if (r, c) == (pp - 1, vpp - 1) else 0) for c in range(vpp)]
+                      for r in range(pp)]
+            walked = simulator._activation_peaks(simulator._schedule(pp, nmb, vpp), chunks)
+            fast = simulate_chunks(chunks, nmb, 0.0, detail=False).activation_peak_bytes
+            for r, terms in enumerate(memory_terms(pp, nmb, vpp)):
+                kept, last_out = 100 + 10 * r, out if r == pp - 1 else 0
+                expected = max(a * kept + (a0 * 7 if r == 0 else 0) + al * last_out + o * 30 + t * 17
+                               + tl * max(0, 17 - last_out) for a, a0, al, o, t, tl in terms)
+                assert walked[r] == expected
+                assert fast[r] == expected
 
 
 def test_layer_plans_cost_and_memory_model():
-    prof = synthetic_profile(4)
-    act, inp = prof.layer_act_bytes, prof.layer_input_bytes
+    prof = synthetic_profile(6)
+    act, inp, out = prof.layer_act_bytes, prof.layer_input_bytes, prof.ends.output_act_bytes
+    assert act - inp > out  # a re-created layer outweighs the output layer's kept bytes
     layers = [LayerPlan(0, 0, "none"), LayerPlan(1, 0, "selective", ["core_attn"]),
-              LayerPlan(2, 1, "full", [], "inline"), LayerPlan(3, 1, "full", [], "p2p_wait")]
-    c0, c1 = (row[0] for row in chunk_costs(prof, layers, [2, 2]))
+              LayerPlan(2, 1, "full", [], "inline"), LayerPlan(3, 1, "full", [], "p2p_wait"),
+              LayerPlan(4, 2, "full", [], "p2p_wait"), LayerPlan(5, 2, "selective", ["core_attn"])]
+    c0, c1, c2 = (row[0] for row in chunk_costs(prof, layers, [2, 2, 2]))
     ca = prof.module("core_attn")
     assert c0.kept_bytes == 2 * act - ca.act_bytes + prof.ends.embedding_act_bytes
     assert c0.bwd_s == pytest.approx(2 * prof.layer_bwd_s + ca.fwd_s + prof.ends.embedding_bwd_s)
-    assert c0.transient_bytes == ca.act_bytes and c0.rec_s == 0
-    assert c1.kept_bytes == 2 * inp + prof.ends.output_act_bytes
+    assert c0.transient_bytes == ca.act_bytes and c0.rec_s == 0 and c0.output_bytes == 0
+    assert c1.kept_bytes == 2 * inp
     assert c1.rec_s == pytest.approx(prof.layer_fwd_s)
     assert c1.overlap_bytes == act - inp and c1.transient_bytes == act - inp
-    res = simulate(prof, layers, [2, 2], 4)
-    assert res.activation_peak_bytes == [2 * c0.kept_bytes + c0.transient_bytes,
-                                         c1.kept_bytes + c1.overlap_bytes + c1.transient_bytes]
+    # the last stage never waits for a gradient: its p2p_wait layer is recomputed inline (runtime)
+    assert c2.kept_bytes == inp + act - ca.act_bytes + out and c2.output_bytes == out
+    assert c2.rec_s == 0 and c2.overlap_bytes == 0
+    assert c2.bwd_s == pytest.approx(2 * prof.layer_bwd_s + prof.layer_fwd_s + ca.fwd_s
+                                     + prof.ends.output_bwd_s)
+    assert c2.transient_bytes == act - inp
+    res = simulate(prof, layers, [2, 2, 2], 4)
+    # rank 0: 3 micro-batches in flight; rank 1: 2, plus the overlapped layer of one; the last
+    # rank's backward frees the output layer's bytes before it re-creates a layer
+    assert res.activation_peak_bytes == [3 * c0.kept_bytes + c0.transient_bytes,
+                                         2 * c1.kept_bytes + c1.overlap_bytes + c1.transient_bytes,
+                                         c2.kept_bytes - out + c2.transient_bytes]
+    assert all(op[3] == op[4] for op in res.timeline[2] if op[0] == "R")  # no R work there
+    # an output layer outweighing the re-created unit: the backward peaks where it starts
+    big = simulator.ChunkCost(1.0, 2.0, kept_bytes=c2.kept_bytes + act, transient_bytes=act - inp,
+                              output_bytes=out + act)
+    assert simulate_chunks([[big]], 3, 0.0).activation_peak_bytes == [big.kept_bytes]
 
 
 # -- planner -----------------------------------------------------------------------------------------

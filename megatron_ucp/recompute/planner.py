@@ -6,7 +6,9 @@ which layers. Choices per layer: "none", "selective:<groups>" (a non-empty subse
 profile.SELECTIVE, megatron-core's per-layer in-place recompute), "full:inline" (megatron's own
 full recompute, right before the layer's backward) and "full:p2p_wait" (the same recomputation
 issued while the stage waits for the output gradient; the runtime supports it only in the
-non-interleaved schedule, so vpp plans never use it).
+non-interleaved schedule, so vpp plans never use it; the last stage never waits for a gradient, so
+there it is recomputed inline and costs as "full:inline" - the planner labels those layers inline
+unless "full:inline" is not an allowed choice).
 
 Search (all scoring by `simulator.simulate_chunks`):
 1. per stage and layer count, the options: for every number of full layers f and of them z in
@@ -233,6 +235,9 @@ class _Search:
         self.terms = memory_terms(pp, nmb, self.vpp)
         self.shared = profile.compute_slots is not None and profile.compute_slots < pp
         ends = profile.ends
+        # kept bytes the backward frees before it re-creates anything (the output layer and loss,
+        # last stage's last chunk: simulator.ChunkCost.output_bytes)
+        self.out_bytes = [ends.output_act_bytes if s == pp - 1 else 0 for s in range(pp)]
         self.ends_s = [0.0] * pp
         self.ends_s[0] += ends.embedding_fwd_s + ends.embedding_bwd_s
         self.ends_s[-1] += ends.output_fwd_s + ends.output_bwd_s
@@ -298,34 +303,47 @@ class _Search:
             self._options[key] = self.limit - static_bytes(self.model, self.profile.tp, self.dp, lps)[stage]
         return self._options[key]
 
-    def _peak(self, stage: int, kept, overlapped, transient):
-        """Activation peak of the stage (memory_terms) for per-chunk kept bytes, overlapped layers
-        per chunk and transient bytes (arrays broadcast)."""
+    def waits(self, stage: int) -> bool:
+        """Does the stage wait for an output gradient before its backwards? Not the last one: its
+        "p2p_wait" layers are recomputed inline (runtime), so they cost and keep as inline ones."""
+        return stage < self.pp - 1
+
+    def _fixed(self, stage: int, terms: tuple, overlapped, transient):
+        """One memory term's bytes besides the kept ones: overlapped layers held (per chunk, the
+        ones really overlapped), the transient re-created in B (the last stage's last chunk first
+        frees its output layer's bytes), the stage ends' kept bytes."""
+        _, n_first, n_last, holds_overlap, holds_transient, holds_transient_last = terms
         ends = self.profile.ends
+        return (holds_overlap * overlapped * self.recreated + holds_transient * transient
+                + holds_transient_last * np.maximum(0, transient - self.out_bytes[stage])
+                + (n_first * ends.embedding_act_bytes if stage == 0 else 0)
+                + n_last * self.out_bytes[stage])
+
+    def _peak(self, stage: int, kept, overlapped, transient):
+        """Activation peak of the stage (memory_terms) for per-chunk kept bytes, really overlapped
+        layers per chunk and transient bytes (arrays broadcast)."""
         peak = None
-        for n_live, n_first, n_last, holds_overlap, holds_transient in self.terms[stage]:
-            value = (n_live * kept + holds_overlap * overlapped * self.recreated
-                     + holds_transient * transient
-                     + (n_first * ends.embedding_act_bytes if stage == 0 else 0)
-                     + (n_last * ends.output_act_bytes if stage == self.pp - 1 else 0))
+        for terms in self.terms[stage]:
+            value = terms[0] * kept + self._fixed(stage, terms, overlapped, transient)
             peak = value if peak is None else np.maximum(peak, value)
         return peak
 
-    def _windows(self, nc: int) -> tuple[np.ndarray, np.ndarray]:
-        """(full layers, of them overlapped) per chunk: every pair the allowed windows permit."""
-        if nc in self._pairs:
-            return self._pairs[nc]
+    def _windows(self, nc: int, waits: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """(full layers, of them in window p2p_wait) per chunk: every pair the allowed windows
+        permit; on a stage that does not wait (p2p_wait = inline there) only one window."""
+        if (nc, waits) in self._pairs:
+            return self._pairs[(nc, waits)]
         counts = np.arange(nc + 1, dtype=np.int64)
-        if self.full_inline and self.full_p2p:
+        if self.full_inline and self.full_p2p and waits:
             full, overlapped = np.tril_indices(nc + 1)
-        elif self.full_p2p:
+        elif self.full_p2p and not self.full_inline:
             full, overlapped = counts, counts
-        elif self.full_inline:
+        elif self.full_inline or self.full_p2p:
             full, overlapped = counts, np.zeros_like(counts)
         else:
             full, overlapped = counts[:1], counts[:1]
-        self._pairs[nc] = (full.astype(np.int64), overlapped.astype(np.int64))
-        return self._pairs[nc]
+        self._pairs[(nc, waits)] = (full.astype(np.int64), overlapped.astype(np.int64))
+        return self._pairs[(nc, waits)]
 
     def stage_options(self, stage: int, nlayers: int) -> list[_Option]:
         """Pareto set over (busy, critical-path time) of the count vectors of this stage whose
@@ -336,19 +354,17 @@ class _Search:
         budget = self._budget(stage, nlayers)
         nc = nlayers // self.vpp
         self._grow(nc)
-        full, overlapped = self._windows(nc)
+        full, overlapped = self._windows(nc, self.waits(stage))
+        held = overlapped if self.waits(stage) else np.zeros_like(overlapped)  # really overlapped
         offsets_cache = {}
         rows = []  # per level: (busy, crit, level, front index, full, overlapped)
         for li, level in enumerate(self._frontiers):
             t = level["t"]
-            transient = np.where(overlapped == full, t, max(t, self.recreated))
+            transient = np.where(held == full, t, max(t, self.recreated))
             # the largest kept bytes per chunk that fit: every memory term is linear in them
             room = np.full(len(full), np.inf)
-            for n_live, n_first, n_last, holds_overlap, holds_transient in self.terms[stage]:
-                fixed = (holds_overlap * overlapped * self.recreated + holds_transient * transient
-                         + (n_first * self.profile.ends.embedding_act_bytes if stage == 0 else 0)
-                         + (n_last * self.profile.ends.output_act_bytes if stage == self.pp - 1 else 0))
-                room = np.minimum(room, (budget - fixed) / n_live)
+            for terms in self.terms[stage]:
+                room = np.minimum(room, (budget - self._fixed(stage, terms, held, transient)) / terms[0])
             threshold = np.floor(room - full * self.inp)
             threshold = np.clip(threshold, -1, KEY_STRIDE - 1).astype(np.int64)
             k = nc - full
@@ -359,7 +375,7 @@ class _Search:
             pos = np.where(ok, pos, 0)
             cost = level["cost"][pos]
             busy = self.vpp * (nc * (self.lf + self.lb) + cost + full * self.lf) + self.ends_s[stage]
-            crit = busy - self.vpp * overlapped * self.lf
+            crit = busy - self.vpp * held * self.lf
             n = int(ok.sum())
             rows.append(np.stack([busy[ok], crit[ok], np.full(n, li), pos[ok], full[ok],
                                   overlapped[ok]], 1))
@@ -376,21 +392,22 @@ class _Search:
         else:
             best_before = np.minimum.accumulate(np.concatenate(([np.inf], table[:-1, 1])))
             table = table[table[:, 1] < best_before - 1e-12 * np.maximum(1.0, table[:, 1])]
-        options = [self._option(*row, nc=nc) for row in table]
+        options = [self._option(*row, nc=nc, stage=stage) for row in table]
         self._options[key] = options
         return options
 
-    def _option(self, busy, crit, level, pos, full, overlapped, nc: int) -> _Option:
+    def _option(self, busy, crit, level, pos, full, overlapped, nc: int, stage: int) -> _Option:
         level = self._frontiers[int(level)]
         pos, full, overlapped = int(pos), int(full), int(overlapped)
+        held = overlapped if self.waits(stage) else 0  # p2p_wait layers really overlapped
         counts = {k.name: int(c) for k, c in zip(level["kinds"], level["counts"][pos]) if c}
         transient = max([k.transient for k in level["kinds"] if counts.get(k.name)], default=0)
-        if full > overlapped:
+        if full > held:
             transient = max(transient, self.recreated)
         chunk = ChunkCost(fwd_s=nc * self.lf,
-                          bwd_s=nc * self.lb + float(level["cost"][pos]) + (full - overlapped) * self.lf,
-                          rec_s=overlapped * self.lf, kept_bytes=int(level["kept"][pos]) + full * self.inp,
-                          overlap_bytes=overlapped * self.recreated, transient_bytes=transient)
+                          bwd_s=nc * self.lb + float(level["cost"][pos]) + (full - held) * self.lf,
+                          rec_s=held * self.lf, kept_bytes=int(level["kept"][pos]) + full * self.inp,
+                          overlap_bytes=held * self.recreated, transient_bytes=transient)
         return _Option(float(busy), float(crit), counts, full, overlapped, chunk)
 
     def min_activation(self, stage: int, nlayers: int) -> float:
@@ -399,7 +416,9 @@ class _Search:
         if key in self._options:
             return self._options[key]
         nc = nlayers // self.vpp
-        full, overlapped = self._windows(nc)
+        full, overlapped = self._windows(nc, self.waits(stage))
+        if not self.waits(stage):  # p2p_wait is inline there
+            overlapped = np.zeros_like(overlapped)
         least_memory = (overlapped == 0) | (overlapped == full)  # more overlap only adds bytes
         full, overlapped = full[least_memory], overlapped[least_memory]
         best = np.inf
@@ -447,7 +466,7 @@ class _Search:
             budget = self._budget(stage, nlayers)
             excess = max(((n_live * nc * self.act + (n_first * ends.embedding_act_bytes if stage == 0 else 0)
                            + (n_last * ends.output_act_bytes if stage == self.pp - 1 else 0) - budget)
-                          / n_live) for n_live, n_first, n_last, _, _ in self.terms[stage])
+                          / n_live) for n_live, n_first, n_last, *_ in self.terms[stage])
             rates = [k.extra_s / (self.act - k.kept) for k in self.kinds if self.act > k.kept]
             if self.any_full and self.recreated > 0:
                 rates.append(self.lf / self.recreated)

@@ -16,7 +16,10 @@ receiver to post (megatron batches each send with a receive; NCCL and gloo rende
 inside the fitted p2p time). For a stage with overlapped ("p2p_wait") full-recompute layers an
 R(rank, chunk, mb) op - the recomputation of those layers - is issued right after the op that
 precedes B(rank, chunk, mb) in the rank's order; it has no cross-stage input, so it fills the time
-the rank would otherwise wait for the output gradient; B then waits for both.
+the rank would otherwise wait for the output gradient; B then waits for both. The last virtual
+stage never waits for a gradient (its backward starts from its own loss): the runtime recomputes
+its "p2p_wait" layers inline, right before each layer's backward, and `chunk_costs` costs them so
+(no R op there).
 
 Compute. Op durations come from the profile; with `profile.compute_slots` = k (CPU cores shared by
 all ranks) the ranks share the cores as processor sharing: while n ops run at once each advances at
@@ -29,7 +32,10 @@ Memory (activations per rank; THE model shared with the planner, the profiler an
 - a micro-batch's kept bytes on a chunk live from its F start to its B end;
 - R re-creates the overlapped layers of ONE micro-batch, held from R start until that B ends;
 - B re-creates, for the duration of the backward, one checkpointed unit at a time: a full inline
-  layer, or the selectively recomputed modules of one layer;
+  layer, or the selectively recomputed modules of one layer; on the last virtual stage the backward
+  first runs through the output layer and loss, whose kept bytes (`output_bytes`) are freed before
+  any layer is re-created, so there B peaks at live + max(0, transient - output bytes), not
+  live + transient;
 - re-created bytes of a full layer are its act_bytes less layer_input_bytes (the kept input is the
   same storage the recomputation starts from).
 Memory changes only at op boundaries on the rank itself, so the peak follows from the op order.
@@ -65,6 +71,14 @@ class ChunkCost:
     kept_bytes: int = 0  # kept from the forward until the backward ends
     overlap_bytes: int = 0  # re-created by R, held until the backward ends
     transient_bytes: int = 0  # re-created inside the backward, one unit at a time
+    # of kept_bytes, what the backward frees before it re-creates anything: the output layer and
+    # loss of the last virtual stage (its backward runs first)
+    output_bytes: int = 0
+
+    def transient_peak(self) -> int:
+        """Bytes B adds to the live bytes at its peak: the largest re-created unit less what the
+        backward freed before re-creating it (never below 0: B starts with everything live)."""
+        return max(0, self.transient_bytes - self.output_bytes)
 
 
 @dataclass
@@ -302,7 +316,7 @@ def _activation_peaks(sched: _Schedule, chunks: list) -> list[int]:
                 live += c.overlap_bytes
                 peak = max(peak, live)
             else:
-                peak = max(peak, live + c.transient_bytes)
+                peak = max(peak, live + c.transient_peak())
                 live -= c.kept_bytes + c.overlap_bytes
         peaks.append(peak)
     return peaks
@@ -311,11 +325,15 @@ def _activation_peaks(sched: _Schedule, chunks: list) -> list[int]:
 @lru_cache(maxsize=64)
 def memory_terms(pp: int, num_microbatches: int, vpp: int = 1) -> list[list[tuple]]:
     """Per rank, the op boundaries where its activation memory can peak, as coefficient tuples
-    (live micro-batch chunks, of them in chunk 0, in the last chunk, overlap held, transient held).
+    (live micro-batch chunks, of them in chunk 0, in the last chunk, overlap held, transient held
+    in a B of another chunk than the last, transient held in a B of the last chunk).
 
     When every chunk of a rank has the same costs, the rank's activation peak is the max over its
     tuples of live * kept + first * embedding bytes (rank 0) + last * output bytes (last rank)
-    + overlap * overlap_bytes + transient * transient_bytes - what `_activation_peaks` walks to."""
+    + overlap * overlap_bytes + transient * transient_bytes
+    + transient_last * max(0, transient_bytes - output bytes (last rank; else 0)) - what
+    `_activation_peaks` walks to (the last rank's last chunk frees its output layer's bytes
+    before it re-creates anything: `ChunkCost.transient_peak`)."""
     sched = _schedule(pp, num_microbatches, vpp)
     out = []
     for rops in sched.ops:
@@ -323,7 +341,9 @@ def memory_terms(pp: int, num_microbatches: int, vpp: int = 1) -> list[list[tupl
         for kind, chunk, _ in rops:
             if kind == F:
                 live[chunk] += 1
-            terms.add((sum(live), live[0], live[-1], int(kind != F), int(kind == B)))
+            last_chunk = chunk == vpp - 1
+            terms.add((sum(live), live[0], live[-1], int(kind != F), int(kind == B and not last_chunk),
+                       int(kind == B and last_chunk)))
             if kind == B:
                 live[chunk] -= 1
         out.append([t for t in terms if not any(o != t and all(x >= y for x, y in zip(o, t))
@@ -359,8 +379,9 @@ def simulate_chunks(chunks: list, num_microbatches: int, p2p_s: float, compute_s
         peaks = []
         for r, rterms in enumerate(memory_terms(pp, num_microbatches, 1)):
             c = chunks[r][0]
-            peaks.append(max(live * c.kept_bytes + overlap * c.overlap_bytes + transient * c.transient_bytes
-                             for live, _, _, overlap, transient in rterms))
+            peaks.append(max(live * c.kept_bytes + overlap * c.overlap_bytes
+                             + transient * c.transient_bytes + transient_last * c.transient_peak()
+                             for live, _, _, overlap, transient, transient_last in rterms))
     else:
         peaks = _activation_peaks(sched, chunks)
     if not detail:
@@ -384,9 +405,12 @@ def simulate_chunks(chunks: list, num_microbatches: int, p2p_s: float, compute_s
                      busy_s=busy, timeline=timeline)
 
 
-def layer_choice_costs(profile: Profile, lp: LayerPlan) -> tuple:
+def layer_choice_costs(profile: Profile, lp: LayerPlan, waits: bool = True) -> tuple:
     """One layer under its choice, one micro-batch: (fwd s, bwd s incl. inline recompute, R s,
-    kept bytes, overlap bytes, transient bytes); see the memory model in the module docstring."""
+    kept bytes, overlap bytes, transient bytes); see the memory model in the module docstring.
+
+    `waits`: the layer's virtual stage waits for an output gradient before its backward (every one
+    but the last); where it does not, a "p2p_wait" layer is recomputed inline, as the runtime does."""
     fwd, bwd, act = profile.layer_fwd_s, profile.layer_bwd_s, profile.layer_act_bytes
     recreated = act - profile.layer_input_bytes  # a full recompute starts from the kept input
     if lp.recompute == "none":
@@ -396,7 +420,7 @@ def layer_choice_costs(profile: Profile, lp: LayerPlan) -> tuple:
         sel_fwd = sum(profile.module(m).fwd_s for m in mods)
         sel_act = sum(profile.module(m).act_bytes for m in mods)
         return fwd, bwd + sel_fwd, 0.0, act - sel_act, 0, sel_act
-    if lp.window == "p2p_wait":
+    if lp.window == "p2p_wait" and waits:
         return fwd, bwd, fwd, profile.layer_input_bytes, recreated, 0
     return fwd, bwd + fwd, 0.0, profile.layer_input_bytes, 0, recreated
 
@@ -419,7 +443,8 @@ def chunk_layers(layers_per_stage: list, vpp: int | None) -> list[list[range]]:
 
 
 def add_stage_ends(c: ChunkCost, ends, first: bool, last: bool) -> None:
-    """Add the embedding (first virtual stage) and output layer + loss (last) to a chunk's costs."""
+    """Add the embedding (first virtual stage) and output layer + loss (last) to a chunk's costs;
+    the output layer's kept bytes are also its `output_bytes` (freed first by the backward)."""
     if first:
         c.fwd_s += ends.embedding_fwd_s
         c.bwd_s += ends.embedding_bwd_s
@@ -428,11 +453,13 @@ def add_stage_ends(c: ChunkCost, ends, first: bool, last: bool) -> None:
         c.fwd_s += ends.output_fwd_s
         c.bwd_s += ends.output_bwd_s
         c.kept_bytes += ends.output_act_bytes
+        c.output_bytes += ends.output_act_bytes
 
 
 def chunk_costs(profile: Profile, layers: list, layers_per_stage: list,
                 vpp: int | None = None) -> list[list[ChunkCost]]:
-    """Per-rank, per-chunk costs of LayerPlans (stage ends added to the first and last chunk)."""
+    """Per-rank, per-chunk costs of LayerPlans (stage ends added to the first and last chunk; the
+    last virtual stage has no gradient to wait for: its "p2p_wait" layers cost as inline ones)."""
     if sum(layers_per_stage) != len(layers):
         raise SimulatorError(f"layers_per_stage {layers_per_stage} adds up to "
                              f"{sum(layers_per_stage)} layers, but {len(layers)} LayerPlans were given")
@@ -444,15 +471,17 @@ def chunk_costs(profile: Profile, layers: list, layers_per_stage: list,
         row = []
         for ci, idx in enumerate(ranges[r]):
             c = ChunkCost(0.0, 0.0)
+            last = r == pp - 1 and ci == nchunks - 1
             for i in idx:
-                fwd, bwd, rec, kept, overlap, transient = layer_choice_costs(profile, layers[i])
+                fwd, bwd, rec, kept, overlap, transient = layer_choice_costs(profile, layers[i],
+                                                                             waits=not last)
                 c.fwd_s += fwd
                 c.bwd_s += bwd
                 c.rec_s += rec
                 c.kept_bytes += kept
                 c.overlap_bytes += overlap
                 c.transient_bytes = max(c.transient_bytes, transient)
-            add_stage_ends(c, ends, first=r == 0 and ci == 0, last=r == pp - 1 and ci == nchunks - 1)
+            add_stage_ends(c, ends, first=r == 0 and ci == 0, last=last)
             row.append(c)
         out.append(row)
     return out
