@@ -393,6 +393,9 @@ def measure_deepspeed(res: dict, args: argparse.Namespace, cfg: dict, work: Path
 
 def measure_size(size: str, args: argparse.Namespace, work: Path) -> dict:
     cfg = model_config(size, args.dtype)
+    # one micro-batch per data-parallel rank (a DP layout needs at least that many)
+    cfg["global_batch_size"] = cfg["micro_batch_size"] * max(
+        Layout.parse(args.layout).dp, Layout.parse(args.load_layout).dp)
     params = param_count(cfg)
     sample_s = args.mem_sample_ms / 1000
     needs = memory_needs(params, args)
