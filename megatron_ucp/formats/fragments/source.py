@@ -195,9 +195,11 @@ class FragmentSource(ReadsFiles):
                         n += 1
         return n
 
-    def _read_flat(self, name: str, state: str, sl: SliceEntry, a: int, b: int) -> torch.Tensor:
-        """Elements [a, b) of the slice's flattened local tensor. May be a view of a mapped file or
-        of a cached fragment: the caller copies it out, never writes to it."""
+    def _read_flat(self, name: str, state: str, sl: SliceEntry, a: int, b: int,
+                   into: torch.Tensor | None = None) -> torch.Tensor:
+        """Elements [a, b) of the slice's flattened local tensor: gathered into `into` (b - a
+        elements) when given; else possibly a view of a mapped file or of a cached fragment, which
+        the caller copies out and never writes to."""
         parts = []
         for f in sl.fragments:
             s, e = max(a, f.start), min(b, f.end)
@@ -215,9 +217,9 @@ class FragmentSource(ReadsFiles):
                 t = self.reader.read(self.files[f.file], f"{name}/{state}",
                                      (slice(s - f.start, e - f.start),))
             parts.append((s, t))
-        if len(parts) == 1 and parts[0][0] == a and parts[0][1].numel() == b - a:
+        if into is None and len(parts) == 1 and parts[0][0] == a and parts[0][1].numel() == b - a:
             return parts[0][1]  # one fragment holds the range: no gathering copy
-        buf = torch.empty(b - a, dtype=torch.float32)
+        buf = torch.empty(b - a, dtype=torch.float32) if into is None else into
         for s, t in parts:
             buf[s - a:s - a + t.numel()] = t
         return buf
@@ -241,6 +243,11 @@ class FragmentSource(ReadsFiles):
         for lo, hi, sl, pc in hits:
             first, last = pc.span(tuple(a - p for a, p in zip(lo, pc.offset)),
                                   tuple(b - p for b, p in zip(hi, pc.offset)))
+            if len(hits) == 1 and tuple(pc.strides) == contiguous_strides(tuple(shape)) \
+                    and last + 1 - first == out.numel():
+                # the box is one row-major run of the slice: its fragments land in `out` directly
+                self._read_flat(name, state, sl, first, last + 1, into=out.view(-1))
+                continue
             if pc.contiguous:
                 flat = self._read_flat(name, state, sl, first, last + 1)
             else:  # a transposed piece interleaves with its neighbours: read the tensor once
