@@ -282,9 +282,9 @@ class CopyAnchors:
         index = OptimizerIndex(st.optimizer)
         numel = 0  # what megatron_ucp.save writes: canonical copies only (not TP replicas, tied output)
         for lp in local_params(st.model):
-            r = index.shard_range(lp.param) if lp.canonical and not lp.spec.buffer else None
-            if r is not None:
-                numel += max(0, min(r[1], lp.base + lp.numel) - max(r[0], lp.base))
+            region = index.region_range(lp) if lp.canonical and not lp.spec.buffer else None
+            if region is not None:
+                numel += region[2] - region[1]
         self.nbytes = numel * 4 * len(STATES)
         self.on_gpu = REAL_CUDA
         device = torch.device("cuda", torch.cuda.current_device()) if REAL_CUDA else torch.device("cpu")

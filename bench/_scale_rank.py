@@ -38,12 +38,10 @@ def _local_state_views(st: tg.TrainState) -> list[tuple[str, dict[str, torch.Ten
     index = OptimizerIndex(st.optimizer)
     out = []
     for lp in local_params(st.model):
-        shard = index.shard_range(lp.param) if lp.canonical and not lp.spec.buffer else None
-        if shard is None:
+        region = index.region_range(lp) if lp.canonical and not lp.spec.buffer else None
+        if region is None:
             continue
-        a, b = max(shard[0], lp.base), min(shard[1], lp.base + lp.numel)
-        if b <= a:
-            continue
+        shard, a, b = region
         tensors, _ = index.get(lp.param)
         out.append((lp.spec.name, {s: tensors[s][a - shard[0]:b - shard[0]] for s in STATES}))
     return out

@@ -208,6 +208,15 @@ def log(size: str, msg: str) -> None:
     print(f"[bench_scale {size}] {msg}", flush=True)
 
 
+def copy_round(src: Path, dst: Path, log: Path, args: argparse.Namespace, sample_s: float) -> dict:
+    """The copy anchor: `cp -r` of `src` from a cold page cache + fsync of every copied file."""
+    shutil.rmtree(dst, ignore_errors=True)
+    cold(src, args)
+    rec = run_measured(["cp", "-r", str(src), str(dst)], log, sample_s, args.timeout, fsync_dir=dst)
+    shutil.rmtree(dst)
+    return rec
+
+
 def cold(path: Path, args: argparse.Namespace) -> None:
     os.sync()
     if args.page_cache == "drop":
@@ -347,14 +356,6 @@ def measure_deepspeed(res: dict, args: argparse.Namespace, cfg: dict, work: Path
     ds_iter = ds_root / (ds_root / "latest").read_text().strip()
     res["ds_checkpoint_bytes"] = dir_bytes(ds_iter)
 
-    def ds_copy_round(i: int) -> dict:
-        shutil.rmtree(ds_copy, ignore_errors=True)
-        cold(ds_iter, args)
-        rec = run_measured(["cp", "-r", str(ds_iter), str(ds_copy)], work / f"ds_cp{i}.log", sample_s,
-                           args.timeout, fsync_dir=ds_copy)
-        shutil.rmtree(ds_copy)
-        return rec
-
     def ds_round(i: int) -> dict:
         shutil.rmtree(ds_uni, ignore_errors=True)
         cold(ds_iter, args)
@@ -367,7 +368,7 @@ def measure_deepspeed(res: dict, args: argparse.Namespace, cfg: dict, work: Path
 
     ds_cps, dss = [], []
     for i in range(args.reps):
-        ds_cps.append(ds_copy_round(i))
+        ds_cps.append(copy_round(ds_iter, ds_copy, work / f"ds_cp{i}.log", args, sample_s))
         dss.append(ds_round(i))
     ds_cp, ds = median_round(ds_cps), median_round(dss)
     res["ds_copy_s"] = ds_cp["seconds"]
@@ -433,14 +434,6 @@ def measure_size(size: str, args: argparse.Namespace, work: Path) -> dict:
 
     # 2. + 3. cp -r + fsync, and convert (in-process, then as the CLI), each from a cold source;
     # with --reps the three alternate round by round
-    def copy_round(i: int) -> dict:
-        shutil.rmtree(copy_dir, ignore_errors=True)
-        cold(iter_dir, args)
-        rec = run_measured(["cp", "-r", str(iter_dir), str(copy_dir)], work / f"cp{i}.log", sample_s,
-                           args.timeout, fsync_dir=copy_dir)
-        shutil.rmtree(copy_dir)
-        return rec
-
     def convert_round(i: int) -> dict:
         shutil.rmtree(uni_dir, ignore_errors=True)
         return launch(1, "bench.bench_scale:convert_in_process",
@@ -456,7 +449,7 @@ def measure_size(size: str, args: argparse.Namespace, work: Path) -> dict:
 
     copies, converts, clis = [], [], []
     for i in range(args.reps):
-        copies.append(copy_round(i))
+        copies.append(copy_round(iter_dir, copy_dir, work / f"cp{i}.log", args, sample_s))
         if not args.no_convert_cli:
             clis.append(convert_cli_round(i))
         converts.append(convert_round(i))  # last: its output is what the load reads

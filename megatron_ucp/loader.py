@@ -114,13 +114,10 @@ def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: 
             with torch.no_grad():
                 lp.region(lp.param).copy_(read_local(source, lp, "param", 0, lp.numel))
             continue
-        shard = index.shard_range(lp.param)
-        if shard is None:
+        region = index.region_range(lp)  # this universal tensor's part of the shard
+        if region is None:
             continue
-        # this universal tensor's part of the shard (a fused expert weight has several)
-        a, b = max(shard[0], lp.base), min(shard[1], lp.base + lp.numel)
-        if b <= a:
-            continue
+        shard, a, b = region
         if id(lp.param) not in shards:
             shards[id(lp.param)] = (lp.param, shard, {s: torch.empty(shard[1] - shard[0]) for s in STATES},
                                     {})

@@ -47,6 +47,16 @@ class OptimizerIndex:
         r = o._get_model_param_range_map(param)["param"]
         return (r.start, r.end) if r.end > r.start else None
 
+    def region_range(self, lp) -> tuple[tuple[int, int], int, int] | None:
+        """(shard, a, b): this rank's optimizer shard of `lp`'s parameter (a LocalParam) and the
+        part [a, b) of it inside `lp`'s universal-tensor region, as flat indices of the parameter
+        (a fused expert weight has several regions); None when the rank holds none of the region."""
+        shard = self.shard_range(lp.param)
+        if shard is None:
+            return None
+        a, b = max(shard[0], lp.base), min(shard[1], lp.base + lp.numel)
+        return (shard, a, b) if b > a else None
+
     def _group(self, param: torch.nn.Parameter) -> dict:
         o = self.owner[param]
         return o.optimizer.param_groups[o.model_param_group_index_map[param][0]]

@@ -140,13 +140,10 @@ def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: 
                                       {"param": lp.region(lp.param.detach()).float()}))
             steps.append(0.0)
             continue
-        shard = index.shard_range(lp.param) if lp.canonical else None
-        if shard is None:
+        region = index.region_range(lp) if lp.canonical else None
+        if region is None:
             continue
-        # the part of the optimizer shard inside this universal tensor's region of the parameter
-        a, b = max(shard[0], lp.base), min(shard[1], lp.base + lp.numel)
-        if b <= a:
-            continue
+        shard, a, b = region
         tensors, step = index.get(lp.param)
         if (a, b) != shard:  # (usually the whole shard: no slicing)
             tensors = {s: t[a - shard[0]:b - shard[0]] for s, t in tensors.items()}

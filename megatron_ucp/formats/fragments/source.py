@@ -282,16 +282,17 @@ class FragmentSource(ReadsFiles):
                      boxes: list[tuple[list[int], list[int]]]) -> None:
         """The boxes (each the part of the request one piece holds) tile the request: no two
         overlap, and their volumes add up to it. Box arithmetic, not a mask over the elements."""
-        lo = torch.tensor([b[0] for b in boxes], dtype=torch.int64).reshape(len(boxes), len(shape))
-        hi = torch.tensor([b[1] for b in boxes], dtype=torch.int64).reshape(len(boxes), len(shape))
-        for i in range(0, len(boxes), 1024):  # (a block of rows at a time: bounded memory)
-            meet = (torch.maximum(lo[i:i + 1024, None], lo[None]) <
-                    torch.minimum(hi[i:i + 1024, None], hi[None])).all(-1)
-            meet[torch.arange(meet.shape[0]), torch.arange(i, i + meet.shape[0])] = False
-            if bool(meet.any()):
-                j = i + int(meet.any(1).nonzero()[0])
-                raise UCPError(f"{self.dir}: parameter {name}: two saved slices hold the same "
-                               f"elements (at {boxes[j][0]}); {DAMAGED_INDEX}")
+        if len(boxes) > 1:  # (one piece holding the whole request, the common case, cannot overlap)
+            lo = torch.tensor([b[0] for b in boxes], dtype=torch.int64).reshape(len(boxes), len(shape))
+            hi = torch.tensor([b[1] for b in boxes], dtype=torch.int64).reshape(len(boxes), len(shape))
+            for i in range(0, len(boxes), 1024):  # (a block of rows at a time: bounded memory)
+                meet = (torch.maximum(lo[i:i + 1024, None], lo[None]) <
+                        torch.minimum(hi[i:i + 1024, None], hi[None])).all(-1)
+                meet[torch.arange(meet.shape[0]), torch.arange(i, i + meet.shape[0])] = False
+                if bool(meet.any()):
+                    j = i + int(meet.any(1).nonzero()[0])
+                    raise UCPError(f"{self.dir}: parameter {name}: two saved slices hold the same "
+                                   f"elements (at {boxes[j][0]}); {DAMAGED_INDEX}")
         held = sum(math.prod(h - lo_ for lo_, h in zip(lo_b, hi_b)) for lo_b, hi_b in boxes)
         if held != math.prod(shape):
             raise UCPError(f"{self.dir}: parameter {name}: {math.prod(shape) - held} of "
