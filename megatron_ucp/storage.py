@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 import shutil
 import struct
@@ -19,6 +20,7 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -63,6 +65,81 @@ def crc32_many(tensors: list[torch.Tensor], workers: int | None = None) -> list[
         return list(pool.map(crc32, tensors))
 
 
+def _gf2_times(matrix: list[int], vector: int) -> int:
+    total, i = 0, 0
+    while vector:
+        if vector & 1:
+            total ^= matrix[i]
+        vector >>= 1
+        i += 1
+    return total
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """crc32 of A + B from crc32(A), crc32(B) and len(B) (zlib's crc32_combine, which Python's zlib
+    does not expose): a tensor written from several checked fragments gets its checksum without
+    reading its bytes again. O(log len2) 32x32 GF(2) matrix squarings."""
+    if len2 <= 0:
+        return crc1
+    odd = [0xEDB88320] + [1 << n for n in range(31)]  # the operator for one zero bit
+    even = [_gf2_times(odd, odd[n]) for n in range(32)]  # two zero bits
+    odd = [_gf2_times(even, even[n]) for n in range(32)]  # four zero bits
+    while True:  # apply len2 zero bytes to crc1, squaring the operator per bit of len2
+        even = [_gf2_times(odd, odd[n]) for n in range(32)]
+        if len2 & 1:
+            crc1 = _gf2_times(even, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+        odd = [_gf2_times(even, even[n]) for n in range(32)]
+        if len2 & 1:
+            crc1 = _gf2_times(odd, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+    return crc1 ^ crc2
+
+
+class ByteRun(NamedTuple):
+    """Bytes [offset, offset + nbytes) of file `path`."""
+
+    path: Path
+    offset: int
+    nbytes: int
+
+
+COPY_CHUNK = 64 * 2**20  # bytes per copy_file_range call (or per read/write where it is missing)
+
+
+def copy_run(run: ByteRun, dst_fd: int, at: int) -> None:
+    """Copy a run of a file to byte `at` of an open file, in the kernel where it can
+    (copy_file_range: no pass through user memory, as `cp` does), else by reads and writes."""
+    fd = os.open(run.path, os.O_RDONLY)
+    try:
+        done, in_kernel = 0, hasattr(os, "copy_file_range")
+        while done < run.nbytes:
+            count = min(COPY_CHUNK, run.nbytes - done)
+            n = 0
+            if in_kernel:
+                try:
+                    n = os.copy_file_range(fd, dst_fd, count, run.offset + done, at + done)
+                except OSError as e:  # e.g. across filesystems on old kernels, or not supported
+                    if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL,
+                                       errno.EBADF, errno.EPERM):
+                        raise
+                    in_kernel = False
+            if n == 0:  # (0 from copy_file_range: end of file, which the read below reports)
+                data = os.pread(fd, count, run.offset + done)
+                if not data:
+                    raise UCPError(f"{run.path}: ends before byte {run.offset + done} of the "
+                                   f"{run.nbytes} bytes at {run.offset} its header promises; the "
+                                   "file is truncated: restore it or use another iteration")
+                n = os.pwrite(dst_fd, data, at + done)
+            done += n
+    finally:
+        os.close(fd)
+
+
 WRITEBACK_BYTES = 64 * 2**20  # a writer starts the disk write of its file every this many bytes
 
 
@@ -91,14 +168,34 @@ class SafetensorsWriter:
         self.nbytes = 8 + len(raw) + offset
         self.written_back = 0  # bytes handed to the disk (`_start_writeback`)
 
-    def write(self, name: str, t: torch.Tensor) -> None:
+    def _expect(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
         if self.next >= len(self.order) or name != self.order[self.next]:
             expected = self.order[self.next:self.next + 1]
             raise ValueError(f"{self.path}: expected tensor {expected}, got {name}")
-        dtype, shape = self.expected[name]
+        return self.expected[name]
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        dtype, shape = self._expect(name)
         if t.dtype != dtype or tuple(t.shape) != shape:
             raise ValueError(f"{self.path}: {name} is {t.dtype}{tuple(t.shape)}, header says {dtype}{shape}")
         self.file.write(tensor_bytes(t))
+        self.next += 1
+        self._start_writeback()
+
+    def copy_runs(self, name: str, runs: list[ByteRun]) -> None:
+        """Write tensor `name` as the concatenation of byte runs of other files (its raw bytes,
+        in order), copied file to file without reading them into this process."""
+        dtype, shape = self._expect(name)
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if sum(r.nbytes for r in runs) != nbytes:
+            raise ValueError(f"{self.path}: {name} needs {nbytes} bytes, the runs hold "
+                             f"{sum(r.nbytes for r in runs)}")
+        self.file.flush()
+        at = self.file.tell()
+        for run in runs:
+            copy_run(run, self.file.fileno(), at)
+            at += run.nbytes
+        self.file.seek(at)
         self.next += 1
         self._start_writeback()
 
@@ -154,6 +251,7 @@ class Reader:
         self.handles: dict[Path, object] = {}
         self.checked: set[tuple[Path, str]] = set()  # (file, key) whose header entry `check` passed
         self.bytes_read = 0
+        self._data: dict[Path, tuple[int, dict[str, list[int]]]] = {}  # `byte_run`'s header reads
 
     def open(self, path: Path):
         path = Path(path)
@@ -191,6 +289,21 @@ class Reader:
                            f"the checkpoint expects {dtype} {list(shape)}; the file is corrupt or "
                            "from another checkpoint: restore it or use another iteration")
         self.checked.add((path, key))
+
+    def byte_run(self, path: Path, key: str) -> ByteRun:
+        """Where tensor `key`'s bytes are in the file (from its header, read once per file; the
+        safetensors reader checked on open that the header's offsets fit the file)."""
+        path = Path(path)
+        if path not in self._data:
+            self.open(path)
+            with open(path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n))
+            self._data[path] = (8 + n, {k: v["data_offsets"] for k, v in header.items()
+                                        if k != "__metadata__"})
+        start, offsets = self._data[path]
+        begin, end = offsets[key]
+        return ByteRun(path, start + begin, end - begin)
 
     def read(self, path: Path, key: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
         f = self.open(path)

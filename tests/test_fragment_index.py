@@ -25,6 +25,7 @@ from conftest import SCENARIOS, STEPS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import assemble, compare_to_reference
+from safetensors.torch import load_file
 
 import megatron_ucp as ucp
 from megatron_ucp.formats import manifest as mf
@@ -43,6 +44,7 @@ from megatron_ucp.formats.manifest import Manifest, ParamEntry, _Check, paused_g
 from megatron_ucp.layout import Layout
 from megatron_ucp.local_slice import flat_range_boxes
 from megatron_ucp.spec import STATES, ParamSpec, Piece
+from megatron_ucp.storage import SafetensorsWriter
 from megatron_ucp.testing.launch import LaunchError, launch
 
 
@@ -328,47 +330,74 @@ def test_a_read_refuses_slices_that_overlap_or_leave_a_gap(tmp_path):
     assert torch.equal(source.read("a", "exp_avg", (1, 1), (2, 2)), ck["full"]["a"][1:3, 1:])
 
 
-def _mapped_file(address: int) -> str | None:
-    """The file mapped at `address` ('' if anonymous memory; None where /proc is not there)."""
-    maps = Path("/proc/self/maps")
-    if not maps.exists():
-        return None
-    for line in maps.read_text().splitlines():
-        fields = line.split(maxsplit=5)
-        lo, hi = (int(x, 16) for x in fields[0].split("-"))
-        if lo <= address < hi:
-            return fields[5] if len(fields) > 5 else ""
-    return ""
-
-
-def test_a_conversion_reads_a_whole_fragment_without_a_copy_and_reuses_its_checked_crc(tmp_path):
-    # rank 0 holds w whole (4 x 3, row-major), v is split in two fragments: w comes back as a
-    # view of the mapped file with its header's crc32, v (and w's first rows) as a copy without one
-    import zlib
-
+def _two_rank_source(tmp_path: Path):
+    """Rank 0 holds w whole (4 x 3, row-major); v's flat range is DP-sharded over both ranks."""
     g = torch.Generator().manual_seed(1)
     full = {n: torch.randn(4, 3, generator=g) for n in "wv"}
     frags = [Fragment("w", (4, 3), [Piece.rows(0, (0, 0), (4, 3))], 0, 12, 5.0,
                       {s: full["w"].reshape(-1).clone() for s in STATES})]
     v = [Fragment("v", (4, 3), [Piece.rows(0, (0, 0), (4, 3))], a, b, 5.0,
                   {s: full["v"].reshape(-1)[a:b].clone() for s in STATES}) for a, b in ((0, 5), (5, 12))]
-    ranks = [frags + v[:1], v[1:]]  # v's flat range DP-sharded over two ranks
+    ranks = [frags + v[:1], v[1:]]
     for rank, held in enumerate(ranks):
         write_rank_file(tmp_path / f"rank_{rank:05d}.safetensors", held, {}, {}, {"dp": rank})
     m = Manifest.fragments(iteration=5, layout=Layout(dp=2), world_size=2, model={}, optimizer={
         "param_groups": []}, scheduler=None, extra={}, seed=1)
     m.params = build_index({n: ParamSpec(n, (4, 3), "float32", 0).to_json() for n in "wv"},
                            [[f.record() for f in held] for held in ranks])
+    return FragmentSource(tmp_path, Manifest.from_json(json.loads(mf.encode(m)), "m")), full
+
+
+def _copied(runs, tmp_path: Path, shape: tuple[int, ...]) -> torch.Tensor:
+    out = tmp_path / "copy.safetensors"
+    w = SafetensorsWriter(out, [("t", torch.float32, shape)])
+    w.copy_runs("t", runs)
+    w.close()
+    return load_file(out)["t"]
+
+
+def test_a_conversion_copies_row_major_fragments_as_byte_runs_and_combines_their_checked_crcs(tmp_path):
+    # w: one run (its whole fragment); v: one run per DP rank's fragment, in order; w's first three
+    # rows (a true vocabulary): a prefix of its fragment. The crc32 returned is the box's own
+    import zlib
+
+    source, full = _two_rank_source(tmp_path)
+    rank = [tmp_path / f"rank_{r:05d}.safetensors" for r in range(2)]
+    for name, shape, files in (("w", (4, 3), [rank[0]]), ("v", (4, 3), rank), ("w", (3, 3), [rank[0]])):
+        for state in STATES:
+            runs, checked_crc = source.leading_runs(name, state, shape)
+            assert [r.path for r in runs] == files
+            got = _copied(runs, tmp_path, shape)
+            want = full[name][:shape[0]]
+            assert torch.equal(got, want)
+            assert checked_crc() == zlib.crc32(want.numpy().tobytes())
+    # a fragment corrupted on disk: the check after the copy names the file and the tensor
+    runs, checked_crc = source.leading_runs("v", "exp_avg", (4, 3))
+    raw = bytearray(rank[1].read_bytes())
+    raw[runs[1].offset] ^= 0xFF
+    rank[1].write_bytes(bytes(raw))
+    fresh = FragmentSource(tmp_path, source.manifest)  # (no header or file cached)
+    runs, checked_crc = fresh.leading_runs("v", "exp_avg", (4, 3))
+    _copied(runs, tmp_path, (4, 3))
+    with pytest.raises(ucp.UCPError, match=r"rank_00001\.safetensors: checksum mismatch in tensor 'v/exp"):
+        checked_crc()
+
+
+def test_a_tp_split_tensor_has_no_byte_runs_and_is_read(tmp_path):
+    # two TP slices of rows: not one row-major slice, so the conversion reads and gathers it
+    g = torch.Generator().manual_seed(2)
+    full = torch.randn(4, 3, generator=g)
+    ranks = [[Fragment("w", (2, 3), [Piece.rows(0, (2 * r, 0), (2, 3))], 0, 6, 5.0,
+                       {s: full[2 * r:2 * r + 2].reshape(-1).clone() for s in STATES})] for r in range(2)]
+    for rank, held in enumerate(ranks):
+        write_rank_file(tmp_path / f"rank_{rank:05d}.safetensors", held, {}, {}, {"tp": rank})
+    m = Manifest.fragments(iteration=5, layout=Layout(tp=2), world_size=2, model={}, optimizer={
+        "param_groups": []}, scheduler=None, extra={}, seed=1)
+    m.params = build_index({"w": ParamSpec("w", (4, 3), "float32", 0).to_json()},
+                           [[f.record() for f in held] for held in ranks])
     source = FragmentSource(tmp_path, Manifest.from_json(json.loads(mf.encode(m)), "m"))
-    for state in STATES:
-        t, crc = source.read_leading("w", state, (4, 3))
-        assert torch.equal(t, full["w"]) and crc == zlib.crc32(t.numpy().tobytes())
-        assert _mapped_file(t.data_ptr()) in (None, str(tmp_path / "rank_00000.safetensors"))
-        t, crc = source.read_leading("v", state, (4, 3))
-        assert torch.equal(t, full["v"]) and crc is None
-        assert not (_mapped_file(t.data_ptr()) or "").endswith(".safetensors")  # a copy
-        t, crc = source.read_leading("w", state, (3, 3))  # the rows up to a true vocabulary
-        assert torch.equal(t, full["w"][:3]) and crc is None
+    assert source.leading_runs("w", "param", (4, 3)) is None
+    assert torch.equal(source.read("w", "param", (0, 0), (4, 3)), full)
 
 
 def test_a_source_dropped_after_reads_unmaps_its_rank_files_at_once(tmp_path):

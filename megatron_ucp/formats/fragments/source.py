@@ -9,6 +9,7 @@ fragment read whole (`verify_fragments=True`: for every fragment touched, as `co
 from __future__ import annotations
 
 import math
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,7 +21,7 @@ from megatron_ucp.formats.fragments.index import check_tiling, tiling_suspects
 from megatron_ucp.formats.fragments.rank_file import header_fragments, rank_file_name, read_rng
 from megatron_ucp.formats.manifest import FragmentEntry, Manifest, SliceEntry
 from megatron_ucp.spec import Piece, contiguous_strides, tiles_exactly
-from megatron_ucp.storage import Reader, ReadsFiles, crc32
+from megatron_ucp.storage import ByteRun, Reader, ReadsFiles, crc32, crc32_combine, tensor_bytes
 
 RECENT_BYTES = 256 * 2**20  # whole local tensors / fragments kept for reuse (oldest evicted first)
 DAMAGED_INDEX = ("the manifest's index or the rank files are damaged or incomplete: restore them or "
@@ -58,6 +59,11 @@ class _IndexSlices(dict):
         _check_volume(self.dir, name, self.params[name].shape, slices)
         self[name] = slices
         return slices
+
+
+def _checksum_mismatch(path: Path, key: str) -> UCPError:
+    return UCPError(f"{path}: checksum mismatch in tensor {key!r}; the file is corrupt: restore it "
+                    "or load an earlier iteration")
 
 
 def _check_volume(ckpt_dir: Path, name: str, shape: tuple[int, ...], slices: list[SliceEntry]) -> None:
@@ -155,19 +161,23 @@ class FragmentSource(ReadsFiles):
             self._matched.add((id(sl), f.file))
         return d
 
-    def _read_fragment(self, name: str, state: str, sl: SliceEntry, f: FragmentEntry) -> torch.Tensor:
-        """A whole fragment, its checksum checked."""
+    def _expected_crc(self, name: str, state: str, sl: SliceEntry, f: FragmentEntry) -> int | None:
+        """The crc32 a fragment's rank-file header gives (None when checksums are not verified),
+        its header entry checked first: a clear error for a wrong index."""
         path, key = self.files[f.file], f"{name}/{state}"
-        header = self._header(name, sl, f)  # before the read: a clear error for a wrong index
+        header = self._header(name, sl, f)
         if self.verify_checksums and state not in header["crc32"]:
             raise UCPError(f"{path}: its header has no checksum of {key!r}; the file is corrupt: "
                            "restore it or load an earlier iteration")
-        crc = header["crc32"][state] if self.verify_checksums else None
         self.reader.check(path, key, "F32", (f.end - f.start,))
-        t = self.reader.read(path, key)
+        return header["crc32"][state] if self.verify_checksums else None
+
+    def _read_fragment(self, name: str, state: str, sl: SliceEntry, f: FragmentEntry) -> torch.Tensor:
+        """A whole fragment, its checksum checked."""
+        crc = self._expected_crc(name, state, sl, f)
+        t = self.reader.read(self.files[f.file], f"{name}/{state}")
         if crc is not None and crc32(t) != crc:
-            raise UCPError(f"{path}: checksum mismatch in tensor {key!r}; the file is corrupt: "
-                           "restore it or load an earlier iteration")
+            raise _checksum_mismatch(self.files[f.file], f"{name}/{state}")
         return t
 
     def _cached(self, key: tuple, read: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -257,26 +267,62 @@ class FragmentSource(ReadsFiles):
             out[box] = flat.as_strided([h - lo_ for lo_, h in zip(lo, hi)], pc.strides)
         return out
 
-    def read_leading(self, name: str, state: str, shape: tuple[int, ...]) -> tuple[torch.Tensor, int | None]:
+    def read_order(self, names: list[str]) -> list[str]:
+        """`names` in the order their first bytes lie in the rank files (file, then offset): a
+        conversion that reads in this order reads each file front to back, as `cp` does, instead
+        of seeking between files tensor by tensor."""
+        def where(name: str) -> tuple[int, int]:
+            f = self.slices[name][0].fragments[0]
+            state = self.manifest.params[name].states[0]
+            return f.file, self.reader.byte_run(self.files[f.file], f"{name}/{state}").offset
+        return sorted(names, key=where)
+
+    def leading_runs(self, name: str, state: str,
+                     shape: tuple[int, ...]) -> tuple[list[ByteRun], Callable[[], int]] | None:
         """Box [0, shape) of universal tensor `name` (the whole tensor, or its rows up to the true
-        vocabulary) for a caller that only reads it (a conversion writing it out), and its crc32
-        when known. Where the box is the whole tensor and one fragment holds it, row-major (a
-        layout that neither splits nor DP-shards it): that fragment itself, checksum checked, a
-        view of the mapped rank file (no copy), with the crc32 the file's header gave. Else
-        `read`'s copy and None."""
-        shape = tuple(shape)
+        vocabulary) as runs of rank-file bytes, for a caller that copies it out unchanged (a
+        conversion), where the box is a prefix of one row-major slice: a layout that does not split
+        the tensor over TP, its fragments (one, or one per DP rank) consecutive ranges of it. With
+        them a function that, once the runs are copied (their pages then in the page cache), checks
+        every fragment's crc32 against its header and returns the box's crc32, in one pass over the
+        bytes. None where the box needs gathering or checksums are not verified (use `read`)."""
+        shape, full = tuple(shape), tuple(self.manifest.params[name].shape)
         slices = self.slices[name]
-        whole = (tuple(self.manifest.params[name].shape) == shape and len(slices) == 1
-                 and len(slices[0].pieces) == 1 and len(slices[0].fragments) == 1)
-        if whole:
-            sl, pc, f = slices[0], slices[0].pieces[0], slices[0].fragments[0]
-            whole = (pc.start == 0 and tuple(pc.offset) == (0,) * len(shape) and tuple(pc.shape) == shape
-                     and tuple(pc.strides) == contiguous_strides(shape)
-                     and (f.start, f.end) == (0, math.prod(shape)))
-        if not whole or not self.verify_checksums:
-            return self.read(name, state, (0,) * len(shape), shape), None
+        if (not self.verify_checksums or len(slices) != 1 or len(slices[0].pieces) != 1
+                or shape[1:] != full[1:] or not 0 < shape[0] <= full[0]):
+            return None
+        sl, pc = slices[0], slices[0].pieces[0]
+        if (pc.start, tuple(pc.offset), tuple(pc.shape), tuple(pc.strides)) != (
+                0, (0,) * len(full), full, contiguous_strides(full)):
+            return None
+        n = math.prod(shape)
+        frags = sorted((f for f in sl.fragments if f.start < n), key=lambda f: f.start)
+        if [f.start for f in frags] != [0] + [f.end for f in frags[:-1]] or frags[-1].end < n:
+            return None  # (not a tiling: `read` names the fault)
         self._check_interleaved(name, sl)
-        return self._read_fragment(name, state, sl, f).view(shape), self._header(name, sl, f)["crc32"][state]
+        runs = []
+        for f in frags:
+            self._expected_crc(name, state, sl, f)  # (index and header agree, before any copy)
+            run = self.reader.byte_run(self.files[f.file], f"{name}/{state}")
+            runs.append(run._replace(nbytes=4 * (min(f.end, n) - f.start)))
+
+        def checked_crc() -> int:
+            crc = 0
+            for f in frags:
+                used = min(f.end, n) - f.start
+                crc = crc32_combine(crc, self._checked_prefix_crc(name, state, sl, f, used), 4 * used)
+            return crc
+        return runs, checked_crc
+
+    def _checked_prefix_crc(self, name: str, state: str, sl: SliceEntry, f: FragmentEntry,
+                            used: int) -> int:
+        """crc32 of a fragment's first `used` elements, its whole crc32 checked on the way."""
+        expected = self._expected_crc(name, state, sl, f)
+        raw = tensor_bytes(self.reader.read(self.files[f.file], f"{name}/{state}"))
+        crc = zlib.crc32(raw[:4 * used])
+        if zlib.crc32(raw[4 * used:], crc) != expected:
+            raise _checksum_mismatch(self.files[f.file], f"{name}/{state}")
+        return crc
 
     def _check_cover(self, name: str, shape: tuple[int, ...],
                      boxes: list[tuple[list[int], list[int]]]) -> None:

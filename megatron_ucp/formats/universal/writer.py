@@ -23,11 +23,13 @@ from megatron_ucp.formats.manifest import Manifest, ParamEntry, TensorEntry
 from megatron_ucp.formats.universal.source import RNG_FILE, data_file_name, rng_prefix
 from megatron_ucp.progress import Progress, bar
 from megatron_ucp.spec import ParamSpec, states_of
-from megatron_ucp.storage import Reader, SafetensorsWriter, crc32, staged_dir, write_tensors
+from megatron_ucp.storage import ByteRun, Reader, SafetensorsWriter, crc32, staged_dir, write_tensors
 
 log = logging.getLogger(__name__)
-# (name, state) -> the full tensor, and its crc32 when the source already knows it (else None)
-ReadFull = Callable[[str, str], tuple[torch.Tensor, int | None]]
+# (name, state) -> the full tensor; or the runs of source-file bytes that hold it in order, with a
+# function that checks them once copied and returns their crc32 (`leading_runs`)
+FullTensor = torch.Tensor | tuple[list[ByteRun], Callable[[], int]]
+ReadFull = Callable[[str, str], FullTensor]
 
 
 def _plan_files(params: dict[str, ParamSpec], max_file_bytes: int, workers: int) -> list[list[str]]:
@@ -51,30 +53,41 @@ def _write_file(out_dir: Path, i: int, names: list[str], params: dict[str, Param
                 read_full: ReadFull, progress=None) -> dict[str, dict[str, TensorEntry]]:
     """One data file. A writer thread checksums and writes each tensor while the next one is read
     (zlib and file writes release the GIL): at most two tensors are held, the one being written
-    and the one just read."""
+    and the one just read. Runs of source bytes are copied file to file by the writer and checked
+    by a checker thread while the writer copies the next ones (a check reads them from the page
+    cache, where the copy left them)."""
     fname = data_file_name(i)
     w = SafetensorsWriter(out_dir / fname, [(f"{n}/{s}", torch.float32, params[n].shape)
                                             for n in names for s in states_of(params[n])])
-    entries: dict[str, dict[str, TensorEntry]] = {n: {} for n in names}
+    crcs: dict[tuple[str, str], int | Future] = {}
 
-    def write_one(n: str, s: str, t: torch.Tensor, crc: int | None) -> None:
-        w.write(f"{n}/{s}", t)
-        entries[n][s] = TensorEntry(fname, f"{n}/{s}", crc32(t) if crc is None else crc)
+    def write_one(n: str, s: str, full: FullTensor) -> None:
+        if isinstance(full, torch.Tensor):
+            w.write(f"{n}/{s}", full)
+            crcs[n, s] = crc32(full)
+        else:
+            runs, checked_crc = full
+            w.copy_runs(f"{n}/{s}", runs)
+            crcs[n, s] = checker.submit(checked_crc)  # (a corrupt source raises: nothing commits)
 
-    with ThreadPoolExecutor(1, thread_name_prefix="megatron-ucp-write") as writer:
+    with ThreadPoolExecutor(1, thread_name_prefix="megatron-ucp-write") as writer, \
+            ThreadPoolExecutor(1, thread_name_prefix="megatron-ucp-check") as checker:
         pending: Future | None = None
         for n in names:
             for s in states_of(params[n]):
-                t, crc = read_full(n, s)
+                full = read_full(n, s)
                 if pending is not None:
                     pending.result()  # (its error, if any, raised here)
-                pending = writer.submit(write_one, n, s, t, crc)
+                pending = writer.submit(write_one, n, s, full)
             if progress is not None:
                 progress.update(1)
         if pending is not None:
             pending.result()
-    w.close()
-    return entries
+        entries: dict[str, dict[str, TensorEntry]] = {n: {} for n in names}
+        for (n, s), crc in crcs.items():
+            entries[n][s] = TensorEntry(fname, f"{n}/{s}", crc if isinstance(crc, int) else crc.result())
+    w.close(fsync=False)  # the commit (`staged_dir`) fsyncs every file: an fsync here would hold
+    return entries        # the next file's writes back until this one is on disk
 
 
 _FORKED: tuple | None = None  # what forked workers inherit: (out_dir, files, params, read_full)
@@ -155,12 +168,12 @@ def check_written(out_dir: Path, specs: dict[str, ParamSpec], source) -> None:
                                    "manifest entry names")
 
 
-def _read_full(source, name: str, state: str, shape: tuple[int, ...]) -> tuple[torch.Tensor, int | None]:
-    """The whole tensor from the source, and its crc32 where the source checked these very bytes
-    (`read_leading` of a fragment source: one whole fragment, not copied)."""
-    if hasattr(source, "read_leading"):
-        return source.read_leading(name, state, shape)
-    return source.read(name, state, (0,) * len(shape), shape), None
+def _read_full(source, name: str, state: str, shape: tuple[int, ...]) -> FullTensor:
+    """The whole tensor from the source: as runs of its files' bytes where it can say (a fragment
+    source whose layout keeps the tensor row-major: copied like `cp` copies, never read into
+    memory), else read."""
+    runs = source.leading_runs(name, state, shape) if hasattr(source, "leading_runs") else None
+    return source.read(name, state, (0,) * len(shape), shape) if runs is None else runs
 
 
 def write(source, out: str | Path, *, progress: Progress = True, max_file_bytes: int = 2**31,
@@ -174,6 +187,8 @@ def write(source, out: str | Path, *, progress: Progress = True, max_file_bytes:
     out = Path(out)
     header: Manifest = source.manifest
     specs = {n: without_padding(p.spec, header.true_vocab) for n, p in header.params.items()}
+    if hasattr(source, "read_order"):  # written in the order the source holds them: its files
+        specs = {n: specs[n] for n in source.read_order(list(specs))}  # are read front to back
     done = bar(progress, len(specs), f"{source.origin['kind']} -> universal", "param")
     with staged_dir(out, check=lambda d: check_written(d, specs, source)) as partial:
         try:
@@ -184,7 +199,7 @@ def write(source, out: str | Path, *, progress: Progress = True, max_file_bytes:
         ranks = source.rng_ranks()
         if ranks:
             write_rng(partial, {r: source.rng(r) for r in ranks})
-        params = {n: ParamEntry(spec, source.step(n), tensors=entries[n]) for n, spec in specs.items()}
+        params = {n: ParamEntry(specs[n], source.step(n), tensors=entries[n]) for n in header.params}
         mf.write(partial, Manifest.universal(header, params, source.origin))
     log.info("%d parameters, %.1f MiB read, written to %s in %.2fs", len(params),
              source.bytes_read / 2**20, out, time.perf_counter() - t0)
