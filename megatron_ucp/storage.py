@@ -79,24 +79,15 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     """crc32 of A + B from crc32(A), crc32(B) and len(B) (zlib's crc32_combine, which Python's zlib
     does not expose): a tensor written from several checked fragments gets its checksum without
     reading its bytes again. O(log len2) 32x32 GF(2) matrix squarings."""
-    if len2 <= 0:
-        return crc1
-    odd = [0xEDB88320] + [1 << n for n in range(31)]  # the operator for one zero bit
-    even = [_gf2_times(odd, odd[n]) for n in range(32)]  # two zero bits
-    odd = [_gf2_times(even, even[n]) for n in range(32)]  # four zero bits
-    while True:  # apply len2 zero bytes to crc1, squaring the operator per bit of len2
-        even = [_gf2_times(odd, odd[n]) for n in range(32)]
+    op = [0xEDB88320] + [1 << n for n in range(31)]  # the operator appending one zero bit
+    for _ in range(3):  # squared three times: one zero byte
+        op = [_gf2_times(op, op[n]) for n in range(32)]
+    while len2 > 0:  # append len2 zero bytes to A: the operator squared per bit of len2
         if len2 & 1:
-            crc1 = _gf2_times(even, crc1)
+            crc1 = _gf2_times(op, crc1)
         len2 >>= 1
-        if not len2:
-            break
-        odd = [_gf2_times(even, even[n]) for n in range(32)]
-        if len2 & 1:
-            crc1 = _gf2_times(odd, crc1)
-        len2 >>= 1
-        if not len2:
-            break
+        if len2:
+            op = [_gf2_times(op, op[n]) for n in range(32)]
     return crc1 ^ crc2
 
 
