@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import math
 import os
@@ -75,19 +76,31 @@ def _gf2_times(matrix: list[int], vector: int) -> int:
     return total
 
 
+def _squared(op: list[int]) -> list[int]:
+    """An operator applied twice: twice the zeros appended."""
+    return [_gf2_times(op, op[n]) for n in range(32)]
+
+
+_ONE_ZERO_BIT = [0xEDB88320] + [1 << n for n in range(31)]  # crc32's polynomial, reflected
+
+
+@functools.cache  # (deterministic: threads racing on it compute the same operator)
+def _zero_bytes_operator(k: int) -> list[int]:
+    """The operator that appends 2**k zero bytes (one byte: one zero bit squared three times)."""
+    return _squared(_zero_bytes_operator(k - 1) if k else _squared(_squared(_ONE_ZERO_BIT)))
+
+
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     """crc32 of A + B from crc32(A), crc32(B) and len(B) (zlib's crc32_combine, which Python's zlib
     does not expose): a tensor written from several checked fragments gets its checksum without
-    reading its bytes again. O(log len2) 32x32 GF(2) matrix squarings."""
-    op = [0xEDB88320] + [1 << n for n in range(31)]  # the operator appending one zero bit
-    for _ in range(3):  # squared three times: one zero byte
-        op = [_gf2_times(op, op[n]) for n in range(32)]
-    while len2 > 0:  # append len2 zero bytes to A: the operator squared per bit of len2
+    reading its bytes again. One 32x32 GF(2) product per set bit of len2 (the operators for 2**k
+    zero bytes are built once)."""
+    k = 0
+    while len2 > 0:
         if len2 & 1:
-            crc1 = _gf2_times(op, crc1)
+            crc1 = _gf2_times(_zero_bytes_operator(k), crc1)
         len2 >>= 1
-        if len2:
-            op = [_gf2_times(op, op[n]) for n in range(32)]
+        k += 1
     return crc1 ^ crc2
 
 
