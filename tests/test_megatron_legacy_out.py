@@ -359,7 +359,7 @@ def test_universal_conversion_is_validated_before_commit(fault, tmp_path, monkey
         entries = write_params(out_dir, params, read_full, *a, **k)
         if fault == "stray_tensor":
             write_tensors(out_dir / "params_00000.safetensors",
-                          {**{f"{n}/{s}": read_full(n, s)[0] for n in params for s in entries[n]},
+                          {**{f"{n}/{s}": read_full(n, s) for n in params for s in entries[n]},
                            "stray/param": torch.zeros(3)}, {})
         return entries
 
