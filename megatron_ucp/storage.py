@@ -158,7 +158,7 @@ class SafetensorsWriter:
         header: dict = {"__metadata__": metadata} if metadata else {}
         offset = 0
         for name, dtype, shape in entries:
-            nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+            nbytes = math.prod(shape) * dtype.itemsize
             header[name] = {"dtype": DTYPE_TO_ST[dtype], "shape": list(shape),
                             "data_offsets": [offset, offset + nbytes]}
             offset += nbytes
@@ -190,7 +190,7 @@ class SafetensorsWriter:
         """Write tensor `name` as the concatenation of byte runs of other files (its raw bytes,
         in order), copied file to file without reading them into this process."""
         dtype, shape = self._expect(name)
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         if sum(r.nbytes for r in runs) != nbytes:
             raise ValueError(f"{self.path}: {name} needs {nbytes} bytes, the runs hold "
                              f"{sum(r.nbytes for r in runs)}")

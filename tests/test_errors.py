@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ import pytest
 import megatron_ucp as ucp
 from megatron_ucp.formats import open_source
 from megatron_ucp.layout import Layout
+from megatron_ucp.storage import Reader
 from megatron_ucp.testing.launch import LaunchError, launch
 from megatron_ucp.validation import check_layout, check_model_config
 
@@ -49,13 +49,9 @@ def edit_manifest(root: Path, fn) -> None:
 
 
 def tensor_region(path: Path, key: str) -> tuple[int, int]:
-    """Absolute byte range of tensor `key` in a safetensors file (8-byte LE header length, JSON
-    header whose data_offsets count from the end of the header)."""
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(n))
-    begin, end = header[key]["data_offsets"]
-    return 8 + n + begin, 8 + n + end
+    """Absolute byte range of tensor `key` in a safetensors file."""
+    run = Reader().byte_run(path, key)
+    return run.offset, run.offset + run.nbytes
 
 
 def flip_bytes(path: Path, key: str) -> None:

@@ -300,28 +300,26 @@ class FragmentSource(ReadsFiles):
         if [f.start for f in frags] != [0] + [f.end for f in frags[:-1]] or frags[-1].end < n:
             return None  # (not a tiling: `read` names the fault)
         self._check_interleaved(name, sl)
-        runs = []
-        for f in frags:
-            self._expected_crc(name, state, sl, f)  # (index and header agree, before any copy)
-            run = self.reader.byte_run(self.files[f.file], f"{name}/{state}")
-            runs.append(run._replace(nbytes=4 * (min(f.end, n) - f.start)))
+        key = f"{name}/{state}"
+        # (path, elements of the fragment in the box, its header's crc32): index and header
+        # checked against each other before any byte is copied
+        used = [(self.files[f.file], min(f.end, n) - f.start, self._expected_crc(name, state, sl, f))
+                for f in frags]
+        runs = [self.reader.byte_run(path, key)._replace(nbytes=4 * k) for path, k, _ in used]
 
         def checked_crc() -> int:
             crc = 0
-            for f in frags:
-                used = min(f.end, n) - f.start
-                crc = crc32_combine(crc, self._checked_prefix_crc(name, state, sl, f, used), 4 * used)
+            for path, k, expected in used:
+                crc = crc32_combine(crc, self._checked_prefix_crc(path, key, k, expected), 4 * k)
             return crc
         return runs, checked_crc
 
-    def _checked_prefix_crc(self, name: str, state: str, sl: SliceEntry, f: FragmentEntry,
-                            used: int) -> int:
+    def _checked_prefix_crc(self, path: Path, key: str, used: int, expected: int) -> int:
         """crc32 of a fragment's first `used` elements, its whole crc32 checked on the way."""
-        expected = self._expected_crc(name, state, sl, f)
-        raw = tensor_bytes(self.reader.read(self.files[f.file], f"{name}/{state}"))
+        raw = tensor_bytes(self.reader.read(path, key))
         crc = zlib.crc32(raw[:4 * used])
         if zlib.crc32(raw[4 * used:], crc) != expected:
-            raise _checksum_mismatch(self.files[f.file], f"{name}/{state}")
+            raise _checksum_mismatch(path, key)
         return crc
 
     def _check_cover(self, name: str, shape: tuple[int, ...],
