@@ -26,10 +26,10 @@ from megatron.core.tensor_parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from megatron.core.transformer.moe.experts import GroupedMLP
 from megatron.core.utils import unwrap_model
 
 from megatron_ucp.errors import UCPError
+from megatron_ucp.mcore_compat import is_legacy_grouped_mlp
 from megatron_ucp.spec import ParamSpec, Piece
 from megatron_ucp.storage import DTYPE_NAMES
 
@@ -143,7 +143,7 @@ def _tp_axis(param: torch.Tensor, owner, sh: ShardedTensor, local_key: str,
     the layer type says it. GroupedMLP's attributes describe its fused [hidden, experts x ffn]
     weight; per expert, fc1 is column-parallel and fc2 row-parallel, as in SequentialMLP. The
     sharded tensor's fragmentation (visible when TP > 1) must agree either way."""
-    if isinstance(owner, GroupedMLP):
+    if is_legacy_grouped_mlp(owner):
         axis = 0 if param is owner.weight1 else 1
     elif hasattr(param, "tensor_model_parallel"):
         axis = param.partition_dim if param.tensor_model_parallel else None
@@ -283,7 +283,7 @@ def local_params(model_chunks: list) -> list[LocalParam]:
             # GroupedMLP fuses its local experts into one parameter; its sharded tensors stack them
             # along their first dim, which becomes the global expert index in the name, as for
             # SequentialMLP (megatron declares the two forms with the same keys).
-            fused = isinstance(owner, GroupedMLP)
+            fused = is_legacy_grouped_mlp(owner)
             tp_axis = _tp_axis(param, owner, first, local_key, p + fused)
             if is_buffer and (len(subs) > 1 or any(f > 1 for f in first.axis_fragmentations[p:])
                               or not param.is_floating_point()):

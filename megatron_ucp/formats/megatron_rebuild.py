@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.megatron_common import layout, rank_order, world
+from megatron_ucp.mcore_compat import config_kwargs_from_args
 from megatron_ucp.param_spec import local_params
 from megatron_ucp.spec import ParamSpec
 from megatron_ucp.validation import model_config as config_of
@@ -132,7 +133,7 @@ def transformer_config(args):
 
     cls = MLATransformerConfig if getattr(args, "multi_latent_attention", False) else TransformerConfig
     fields = {f.name for f in dataclasses.fields(cls)}
-    kw = {k: getattr(args, k) for k in fields if hasattr(args, k)}
+    kw = config_kwargs_from_args({k: getattr(args, k) for k in fields if hasattr(args, k)})
     kw.update(
         deallocate_pipeline_outputs=True,
         pipeline_dtype=args.params_dtype,
@@ -193,11 +194,10 @@ def _build_chunk(args, config, vp: int | None):
                                           normalization=args.normalization,
                                           qk_l2_norm=getattr(args, "qk_l2_norm", False), vp_stage=vp)
     else:
+        # a dense model: the MoE switches (grouped GEMM, legacy GroupedMLP) select nothing here
         spec = get_gpt_layer_local_spec(
-            num_experts=None, moe_grouped_gemm=getattr(args, "moe_grouped_gemm", False),
-            qk_layernorm=getattr(args, "qk_layernorm", False),
+            num_experts=None, qk_layernorm=getattr(args, "qk_layernorm", False),
             multi_latent_attention=getattr(args, "multi_latent_attention", False),
-            moe_use_legacy_grouped_gemm=getattr(args, "moe_use_legacy_grouped_gemm", False),
             normalization=args.normalization, qk_l2_norm=getattr(args, "qk_l2_norm", False))
     model = GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
@@ -222,9 +222,9 @@ def _grouped_gemm_importable(needed: bool) -> Iterator[None]:
     rebuild builds modules on the meta device and runs no forward, so while it builds, a module
     whose `gmm` refuses to run stands in when the library is absent (only megatron-core's handle
     to it is set, and restored afterwards)."""
-    from megatron.core.transformer.moe import grouped_gemm_util as util
+    from megatron_ucp.mcore_compat import GROUPED_GEMM_UTIL as util
 
-    if not needed or util.grouped_gemm is not None:
+    if not needed or util is None or util.grouped_gemm is not None:  # None: no GroupedMLP (0.19)
         yield
         return
 

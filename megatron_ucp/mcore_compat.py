@@ -1,0 +1,76 @@
+"""Every difference between the megatron-core releases megatron-ucp supports, in one place.
+
+Supported: megatron-core 0.16.x (Python >= 3.10) and 0.19.x (Python >= 3.12); 0.17/0.18 import
+the same names. The rest of the package imports megatron-core's names from here when a release
+renamed, moved or removed them, and asks the predicates below instead of comparing versions.
+
+What differs, and where it is handled:
+
+* GroupedMLP (the legacy fused-expert MLP that calls the `grouped_gemm` library, with its handle
+  `megatron.core.transformer.moe.grouped_gemm_util`) was removed in 0.19: `--moe-grouped-gemm`
+  without Transformer Engine builds SequentialMLP there. `GroupedMLP` / `GROUPED_GEMM_UTIL` are
+  None on such a release, and `is_legacy_grouped_mlp` is then always False.
+* TransformerConfig fields that 0.19 deprecated and refuses in combinations that Megatron-LM
+  0.16's arguments wrote by default (`moe_deepep_num_sms=20` with `moe_hybridep_num_sms=16`):
+  `config_kwargs_from_args` leaves them out when rebuilding a model from another run's args.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import megatron.core
+
+
+def _version(text: str) -> tuple[int, int, int]:
+    parts = []
+    for word in text.split("+")[0].split(".")[:3]:
+        digits = "".join(c for c in word if c.isdigit()) or "0"
+        parts.append(int(digits))
+    return tuple(parts + [0] * (3 - len(parts)))  # type: ignore[return-value]
+
+
+MCORE_VERSION: tuple[int, int, int] = _version(megatron.core.__version__)
+
+
+def _optional(module: str, name: str | None = None):
+    """`module` (or its attribute `name`) when this release has it, else None."""
+    try:
+        mod = importlib.import_module(module)
+    except ImportError:
+        return None
+    return mod if name is None else getattr(mod, name, None)
+
+
+# the legacy fused-expert MLP and its grouped_gemm handle (0.16-0.18; removed in 0.19)
+GroupedMLP = _optional("megatron.core.transformer.moe.experts", "GroupedMLP")
+GROUPED_GEMM_UTIL = _optional("megatron.core.transformer.moe.grouped_gemm_util")
+
+
+def is_legacy_grouped_mlp(module) -> bool:
+    """Whether `module` is the legacy GroupedMLP (one fused weight1/weight2 for all local experts)."""
+    return GroupedMLP is not None and isinstance(module, GroupedMLP)
+
+
+def has_legacy_grouped_mlp() -> bool:
+    """Whether this release can build GroupedMLP (`--moe-grouped-gemm` without Transformer Engine)."""
+    return GroupedMLP is not None
+
+
+# Fields a newer TransformerConfig accepts only for backward compatibility (it routes them to their
+# successor and refuses some combinations of them). They steer runtime kernels and CUDA graphs,
+# never parameter names, shapes or splits; a rebuild from an older release's args leaves them out.
+_DEPRECATED_CONFIG_FIELDS = {
+    (0, 19): ("moe_deepep_num_sms", "moe_hybridep_num_sms", "enable_cuda_graph",
+              "external_cuda_graph", "cuda_graph_scope", "moe_enable_deepep",
+              "moe_router_topk_limited_devices"),
+}
+DEPRECATED_CONFIG_FIELDS = frozenset(
+    name for since, names in _DEPRECATED_CONFIG_FIELDS.items() if MCORE_VERSION[:2] >= since
+    for name in names)
+
+
+def config_kwargs_from_args(kw: dict) -> dict:
+    """TransformerConfig keyword arguments taken from a Megatron-LM run's `args` (which may come
+    from another release), without the fields this release keeps only as deprecated aliases."""
+    return {k: v for k, v in kw.items() if k not in DEPRECATED_CONFIG_FIELDS}
