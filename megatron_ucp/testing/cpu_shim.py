@@ -158,6 +158,10 @@ def install() -> None:
     cuda_random.manual_seed_all = torch.cuda.manual_seed_all
     torch.Tensor.cuda = lambda self, *a, **k: self
     torch.Tensor.type = _tensor_type
+    # A CUDA build of torch (Python 3.12's wheel from the index) on a host without a driver: its
+    # optimizers ask torch.accelerator for the current stream (graph-capture check), which would
+    # initialise CUDA. The CPU build answers None here; so does the shim.
+    torch.accelerator.current_accelerator = lambda *a, **k: None
     CudaToCpu().__enter__()
     _INSTALLED = True
     try:
