@@ -7,7 +7,7 @@ setup(
     packages=find_packages(include=["megatron_ucp", "megatron_ucp.*"]),
     python_requires=">=3.10",
     # torch is pinned by the Makefile (CPU wheel); an unpinned torch here would pull CUDA wheels.
-    install_requires=["megatron-core==0.16.*", "safetensors>=0.4", "tqdm", "numpy", "pyyaml"],
+    install_requires=["megatron-core>=0.16,<0.20", "safetensors>=0.4", "tqdm", "numpy", "pyyaml"],
     extras_require={"dev": ["pytest", "ruff", "psutil", "einops", "matplotlib", "hypothesis",
                             "transformers==5.23.0"]},
     entry_points={"console_scripts": ["megatron-ucp=megatron_ucp.cli:main"]},

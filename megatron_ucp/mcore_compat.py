@@ -57,6 +57,23 @@ def has_legacy_grouped_mlp() -> bool:
     return GroupedMLP is not None
 
 
+def release_name() -> str:
+    return f"megatron-core {megatron.core.__version__}"
+
+
+def missing_module_hint(saved_keys) -> str:
+    """Why a checkpoint's saved module names can have no counterpart in a model this release builds
+    (empty when no release difference explains it)."""
+    fused = sorted(k for k in saved_keys if k.endswith((".experts.weight1", ".experts.weight2")))
+    if fused and not has_legacy_grouped_mlp():
+        return (f"{fused[0]!r} is the fused expert weight of megatron-core's legacy GroupedMLP "
+                f"(--moe-grouped-gemm without Transformer Engine), which {release_name()} no longer "
+                "has; convert the checkpoint with megatron-core 0.16-0.18 (`megatron-ucp convert` "
+                "or `reshard`) and load the universal checkpoint here, where its experts are "
+                "named as SequentialMLP's")
+    return ""
+
+
 # Fields a newer TransformerConfig accepts only for backward compatibility (it routes them to their
 # successor and refuses some combinations of them). They steer runtime kernels and CUDA graphs,
 # never parameter names, shapes or splits; a rebuild from an older release's args leaves them out.

@@ -16,6 +16,19 @@ FULL = os.environ.get("UCP_FULL_MATRIX") == "1"
 REPORT: dict[str, dict] = {}
 
 
+def _legacy_grouped_mlp_mark():
+    from megatron_ucp import mcore_compat
+
+    return pytest.mark.skipif(
+        not mcore_compat.has_legacy_grouped_mlp(),
+        reason=f"{mcore_compat.release_name()} has no legacy GroupedMLP (removed in 0.19; "
+               "--moe-grouped-gemm without Transformer Engine builds SequentialMLP there)")
+
+
+# tests of megatron-core's legacy GroupedMLP (fused expert weights): 0.16-0.18 only
+NEEDS_LEGACY_GROUPED_MLP = _legacy_grouped_mlp_mark()
+
+
 def nprocs(layout: str) -> int:
     from megatron_ucp.layout import Layout
 

@@ -19,11 +19,12 @@ FIXTURES = ROOT / "tests" / "fixtures" / "megatron_lm"
 SCRIPT = r"""
 import json, sys
 import torch
-import megatron.core.transformer.moe.grouped_gemm_util as gg
+from megatron_ucp.mcore_compat import GROUPED_GEMM_UTIL as gg  # None from megatron-core 0.19 on
 
 def snapshot():
     return {"cuda": {k: id(getattr(torch.cuda, k)) for k in dir(torch.cuda)},
-            "tensor_cuda": id(torch.Tensor.cuda), "gg": (id(gg.grouped_gemm), id(gg.ops)),
+            "tensor_cuda": id(torch.Tensor.cuda),
+            "gg": (id(gg.grouped_gemm), id(gg.ops)) if gg is not None else None,
             "modules": {k: id(v) for k, v in sys.modules.items()}}
 
 before = snapshot()
@@ -32,7 +33,8 @@ from megatron_ucp.inspector import inspect
 from megatron_ucp.layout import Layout
 from megatron_ucp.reshard import convert, reshard
 out, fx = sys.argv[1], sys.argv[2]
-u = convert(fx + "/torch_moe_grouped_ep2/ckpt", out + "/u", progress=False)
+moe = "/torch_moe_grouped_ep2/ckpt" if gg is not None else "/torch_moe_ep2/ckpt"  # MoE rebuild
+u = convert(fx + moe, out + "/u", progress=False)
 reshard(fx + "/torch_tp2_pp2/ckpt", out + "/d", Layout(dp=4), target_format="torch_dist",
         progress=False)
 reshard(fx + "/torch_tp2_pp2/ckpt", out + "/t", Layout(tp=1, pp=2, dp=2), target_format="torch",

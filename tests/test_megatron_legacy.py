@@ -22,16 +22,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import NEEDS_LEGACY_GROUPED_MLP
 from safetensors import safe_open
 
 from megatron_ucp import UCPError, convert
 from megatron_ucp.cli import main as cli_main
+from megatron_ucp.mcore_compat import has_legacy_grouped_mlp
 from megatron_ucp.reshard import convert_legacy
 from megatron_ucp.testing.launch import launch
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron_lm"
+# torch_moe_grouped_ep2 was saved by the legacy GroupedMLP, which megatron-core 0.19 no longer has
 SETS = ["torch_tp2_pp2", "torch_dp2", "torch_tp2_fp32", "torch_llama_tp2", "torch_vpp", "torch_moe_ep2",
-        "torch_moe_grouped_ep2"]
+        *(["torch_moe_grouped_ep2"] if has_legacy_grouped_mlp() else [])]
 ITER = "iter_0000006"
 STATES = ("param", "exp_avg", "exp_avg_sq")
 # lm loss at iteration 6 in each run's log (README losses table)
@@ -276,6 +279,7 @@ def test_resume_converted_checkpoint_at_another_layout(converted, tmp_path):
     assert all(torch.equal(tensors2[k], t) for k, t in tensors.items())
 
 
+@NEEDS_LEGACY_GROUPED_MLP
 def test_grouped_gemm_checkpoint_resumes_as_sequential_and_grouped_mlp(converted, tmp_path):
     """Megatron-LM's GroupedMLP run (EP2, fused expert weights) resumed at EP1 DP2 by a real
     megatron-core run built with SequentialMLP experts and with GroupedMLP: both get every expert
@@ -392,6 +396,16 @@ def test_tracker_and_output_dir(tmp_path):
         convert_legacy(ckpt / ITER, tmp_path / "full", progress=False)
 
 
+@pytest.mark.skipif(has_legacy_grouped_mlp(), reason="this release has the legacy GroupedMLP")
+def test_grouped_mlp_checkpoint_on_a_release_without_it_says_how_to_convert(tmp_path):
+    """megatron-core 0.19 cannot rebuild a GroupedMLP run: the error names the fused weight and the
+    way out (convert with 0.16-0.18, load the universal checkpoint), instead of a key mismatch."""
+    with pytest.raises(UCPError, match=r"experts\.weight1.*legacy GroupedMLP.*megatron-core 0\.16-0\.18"):
+        convert_legacy(FIXTURES / "torch_moe_grouped_ep2" / "ckpt", tmp_path / "u", progress=False)
+    assert not (tmp_path / "u").exists()
+
+
+@NEEDS_LEGACY_GROUPED_MLP
 def test_rebuild_of_a_grouped_gemm_run_names_experts_like_sequential_mlp():
     """A Megatron-LM run with --moe-grouped-gemm (local spec: GroupedMLP, one fused weight per EP
     rank) is rebuilt on CPU, and its experts get the same universal names and split rules as the

@@ -5,7 +5,7 @@ sharded_state_dict on CPU for the local spec; for the TE spec, TELayerNormColumn
 holds the norm as `linear_qkv.layer_norm_weight` and declares the same key)."""
 
 import pytest
-from conftest import SCENARIOS
+from conftest import NEEDS_LEGACY_GROUPED_MLP, SCENARIOS
 
 from megatron_ucp.errors import UCPError
 from megatron_ucp.param_spec import universal_name
@@ -55,6 +55,7 @@ def test_unmappable_names_are_errors():
         universal_name("decoder.layers.0.a.1.b", "decoder.layers.x.y", (0, 1))
 
 
+@NEEDS_LEGACY_GROUPED_MLP
 def test_grouped_and_sequential_experts_have_the_same_universal_specs():
     """GroupedMLP (one fused weight per EP rank, transposed experts) and SequentialMLP declare the
     same tensors: every universal name, shape and split rule agrees, with expert TP and EP."""

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FULL, REPORT, SCENARIOS, STEPS, nprocs
+from conftest import FULL, NEEDS_LEGACY_GROUPED_MLP, REPORT, SCENARIOS, STEPS, nprocs
 from reference import assemble, compare_to_reference
 from safetensors import safe_open
 
@@ -169,9 +169,14 @@ def _full_only(feature: tuple) -> bool:
     return any(feature[:len(key)] == key for key in FEATURES_FULL_ONLY)
 
 
+def _marks(feature: tuple) -> list:
+    marks = FULL_MARKS if _full_only(feature) else []
+    grouped = any(c and c.get("moe_grouped_gemm") for c in feature[3:])
+    return [*marks, NEEDS_LEGACY_GROUPED_MLP] if grouped else marks
+
+
 @pytest.mark.parametrize("feature,src,dst,cfg,dst_cfg", [
-    pytest.param(*f, id=f"{f[0]}:{f[1]}->{f[2]}", marks=FULL_MARKS if _full_only(f) else [])
-    for f in FEATURES])
+    pytest.param(*f, id=f"{f[0]}:{f[1]}->{f[2]}", marks=_marks(f)) for f in FEATURES])
 def test_feature_transition(feature, src, dst, cfg, dst_cfg, source_runs, tmp_path):
     dtypes = {cfg.get("dtype", "fp32"), (dst_cfg or cfg).get("dtype", "fp32")}
     rtol = {1: RTOL["bf16"] if dtypes & {"bf16", "fp16"} else RTOL["fp32"], 2: RTOL_CROSS}[len(dtypes)]

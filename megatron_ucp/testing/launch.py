@@ -27,8 +27,11 @@ def free_port() -> int:
 
 
 def launch(nprocs: int, target: str, kwargs: dict, timeout: float = 600.0, env: dict | None = None,
-           kill_rank_after: tuple[int, str] | None = None) -> list:
+           kill_rank_after: tuple[int, str] | None = None, python: str | None = None) -> list:
     """Run `target(**kwargs)` on `nprocs` ranks; returns each rank's JSON-able return value.
+
+    python: the interpreter of the ranks (default this one's), e.g. another venv's with another
+    megatron-core release (migration tests).
 
     kill_rank_after=(rank, marker_file): SIGKILL that rank as soon as `marker_file` exists (fault
     tests); then the other ranks are killed too and LaunchError is raised.
@@ -42,7 +45,7 @@ def launch(nprocs: int, target: str, kwargs: dict, timeout: float = 600.0, env: 
                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
             log = open(Path(tmp) / f"log{rank}.txt", "w+")
             logs.append(log)
-            cmd = [sys.executable, "-m", "megatron_ucp.testing.launch", target,
+            cmd = [python or sys.executable, "-m", "megatron_ucp.testing.launch", target,
                    json.dumps(kwargs), str(Path(tmp) / f"result{rank}.json")]
             procs.append(subprocess.Popen(cmd, env=penv, stdout=log, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + timeout

@@ -48,6 +48,7 @@ from megatron_ucp.formats.megatron_legacy.layout import (
     read_args,
 )
 from megatron_ucp.formats.megatron_rebuild import build_chunks, model_config, wrap_ddp
+from megatron_ucp.mcore_compat import missing_module_hint
 from megatron_ucp.param_spec import local_params
 from megatron_ucp.progress import Progress, bar
 from megatron_ucp.spec import STATES, ParamSpec, Piece
@@ -226,6 +227,9 @@ def _collect(chunks: list, files: _RankFiles, args, copies: dict[str, list[_Copy
                            f"{len(chunks)} model chunk(s) per rank (VPP {layout(args).vpp}): "
                            f"{_RESTORE}")
         ours = set(unwrap_model(chunk).state_dict())
+        hint = missing_module_hint(set(saved) - ours)
+        if hint:
+            raise UCPError(f"{model_file} [{key}]: {hint}")
         if ours != set(saved):
             raise UCPError(f"{model_file} [{key}]: the model rebuilt from its args does not have "
                            f"the saved modules (saved only: {sorted(set(saved) - ours)[:5]}, rebuilt "
