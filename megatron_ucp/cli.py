@@ -44,10 +44,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trust-pickle", action="store_true", help=TRUST_HELP)
     p = sub.add_parser("verify", help="checksums of every tensor and exact coverage of every parameter")
     p.add_argument("dir")
-    p = sub.add_parser("diff", help="max abs/rel difference per tensor between two checkpoints "
-                       "(any supported format and layout)")
-    p.add_argument("a")
-    p.add_argument("b")
+    p = sub.add_parser("diff", help="compare two checkpoints (any supported format and layout): the "
+                       "iteration, which parameters and optimizer states each holds, every Adam step "
+                       "and the max abs/rel difference per tensor. Exit status: 0 when they hold the "
+                       "same parameters, states and steps and every difference is within --atol or "
+                       "--rtol (default: identical), 1 when they differ, 2 on an error")
+    p.add_argument("a", help="first checkpoint (directory)")
+    p.add_argument("b", help="second checkpoint (directory)")
+    p.add_argument("--atol", type=float, default=0.0,
+                   help="a tensor matches when its max abs difference is at most this (default 0)")
+    p.add_argument("--rtol", type=float, default=0.0,
+                   help="... or its max relative difference is at most this (default 0)")
     p.add_argument("--trust-pickle", action="store_true", help=TRUST_HELP)
     for command, what in (("import-legacy", "torch"), ("import-torch-dist", "torch_dist")):
         p = sub.add_parser(command, help=f"convert a Megatron-LM --ckpt-format {what} checkpoint "
@@ -167,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "diff":
             from megatron_ucp.checks import diff, format_diff
 
-            print(format_diff(diff(args.a, args.b, trust_pickle=args.trust_pickle)))
+            rows = diff(args.a, args.b, trust_pickle=args.trust_pickle)
+            print(format_diff(rows, args.atol, args.rtol))
+            return int(any(r.differs(args.atol, args.rtol) for r in rows))
         elif args.command in IMPORTS:
             from megatron_ucp.reshard import convert
 
