@@ -78,6 +78,23 @@ def _check_params(source, params: list[LocalParam], strict: bool) -> None:
                        "architecture or pass strict=False to drop them")
 
 
+def _check_files(source) -> None:
+    """The rank files (or data files) hold no parameter the manifest lost: each rank reads the
+    headers of every world-th file; a problem one rank finds is raised on every rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    problem = ""
+    try:
+        source.check_files(rank, world)
+    except UCPError as e:
+        problem = str(e)
+    found = torch.tensor([int(bool(problem))], dtype=torch.uint8).to(collective_device())
+    dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    if int(found.item()):
+        problems = [""] * world
+        dist.all_gather_object(problems, problem)
+        raise UCPError(next(p for p in problems if p))
+
+
 def _set_shard(index: OptimizerIndex, source, param, shard: tuple[int, int], states: dict,
                steps: dict) -> None:
     """Check that the regions read tile the parameter's optimizer shard at one Adam step, then
@@ -103,6 +120,7 @@ def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: 
     check_layout(manifest.model, layout, str(source.dir))
     check_model_config(manifest.model, model_config(model_chunks), str(source.dir))
     params = local_params(model_chunks)
+    _check_files(source)
     _check_params(source, params, strict)
 
     index = OptimizerIndex(optimizer)
