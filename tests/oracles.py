@@ -407,3 +407,29 @@ def assert_dumps_hold(dump_dir: Path, manifest: dict, tensors: dict, first: int 
                 if e["name"] != "output_layer.weight":  # the tied copy on the last stage
                     covered[name] += b - a
     assert covered == {n: math.prod(p["shape"]) for n, p in manifest["params"].items()}
+
+
+def assert_universal_is_dump(udir: Path, dump_dir: Path, swiglu: bool = False) -> int:
+    """A universal checkpoint of a megatron_ucp save holds, bitwise, the state the saving run
+    dumped (tests/reference.py's hand assembly of the per-rank dumps): every parameter, its
+    master weight, Adam moments and step. Returns the number of tensors compared."""
+    from reference import STATES as DUMP_STATES
+    from reference import assemble
+
+    manifest, tensors = universal_tensors(udir)
+    expected = {}
+    for key, states in assemble(dump_dir, swiglu).items():
+        if key == "output_layer.weight" and WORD in manifest["params"] and "output_layer.weight" \
+                not in manifest["params"]:
+            continue  # the tied copy on the last stage (the same tensor as the embedding)
+        expected[universal_name(key, 0, 0)] = states
+    assert set(expected) == set(manifest["params"]), sorted(set(expected) ^ set(manifest["params"]))
+    n = 0
+    for name, states in expected.items():
+        assert manifest["params"][name]["step"] == states.get("step", 0.0), name
+        for s in DUMP_STATES:
+            if s not in states:  # a persistent buffer: no optimizer state
+                continue
+            assert torch.equal(tensors[f"{name}/{s}"], states[s]), f"{name}/{s}"
+            n += 1
+    return n
