@@ -433,3 +433,94 @@ def assert_universal_is_dump(udir: Path, dump_dir: Path, swiglu: bool = False) -
             assert torch.equal(tensors[f"{name}/{s}"], states[s]), f"{name}/{s}"
             n += 1
     return n
+
+
+def dist_shapes(ckpt: Path) -> dict[str, tuple[int, ...]]:
+    """Universal name -> shape of a dense torch_dist checkpoint's parameters, from its stacked
+    model tensors (`decoder.layers.<key>` is [layers, ...])."""
+    out = {}
+    for key, shape in tensor_keys(ckpt).items():
+        if key.startswith("optimizer."):
+            continue
+        if key.startswith("decoder.layers."):
+            rest = key[len("decoder.layers."):]
+            out.update({f"decoder.layers.{i}.{rest}": shape[1:] for i in range(shape[0])})
+        else:
+            out[key] = shape
+    return out
+
+
+# ----------------------------------------------------------------------------- Hugging Face
+
+
+def hf_expected(master: dict[str, torch.Tensor], arch: str, heads: int, groups: int, vocab: int
+                ) -> dict[str, torch.Tensor]:
+    """The tensors a transformers `arch` (llama, qwen2, mixtral or gpt2) checkpoint of the
+    megatron-core GPT with full master weights `master` (universal names) holds, by the textbook
+    correspondences:
+    megatron's fused linear_qkv rows are per query group [q heads of the group; k; v] (head_dim
+    rows each), SwiGLU's linear_fc1 is [gate; up], GPT-2's Conv1D stores [in, out], and the
+    vocabulary rows beyond `vocab` are padding."""
+    out = {}
+    layers = sorted({int(n.split(".")[2]) for n in master if n.startswith("decoder.layers.")})
+
+    def qkv(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        per_group = heads // groups
+        d = t.shape[0] // (groups * (per_group + 2))
+        g = t.reshape(groups, (per_group + 2) * d, *t.shape[1:])
+        flat = (-1, *t.shape[1:])
+        return (g[:, :per_group * d].reshape(flat), g[:, per_group * d:(per_group + 1) * d].reshape(flat),
+                g[:, (per_group + 1) * d:].reshape(flat))
+
+    def have(name: str) -> bool:
+        return name in master
+
+    if arch in ("llama", "qwen2", "mixtral"):
+        out["model.embed_tokens.weight"] = master[WORD][:vocab]
+        out["model.norm.weight"] = master["decoder.final_layernorm.weight"]
+        if have("output_layer.weight"):
+            out["lm_head.weight"] = master["output_layer.weight"][:vocab]
+        for i in layers:
+            m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+            out[h + "input_layernorm.weight"] = master[m + "self_attention.linear_qkv.layer_norm_weight"]
+            out[h + "post_attention_layernorm.weight"] = master[m + "mlp.linear_fc1.layer_norm_weight"]
+            for kind in ("weight", "bias"):
+                if have(m + f"self_attention.linear_qkv.{kind}"):
+                    q, k, v = qkv(master[m + f"self_attention.linear_qkv.{kind}"])
+                    out.update({h + f"self_attn.q_proj.{kind}": q, h + f"self_attn.k_proj.{kind}": k,
+                                h + f"self_attn.v_proj.{kind}": v})
+                if have(m + f"mlp.linear_fc1.{kind}"):
+                    gate, up = master[m + f"mlp.linear_fc1.{kind}"].chunk(2)
+                    out.update({h + f"mlp.gate_proj.{kind}": gate, h + f"mlp.up_proj.{kind}": up})
+                for mine, theirs in (("self_attention.linear_proj", "self_attn.o_proj"),
+                                     ("mlp.linear_fc2", "mlp.down_proj")):
+                    if have(m + f"{mine}.{kind}"):
+                        out[h + f"{theirs}.{kind}"] = master[m + f"{mine}.{kind}"]
+            if have(m + "mlp.router.weight"):  # Mixtral: w1 gate, w3 up, w2 down per expert
+                out[h + "block_sparse_moe.gate.weight"] = master[m + "mlp.router.weight"]
+                experts = {int(n.split(".")[6]) for n in master if n.startswith(m + "mlp.experts.experts.")}
+                for e in sorted(experts):
+                    x, y = f"{m}mlp.experts.experts.{e}.", f"{h}block_sparse_moe.experts.{e}."
+                    out[y + "w1.weight"], out[y + "w3.weight"] = master[x + "linear_fc1.weight"].chunk(2)
+                    out[y + "w2.weight"] = master[x + "linear_fc2.weight"]
+    elif arch == "gpt2":
+        out["transformer.wte.weight"] = master[WORD][:vocab]
+        out["transformer.wpe.weight"] = master["embedding.position_embeddings.weight"]
+        out["transformer.ln_f.weight"] = master["decoder.final_layernorm.weight"]
+        out["transformer.ln_f.bias"] = master["decoder.final_layernorm.bias"]
+        if have("output_layer.weight"):
+            out["lm_head.weight"] = master["output_layer.weight"][:vocab]
+        for i in layers:
+            m, h = f"decoder.layers.{i}.", f"transformer.h.{i}."
+            for kind in ("weight", "bias"):
+                out[h + f"ln_1.{kind}"] = master[m + f"self_attention.linear_qkv.layer_norm_{kind}"]
+                out[h + f"ln_2.{kind}"] = master[m + f"mlp.linear_fc1.layer_norm_{kind}"]
+            out[h + "attn.c_attn.weight"] = torch.cat(qkv(master[m + "self_attention.linear_qkv.weight"])).t()
+            out[h + "attn.c_attn.bias"] = torch.cat(qkv(master[m + "self_attention.linear_qkv.bias"]))
+            for mine, theirs in (("self_attention.linear_proj", "attn.c_proj"),
+                                 ("mlp.linear_fc1", "mlp.c_fc"), ("mlp.linear_fc2", "mlp.c_proj")):
+                out[h + f"{theirs}.weight"] = master[m + f"{mine}.weight"].t()
+                out[h + f"{theirs}.bias"] = master[m + f"{mine}.bias"]
+    else:
+        raise ValueError(arch)
+    return {k: v.contiguous() for k, v in out.items()}
