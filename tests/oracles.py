@@ -453,6 +453,17 @@ def dist_shapes(ckpt: Path) -> dict[str, tuple[int, ...]]:
 # ----------------------------------------------------------------------------- Hugging Face
 
 
+def split_qkv(t: torch.Tensor, heads: int, groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v rows of megatron's fused linear_qkv weight or bias: per query group g (in order)
+    the rows of its heads // groups query heads, then its key head, then its value head."""
+    per_group = heads // groups
+    d = t.shape[0] // (groups * (per_group + 2))
+    g = t.reshape(groups, (per_group + 2) * d, *t.shape[1:])
+    flat = (-1, *t.shape[1:])
+    return (g[:, :per_group * d].reshape(flat), g[:, per_group * d:(per_group + 1) * d].reshape(flat),
+            g[:, (per_group + 1) * d:].reshape(flat))
+
+
 def hf_expected(master: dict[str, torch.Tensor], arch: str, heads: int, groups: int, vocab: int
                 ) -> dict[str, torch.Tensor]:
     """The tensors a transformers `arch` (llama, qwen2, mixtral or gpt2) checkpoint of the
@@ -465,12 +476,7 @@ def hf_expected(master: dict[str, torch.Tensor], arch: str, heads: int, groups: 
     layers = sorted({int(n.split(".")[2]) for n in master if n.startswith("decoder.layers.")})
 
     def qkv(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        per_group = heads // groups
-        d = t.shape[0] // (groups * (per_group + 2))
-        g = t.reshape(groups, (per_group + 2) * d, *t.shape[1:])
-        flat = (-1, *t.shape[1:])
-        return (g[:, :per_group * d].reshape(flat), g[:, per_group * d:(per_group + 1) * d].reshape(flat),
-                g[:, (per_group + 1) * d:].reshape(flat))
+        return split_qkv(t, heads, groups)
 
     def have(name: str) -> bool:
         return name in master
