@@ -7,6 +7,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
+from oracles import assert_holds_universal, assert_universal_is_dump, fully_reshardable_full
 
 import megatron_ucp as ucp
 from megatron_ucp.checks import diff, verify
@@ -43,10 +45,13 @@ def test_verify_finds_a_flipped_byte(saved, tmp_path):
         verify(ckpt)
 
 
-def test_diff_same_state_across_forms_is_zero(saved, tmp_path):
+def test_diff_same_state_across_forms_is_zero(saved, source_runs, tmp_path):
     udir = ucp.convert(saved, tmp_path / "u", progress=False)
     rows = diff(saved, udir)
     assert rows and all(r.max_abs == 0.0 for r in rows)
+    # diff reads both sides with megatron_ucp's readers: the conversion against the saving
+    # run's own dump, assembled without them
+    assert assert_universal_is_dump(udir, source_runs.get("tp2", {"dtype": "fp32"})["dump"]) > 0
 
 
 def test_diff_names_the_changed_tensor(saved, tmp_path):
@@ -71,7 +76,10 @@ def test_diff_megatron_torch_dist_against_its_import(tmp_path):
     udir = convert_torch_dist(src, tmp_path / "u", progress=False)
     rows = diff(src, udir)
     # per parameter: its step and three states; plus the iteration
-    assert len(rows) == 1 + 4 * len(mf.read(udir).params) and all(r.max_abs == 0 for r in rows)
+    n_params = len(mf.read(udir).params)
+    assert len(rows) == 1 + 4 * n_params and all(r.max_abs == 0 for r in rows)
+    full = fully_reshardable_full(src, list(mf.read(udir).params))
+    assert assert_holds_universal(full, udir, torch.bfloat16) == 3 * n_params
 
 
 def test_detect_rejects_unknown(tmp_path):
