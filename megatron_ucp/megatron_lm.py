@@ -167,13 +167,29 @@ def _original(name: str) -> Callable:
 
 # -------------------------------------------------------------------------------------- hooks
 
+# save_checkpoint's / load_checkpoint's parameters after checkpointing_context, in order. Each
+# release appends to the list (core_v0.16.1 ends at dp_cp_group; core_v0.19.0 adds dp_group,
+# expt_dp_group, rng_state_key_prefix), so the hooks take them as *rest/**kw and forward them as
+# they came: one hook for every release.
+SAVE_PARAMS = ("pipeline_rank", "expert_rank", "tensor_rank", "pipeline_parallel", "expert_parallel",
+               "non_persistent_ckpt", "train_data_iterator", "preprocess_common_state_dict_fn",
+               "release", "tp_group", "pp_group", "dp_cp_group", "dp_group", "expt_dp_group",
+               "rng_state_key_prefix")
+LOAD_PARAMS = ("skip_load_to_model_and_opt", "tp_group", "pp_group", "dp_cp_group", "dp_group",
+               "expt_dp_group", "rng_state_key_prefix")
+
+
+def _named(names: tuple[str, ...], rest: tuple, kw: dict) -> dict:
+    if len(rest) > len(names):
+        raise TypeError(f"{len(rest)} positional arguments after checkpointing_context; this "
+                        f"megatron_ucp knows {len(names)} ({', '.join(names)})")
+    return {**dict(zip(names, rest)), **kw}
+
+
 def save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
-                    num_floating_point_operations_so_far, checkpointing_context=None,
-                    pipeline_rank=None, expert_rank=None, tensor_rank=None, pipeline_parallel=None,
-                    expert_parallel=None, non_persistent_ckpt=False, train_data_iterator=None,
-                    preprocess_common_state_dict_fn=None, release=False, tp_group=None,
-                    pp_group=None, dp_cp_group=None):
-    """Megatron-LM's `save_checkpoint` (same signature): megatron_ucp.save when asked for.
+                    num_floating_point_operations_so_far, checkpointing_context=None, *rest, **kw):
+    """Megatron-LM's `save_checkpoint` (its signature, core_v0.16.1 to core_v0.19.0): megatron_ucp.save
+    when asked for.
 
     Writes `<args.save>/iter_XXXXXXX` in megatron-ucp's fragment form with the training loop's
     sample counters and FLOP count in `extra`, the run's seed, and the true vocabulary size.
@@ -184,9 +200,9 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
     if not wants_ucp_save(args):
         return _original("save_checkpoint")(
             iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
-            checkpointing_context, pipeline_rank, expert_rank, tensor_rank, pipeline_parallel,
-            expert_parallel, non_persistent_ckpt, train_data_iterator,
-            preprocess_common_state_dict_fn, release, tp_group, pp_group, dp_cp_group)
+            checkpointing_context, *rest, **kw)
+    named = _named(SAVE_PARAMS, rest, kw)
+    non_persistent_ckpt, release = named.get("non_persistent_ckpt", False), named.get("release", False)
     if non_persistent_ckpt:
         raise UCPError("megatron-ucp does not write non-persistent checkpoints; drop "
                        "--non-persistent-save-interval or the --ucp-save / --ckpt-format universal flag")
@@ -242,9 +258,9 @@ def _find_checkpoint(path: str | None) -> Path | None:
 
 
 def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg='load', strict=True,
-                    checkpointing_context=None, skip_load_to_model_and_opt=False, tp_group=None,
-                    pp_group=None, dp_cp_group=None):
-    """Megatron-LM's `load_checkpoint` (same signature): megatron_ucp.load when asked for.
+                    checkpointing_context=None, *rest, **kw):
+    """Megatron-LM's `load_checkpoint` (its signature, core_v0.16.1 to core_v0.19.0): megatron_ucp.load
+    when asked for.
 
     Returns `(iteration, num_floating_point_operations_so_far)` as Megatron-LM's does and sets what
     its training loop reads afterwards: `args.consumed_train_samples`, `skipped_train_samples`,
@@ -260,7 +276,8 @@ def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg='load', 
     if not wants_ucp_load(args):
         return _original("load_checkpoint")(
             ddp_model, optimizer, opt_param_scheduler, load_arg, strict, checkpointing_context,
-            skip_load_to_model_and_opt, tp_group, pp_group, dp_cp_group)
+            *rest, **kw)
+    skip_load_to_model_and_opt = _named(LOAD_PARAMS, rest, kw).get("skip_load_to_model_and_opt", False)
     import torch.distributed as dist
 
     import megatron_ucp
@@ -325,8 +342,9 @@ def _update_megatron_lm_state(args: argparse.Namespace, iteration: int) -> None:
 _OVERLAP_SCHEDULES: dict[str, Callable] = {}  # plan path -> its forward-backward function
 
 
-def get_forward_backward_func(pp_size: int | None = None, vp_size: int | None = None) -> Callable:
-    """megatron-core's `get_forward_backward_func` (same signature), for Megatron-LM's training loop.
+def get_forward_backward_func(pp_size: int | None = None, vp_size: int | None = None, **kw) -> Callable:
+    """megatron-core's `get_forward_backward_func` (same signature; 0.19's `schedule_pg_collection`
+    goes through in `kw`), for Megatron-LM's training loop.
 
     With `--overlap-recompute PLAN.json` it returns the function that executes that plan
     (`megatron_ucp.recompute.runtime.forward_backward_func`; it picks megatron-core's schedule for
@@ -337,7 +355,7 @@ def get_forward_backward_func(pp_size: int | None = None, vp_size: int | None = 
     if not path:
         from megatron.core.pipeline_parallel import get_forward_backward_func as core_func
 
-        return core_func(pp_size, vp_size)
+        return core_func(pp_size, vp_size, **kw)
     if path not in _OVERLAP_SCHEDULES:
         from megatron_ucp.recompute import plan as recompute_plan
         from megatron_ucp.recompute import runtime

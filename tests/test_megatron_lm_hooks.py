@@ -178,20 +178,27 @@ def test_true_vocab_size():
 
 
 def test_hooks_delegate_to_megatron_lm_when_not_asked(monkeypatch):
+    """Megatron-LM's own functions get exactly the call the hooks got, positional and keyword, with
+    core_v0.19.0's extra parameters (dp_group, expt_dp_group, rng_state_key_prefix) too."""
     calls = {}
     monkeypatch.setitem(megatron_lm._ORIGINALS, "save_checkpoint",
-                        lambda *a: calls.setdefault("save", a))
+                        lambda *a, **k: calls.setdefault("save", (a, k)))
     monkeypatch.setitem(megatron_lm._ORIGINALS, "load_checkpoint",
-                        lambda *a: calls.setdefault("load", a) and (7, 8.0))
+                        lambda *a, **k: calls.setdefault("load", (a, k)) and (7, 8.0))
     monkeypatch.setattr(megatron_lm, "_ARGS_SOURCE", lambda: _megatron_args())
     megatron_lm.save_checkpoint(5, "model", "opt", "sched", 1.5, "ctx", non_persistent_ckpt=True,
-                                release=True, dp_cp_group="g")
-    assert calls["save"] == (5, "model", "opt", "sched", 1.5, "ctx", None, None, None, None, None,
-                             True, None, None, True, None, None, "g")
+                                release=True, dp_cp_group="g", dp_group="d", rng_state_key_prefix="p")
+    assert calls["save"] == ((5, "model", "opt", "sched", 1.5, "ctx"),
+                             {"non_persistent_ckpt": True, "release": True, "dp_cp_group": "g",
+                              "dp_group": "d", "rng_state_key_prefix": "p"})
     assert megatron_lm.load_checkpoint("model", "opt", "sched", "pretrained_checkpoint",
                                        strict=False) == (7, 8.0)
-    assert calls["load"] == ("model", "opt", "sched", "pretrained_checkpoint", False, None, False,
-                             None, None, None)
+    assert calls["load"] == (("model", "opt", "sched", "pretrained_checkpoint", False, None), {})
+    calls.clear()
+    positional = (None, None, None, None, None, True, None, None, True, None, None, "g", "d", "e", "p")
+    megatron_lm.save_checkpoint(5, "model", "opt", "sched", 1.5, "ctx", *positional)
+    assert calls["save"] == ((5, "model", "opt", "sched", 1.5, "ctx", *positional), {})
+    assert megatron_lm._named(megatron_lm.SAVE_PARAMS, positional, {})["expt_dp_group"] == "e"
 
 
 def test_save_hook_then_load_hook_at_another_layout(tmp_path):
