@@ -18,14 +18,17 @@ import torch.distributed as dist
 
 from megatron_ucp import rng
 from megatron_ucp.errors import UCPError
+from megatron_ucp.formats import manifest as mf
 from megatron_ucp.formats import open_megatron_ucp
 from megatron_ucp.formats.manifest import RUN_HYPERPARAMETERS
 from megatron_ucp.layout import Layout
 from megatron_ucp.local_slice import read_local
+from megatron_ucp.object_store import ObjectPath
 from megatron_ucp.optimizer_state import OptimizerIndex
 from megatron_ucp.param_spec import LocalParam, local_params
 from megatron_ucp.spec import STATES
 from megatron_ucp.staging import collective_device
+from megatron_ucp.storage import Location, location
 from megatron_ucp.validation import check_layout, check_model_config, model_config
 
 log = logging.getLogger(__name__)
@@ -35,7 +38,7 @@ log = logging.getLogger(__name__)
 class LoadResult:
     iteration: int
     extra: dict
-    checkpoint: Path
+    checkpoint: Location
     source_layout: Layout
     rng_restored: bool  # False: layout changed, generators re-derived from the seed
     bytes_read: int  # by this rank
@@ -89,13 +92,32 @@ def _set_shard(index: OptimizerIndex, source, param, shard: tuple[int, int], sta
     index.set(param, states, next(iter(steps.values()))[0])
 
 
+def _resolve_once(path: str | Path) -> Location:
+    """The checkpoint directory `path` names, found by rank 0 alone and broadcast: thousands of
+    ranks reading `latest` and probing prefixes of one bucket are what gets a store to answer 503
+    SlowDown. Its error, if any, is raised on every rank."""
+    where = location(path)  # (every rank: an unsupported URL scheme fails before any collective)
+    if not isinstance(where, ObjectPath) or not dist.is_initialized() or dist.get_world_size() == 1:
+        return where
+    found: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            found = [str(mf.resolve(where))]
+        except UCPError as e:
+            found = [e]
+    dist.broadcast_object_list(found, src=0)
+    if isinstance(found[0], UCPError):
+        raise UCPError(str(found[0]))
+    return location(found[0])
+
+
 def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: bool = True,
          verify_checksums: bool = True) -> LoadResult:
     """Fill model weights, DistributedOptimizer master weights, Adam moments and step, scheduler,
     and RNG from `path` (a save root with `latest`, a fragment directory or a universal directory).
     Collective: call on every rank after building model, optimizer and scheduler."""
     t0 = time.perf_counter()
-    source = open_megatron_ucp(path, verify_checksums=verify_checksums)
+    source = open_megatron_ucp(_resolve_once(path), verify_checksums=verify_checksums)
     manifest = source.manifest
     layout = Layout.current()
     check_layout(manifest.model, layout, str(source.dir))

@@ -21,8 +21,9 @@ from megatron_ucp import formats
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats import manifest as mf
 from megatron_ucp.layout import Layout
+from megatron_ucp.object_store import ObjectPath, download_tree, list_objects
 from megatron_ucp.progress import Progress
-from megatron_ucp.storage import refuse_non_empty, staged_dir
+from megatron_ucp.storage import local_only, location, refuse_non_empty, staged_dir
 from megatron_ucp.validation import check_layout
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ def convert(load: str | Path, universal_dir: str | Path, *, progress: Progress =
     memory is about two parameter states per writer, not the model. workers > 1 writes the data
     files in forked processes.
     """
-    refuse_non_empty(Path(universal_dir))  # before a possibly long source rebuild
+    refuse_non_empty(location(universal_dir))  # before a possibly long source rebuild
     source = _open(load, fmt, progress, trust_pickle)
     if source.format == "universal":
         raise UCPError(f"{source.dir}: already a universal checkpoint; nothing to convert")
@@ -129,7 +130,7 @@ def reshard(load: str | Path, save: str | Path, target: Layout | None = None,
     t0 = time.perf_counter()
     if target_format not in TARGET_FORMATS:
         raise UCPError(f"--target-format {target_format}: unknown; choose one of {list(TARGET_FORMATS)}")
-    out = Path(save)
+    out = location(save)
     if optim_sharding is not None and target_format != "torch_dist":
         raise UCPError(f"--target-optim-sharding applies to --target-format torch_dist only (the "
                        f"{target_format} form has one optimizer layout)")
@@ -139,6 +140,7 @@ def reshard(load: str | Path, save: str | Path, target: Layout | None = None,
                        "cannot hold an expert TP other than TP; the universal form is "
                        "layout-free (the loading run chooses its ETP)")
     if target_format != "universal":
+        out = local_only(out, f"reshard --target-format {target_format}")
         kind = formats.detect(load)
         options = {k: v for k, v in (("sharding", optim_sharding),
                                      ("expert_tensor_parallel", expert_tensor_parallel)) if v}
@@ -155,14 +157,20 @@ def reshard(load: str | Path, save: str | Path, target: Layout | None = None,
             # staged like every writer: a copy killed half-way must not leave a partial `out`
             # (it would block the retry and could hold a manifest without its data files)
             with staged_dir(out) as partial:
-                shutil.copytree(source.dir, partial, dirs_exist_ok=True)
+                if isinstance(source.dir, ObjectPath):
+                    download_tree(source.dir, partial)
+                else:
+                    shutil.copytree(source.dir, partial, dirs_exist_ok=True)
         else:
             formats.get("universal").write(source, out, progress=progress, workers=workers)
         manifest = mf.read(out)
-    files = [f for f in out.rglob("*") if f.is_file()]
+    if isinstance(out, ObjectPath):
+        written = sum(n for _, n in list_objects(out))
+    else:
+        written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     return ReshardSummary(kind, out, len(manifest.params),
                           sum(math.prod(p.shape) for p in manifest.params.values()),
-                          sum(f.stat().st_size for f in files), time.perf_counter() - t0,
+                          written, time.perf_counter() - t0,
                           target_format=target_format)
 
 

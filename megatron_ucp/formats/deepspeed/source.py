@@ -31,7 +31,7 @@ from megatron_ucp.formats.megatron_rebuild import import_specs
 from megatron_ucp.layout import Layout
 from megatron_ucp.progress import Progress
 from megatron_ucp.spec import ParamSpec
-from megatron_ucp.storage import refuse_non_empty
+from megatron_ucp.storage import local_only, location, refuse_non_empty
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ HOLDS = ("a DeepSpeed universal checkpoint's zero/<param>/*.pt files hold (tenso
 def resolve(path: str | Path) -> Path:
     """The folder holding `zero/`: `path` itself, its `latest_universal` target, or the parent of
     a `zero` folder."""
-    path = Path(path)
+    path = local_only(path, "import-deepspeed")
     if (path / ZERO).is_dir():
         return path
     if (path / LATEST).is_file():
@@ -214,7 +214,7 @@ def import_deepspeed(ds_dir: str | Path, out: str | Path, name_map: str | Path, 
     `megatron_ucp.load` reads at any layout."""
     from megatron_ucp.formats.universal import write
 
-    refuse_non_empty(Path(out))
+    refuse_non_empty(location(out))
     source = DeepSpeedSource(ds_dir, name_map, trust_pickle=trust_pickle)
     log.info("%d DeepSpeed parameters -> megatron-core (name map %s); hyper-parameters: %s",
              len(source.rules), source.map.path,

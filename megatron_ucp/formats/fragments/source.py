@@ -21,7 +21,15 @@ from megatron_ucp.formats.fragments.index import check_tiling, tiling_suspects
 from megatron_ucp.formats.fragments.rank_file import header_fragments, rank_file_name, read_rng
 from megatron_ucp.formats.manifest import FragmentEntry, Manifest, SliceEntry
 from megatron_ucp.spec import Piece, contiguous_strides, tiles_exactly
-from megatron_ucp.storage import ByteRun, Reader, ReadsFiles, crc32, crc32_combine, tensor_bytes
+from megatron_ucp.storage import (
+    ByteRun,
+    Reader,
+    ReadsFiles,
+    crc32,
+    crc32_combine,
+    location,
+    tensor_bytes,
+)
 
 RECENT_BYTES = 256 * 2**20  # whole local tensors / fragments kept for reuse (oldest evicted first)
 DAMAGED_INDEX = ("the manifest's index or the rank files are damaged or incomplete: restore them or "
@@ -82,7 +90,7 @@ class FragmentSource(ReadsFiles):
 
     def __init__(self, ckpt_dir: Path, manifest: Manifest, verify_checksums: bool = True,
                  verify_fragments: bool = False):
-        self.dir = Path(ckpt_dir)
+        self.dir = location(ckpt_dir)
         self.manifest = manifest
         self.origin = {"kind": "fragments", "path": str(self.dir)}
         self.reader = Reader()
@@ -285,10 +293,12 @@ class FragmentSource(ReadsFiles):
         the tensor over TP, its fragments (one, or one per DP rank) consecutive ranges of it. With
         them a function that, once the runs are copied (their pages then in the page cache), checks
         every fragment's crc32 against its header and returns the box's crc32, in one pass over the
-        bytes. None where the box needs gathering or checksums are not verified (use `read`)."""
+        bytes. None where the box needs gathering, checksums are not verified or the checkpoint is in
+        an object store (use `read`)."""
         shape, full = tuple(shape), tuple(self.manifest.params[name].shape)
         slices = self.slices[name]
-        if (not self.verify_checksums or len(slices) != 1 or len(slices[0].pieces) != 1
+        if (not self.verify_checksums or not isinstance(self.dir, Path)  # (a store: no file copies)
+                or len(slices) != 1 or len(slices[0].pieces) != 1
                 or shape[1:] != full[1:] or not 0 < shape[0] <= full[0]):
             return None
         sl, pc = slices[0], slices[0].pieces[0]

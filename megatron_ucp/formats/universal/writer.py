@@ -23,7 +23,15 @@ from megatron_ucp.formats.manifest import Manifest, ParamEntry, TensorEntry
 from megatron_ucp.formats.universal.source import RNG_FILE, data_file_name, rng_prefix
 from megatron_ucp.progress import Progress, bar
 from megatron_ucp.spec import ParamSpec, states_of
-from megatron_ucp.storage import ByteRun, Reader, SafetensorsWriter, crc32, staged_dir, write_tensors
+from megatron_ucp.storage import (
+    ByteRun,
+    Reader,
+    SafetensorsWriter,
+    crc32,
+    location,
+    staged_dir,
+    write_tensors,
+)
 
 log = logging.getLogger(__name__)
 # (name, state) -> the full tensor; or the runs of source-file bytes that hold it in order, with a
@@ -184,7 +192,7 @@ def write(source, out: str | Path, *, progress: Progress = True, max_file_bytes:
     the model.
     """
     t0 = time.perf_counter()
-    out = Path(out)
+    out = location(out)
     header: Manifest = source.manifest
     specs = {n: without_padding(p.spec, header.true_vocab) for n, p in header.params.items()}
     if hasattr(source, "read_order"):  # written in the order the source holds them: its files
