@@ -28,7 +28,7 @@ from megatron_ucp.optimizer_state import OptimizerIndex
 from megatron_ucp.param_spec import LocalParam, local_params
 from megatron_ucp.spec import STATES
 from megatron_ucp.staging import collective_device
-from megatron_ucp.storage import Location, location
+from megatron_ucp.storage import Location, location, plan_reads
 from megatron_ucp.validation import check_layout, check_model_config, model_config
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ class LoadResult:
     rng_restored: bool  # False: layout changed, generators re-derived from the seed
     bytes_read: int  # by this rank
     files_opened: int = 0  # checkpoint data files this rank opened
+    requests: int = 0  # GET requests this rank issued to an object store (0 for local files)
 
 
 def _check_params(source, params: list[LocalParam], strict: bool) -> None:
@@ -127,17 +128,26 @@ def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: 
 
     index = OptimizerIndex(optimizer)
     index.ensure_state()
+    regions = [(lp, None if lp.spec.buffer else index.region_range(lp)) for lp in params]
+    regions = [(lp, r) for lp, r in regions if lp.spec.buffer or r is not None]
+
+    def reads(src) -> None:  # every read of the loop below, in its order (its plan in a store)
+        for lp, region in regions:
+            if region is None:
+                read_local(src, lp, "param", 0, lp.numel)
+                continue
+            for s in STATES:
+                read_local(src, lp, s, region[1] - lp.base, region[2] - lp.base)
+
+    plan_reads(source, reads)
     # id(param) -> (param, shard range, states, steps) while its regions are being read; handed to
     # the optimizer as soon as they tile the shard, so host memory holds one parameter's shard at
     # a time, not the rank's whole optimizer state
     shards: dict[int, tuple] = {}
-    for lp in params:
-        if lp.spec.buffer:  # every holder reads its whole local slice; no optimizer state
+    for lp, region in regions:  # (region: this universal tensor's part of the shard)
+        if region is None:  # a buffer: every holder reads its whole local slice; no optimizer state
             with torch.no_grad():
                 lp.region(lp.param).copy_(read_local(source, lp, "param", 0, lp.numel))
-            continue
-        region = index.region_range(lp)  # this universal tensor's part of the shard
-        if region is None:
             continue
         shard, a, b = region
         if id(lp.param) not in shards:
@@ -170,4 +180,4 @@ def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: 
         log.info("loaded iteration %d (%s, saved at %s) at %s in %.2fs", manifest.iteration,
                  manifest.kind, source_layout, layout, time.perf_counter() - t0)
     return LoadResult(manifest.iteration, manifest.extra, source.dir, source_layout,
-                      bool(rng_tensors), source.bytes_read, source.files_opened)
+                      bool(rng_tensors), source.bytes_read, source.files_opened, source.requests)

@@ -42,6 +42,8 @@ from megatron_ucp.errors import UCPError
 SCHEMES = {"s3": "s3", "gs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
 PART_BYTES = 32 * 2**20  # multipart part size (and the writer's buffer): S3 needs >= 5 MiB parts
 UPLOAD_STREAMS = 8  # parts of one object uploaded concurrently
+WINDOW_BYTES = 256 * 2**20  # planned ranges fetched together per object (bounds a load's memory)
+COALESCE_BYTES = 2**20  # obstore's get_ranges merges ranges less than this apart into one GET
 HEADER_GUESS = 64 * 2**10  # bytes fetched for a safetensors header before knowing its length
 MAX_RETRIES = int(os.environ.get("MEGATRON_UCP_S3_MAX_RETRIES", "5"))
 RETRY_SECONDS = float(os.environ.get("MEGATRON_UCP_S3_RETRY_SECONDS", "60"))
@@ -234,6 +236,18 @@ def get(path: ObjectPath) -> bytes:
         raise store_error(path, "GET", e) from None
 
 
+def merged_requests(ranges: Sequence[tuple[int, int]]) -> int:
+    """The GETs `get_ranges` issues for these ranges: nearby ones merged (obstore's rule)."""
+    n, end = 0, None
+    for a, b in sorted(ranges):
+        if end is None or a - end > COALESCE_BYTES:
+            n += 1
+            end = b
+        else:
+            end = max(end, b)
+    return n
+
+
 def get_ranges(path: ObjectPath, starts: Sequence[int], ends: Sequence[int]) -> list[memoryview]:
     """Byte ranges of one object: nearby ranges merged into one request, requests in parallel."""
     ob = _obstore()
@@ -394,7 +408,9 @@ class SafetensorsObject:
                 raise self._bad(f"tensor {key!r} lies outside the object or has dtype {e['dtype']}")
             self.entries[key] = (_ST_DTYPES[e["dtype"]], tuple(e["shape"]), self.start + begin,
                                  self.start + end)
-        self._cache: dict[tuple[int, int], memoryview] = {}
+        self._cache: list[tuple[int, int, memoryview]] = []  # fetched ranges (the current window)
+        self._planned: list[tuple[int, int]] = []  # ranges a planned load will read, in order
+        self._next = 0  # the first planned range not fetched yet
 
     def _bad(self, why: str) -> UCPError:
         return UCPError(f"{self.path}: not a readable safetensors object ({why}); the object is "
@@ -406,21 +422,36 @@ class SafetensorsObject:
     def keys(self) -> list[str]:
         return list(self.entries)
 
-    def prefetch(self, ranges: Sequence[tuple[int, int]]) -> None:
-        """Fetch byte ranges (absolute) in one merged, parallel `get_ranges` call; later reads
-        inside them are served from memory."""
-        todo = sorted(set(ranges) - set(self._cache))
-        if todo:
-            for r, data in zip(todo, get_ranges(self.path, [a for a, _ in todo], [b for _, b in todo])):
-                self._cache[r] = data
-            self.requests += 1
+    def plan(self, ranges: Sequence[tuple[int, int]]) -> None:
+        """The byte ranges (absolute, in the order they will be read) a load needs of this object:
+        a read that misses fetches it together with the planned ranges after it, up to
+        `WINDOW_BYTES`, in one `get_ranges` call (nearby ranges merged into one GET, the GETs in
+        parallel). Memory holds one window per object, not the rank's share of the checkpoint."""
+        self._planned = [r for r in ranges if r[1] > r[0]]
+        self._next = 0
+
+    def _fetch(self, ranges: list[tuple[int, int]]) -> None:
+        data = get_ranges(self.path, [a for a, _ in ranges], [b for _, b in ranges])
+        self._cache = [(a, b, d) for (a, b), d in zip(ranges, data)]
+        self.requests += merged_requests(ranges)
 
     def _bytes(self, begin: int, end: int) -> memoryview:
-        for (a, b), data in self._cache.items():
+        for a, b, data in self._cache:
             if a <= begin and end <= b:
                 return data[begin - a:end - a]
-        self.requests += 1
-        return get_ranges(self.path, [begin], [end])[0]
+        window, nbytes = [(begin, end)], end - begin
+        i = self._next
+        while i < len(self._planned) and self._planned[i][1] <= begin:
+            i += 1  # (ranges before this read were served or are covered by it)
+        while i < len(self._planned) and nbytes < WINDOW_BYTES:
+            r = self._planned[i]
+            if not (r[0] >= begin and r[1] <= end):
+                window.append(r)
+                nbytes += r[1] - r[0]
+            i += 1
+        self._next = i
+        self._fetch(window)
+        return self._cache[0][2]
 
     def _tensor(self, dtype: torch.dtype, shape: tuple[int, ...], begin: int, end: int) -> torch.Tensor:
         data = bytearray(self._bytes(begin, end)) if end > begin else bytearray()

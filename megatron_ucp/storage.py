@@ -10,6 +10,7 @@ shapes lets us stream one tensor at a time instead of holding the whole file in 
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import functools
 import json
@@ -306,6 +307,20 @@ class ReadsFiles:
     def files_opened(self) -> int:
         return len(self.reader.handles)
 
+    @property
+    def requests(self) -> int:
+        """GET requests issued to an object store (0 for local files)."""
+        handles = getattr(self.reader, "handles", {})
+        return sum(h.requests for h in handles.values() if isinstance(h, SafetensorsObject))
+
+    def planning_copy(self, reader: Reader):
+        """A copy of this source whose reads go to `reader` and check no checksum (its values are
+        placeholders): `plan_reads` runs a load's reads through it to learn their byte ranges."""
+        planner = copy.copy(self)
+        planner.reader = reader
+        planner.verify_checksums = False
+        return planner
+
 
 class Reader:
     """Reads whole tensors or slices from safetensors files, opening each file once, counting bytes."""
@@ -385,6 +400,41 @@ class Reader:
                            "or corrupt, restore it or use another iteration") from e
         self.bytes_read += t.numel() * t.element_size()
         return t
+
+
+class _RecordingReader(Reader):
+    """The reader of a planning pass: headers come from (and stay in) the real reader; each read
+    records the byte range it would fetch and returns zeros of the right shape."""
+
+    def __init__(self, real: Reader):
+        super().__init__()
+        self.real = real
+        self.checked = real.checked
+        self.ranges: dict[ObjectPath, list[tuple[int, int]]] = {}
+
+    def open(self, path: Location):
+        return self.real.open(path)
+
+    def read(self, path: Location, key: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        obj = self.open(path)
+        dtype, shape = obj.entries[key][:2]
+        if index is not None:
+            shape = tuple(torch.empty(shape, dtype=dtype, device="meta")[index].shape)
+        self.ranges.setdefault(location(path), []).append(obj.row_range(key, index))
+        return torch.zeros(shape, dtype=dtype)
+
+
+def plan_reads(source: ReadsFiles, reads: Callable[[ReadsFiles], None]) -> None:
+    """Planner apart from storage: run `reads(source)` once on a planning copy of an object-store
+    source to learn the byte ranges each object must give, and hand them to the objects, which then
+    fetch them in merged, parallel ranged GETs (`SafetensorsObject.plan`) instead of one request
+    per tensor. Local sources read through the page cache and need no plan."""
+    if not isinstance(getattr(source, "dir", None), ObjectPath):
+        return
+    planner = source.planning_copy(_RecordingReader(source.reader))
+    reads(planner)
+    for path, ranges in planner.reader.ranges.items():
+        source.reader.open(path).plan(ranges)
 
 
 def fsync_path(path: Path) -> None:

@@ -136,6 +136,21 @@ def test_transition_tp2_to_dp2_from_the_bucket(s3_saved, tmp_path, monkeypatch):
     check_transition(runs, tmp_path, "tp2", "dp2", {"dtype": "fp32"}, name="s3:tp2->dp2")
 
 
+def test_load_reads_merged_ranges(s3_saved, tmp_path):
+    """Each rank of a TP1xDP2 load reads only its byte ranges of the TP2 rank files, planned and
+    fetched in merged ranged GETs: per object a HEAD, the header and one window, not one request
+    per tensor (the model has ~20 parameters x 3 states per rank file)."""
+    _, source, url = s3_saved
+    res = launch(2, f"{SCENARIOS}:load_and_train", {"layout": "dp2", "cfg": {"dtype": "fp32"},
+                                                    "load_dir": url, "steps": 0})
+    saved = sum(n for p, n in object_store.list_objects(location(url) / "iter_0000003")
+                if p.name.startswith("rank_"))
+    for r in res:
+        assert r["files_opened"] == 2
+        assert r["requests"] <= 3 * r["files_opened"], r
+        assert r["bytes_read"] < saved  # its DP half of the optimizer state, not every byte
+
+
 def test_verify_inspect_convert_on_urls(s3_saved, tmp_path, capsys):
     _, _, url = s3_saved
     assert cli(["verify", url]) == 0

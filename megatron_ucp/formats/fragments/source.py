@@ -143,6 +143,12 @@ class FragmentSource(ReadsFiles):
     def step(self, name: str) -> float:
         return self.steps[name]
 
+    def planning_copy(self, reader: Reader) -> FragmentSource:
+        planner = super().planning_copy(reader)
+        planner.verify_fragments = False
+        planner._recent = OrderedDict()  # (its placeholder tensors must not reach this source's cache)
+        return planner
+
     def _records(self, file: int) -> dict[tuple[str, int], dict]:
         """A rank file's header records by (name, start), parsed once."""
         if file not in self._headers:
