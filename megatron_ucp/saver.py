@@ -121,8 +121,10 @@ def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: 
     layout = Layout.current()
     target = staged_commit(root / mf.iteration_dir_name(iteration), mf.MANIFEST)
     final = target.final
-    if rank == 0:
-        if isinstance(root, object_store.ObjectPath):
+    in_store = isinstance(root, object_store.ObjectPath)
+    prepare_error: list = [None]  # rank 0's error preparing a store prefix, raised on every rank
+    if rank == 0 and in_store:
+        try:
             # rank 0 lists, once: objects of saves that never committed and their incomplete
             # multipart uploads (a killed writer's), never loadable; the previous save is finalized
             stray, uploads = object_store.leftovers(root, mf.MANIFEST)
@@ -130,12 +132,16 @@ def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: 
                 log.warning("removing %d object(s) and aborting %d incomplete upload(s) under %s, left "
                             "by interrupted saves", len(stray), len(uploads), root)
                 object_store.remove(stray, uploads)
-        else:
-            for stale in mf.interrupted_saves(root):  # never loadable; the previous save is finalized
-                log.warning("removing %s, left by an interrupted save", stale)
-                shutil.rmtree(stale, ignore_errors=True)
-            for tmp in root.glob(f".{mf.LATEST}.tmp*"):  # a process killed while replacing `latest`
-                tmp.unlink(missing_ok=True)
+            target.create(replace=True)  # re-saving an iteration uncommits it first
+        except UCPError as e:
+            prepare_error = [f"saving iteration {iteration} to {final} failed before any rank wrote: "
+                             f"{e}; nothing was committed"]
+    elif rank == 0:
+        for stale in mf.interrupted_saves(root):  # never loadable; the previous save is finalized
+            log.warning("removing %s, left by an interrupted save", stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        for tmp in root.glob(f".{mf.LATEST}.tmp*"):  # a process killed while replacing `latest`
+            tmp.unlink(missing_ok=True)
         target.create(replace=True)  # re-saving an iteration replaces it at the commit
 
     # The state at this call, captured before returning (training may change it right after):
@@ -189,7 +195,12 @@ def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: 
             extra=extra or {}, seed=seed)
     # Rank 0 has prepared the directory once every rank is here: the one barrier, after the
     # copies, so that its file-system work and the ranks' copies overlap.
-    dist.barrier()
+    if in_store:  # (the barrier, carrying rank 0's outcome: a store can refuse it)
+        dist.broadcast_object_list(prepare_error, src=0)
+        if prepare_error[0]:
+            raise UCPError(prepare_error[0])
+    else:
+        dist.barrier()
     global _PENDING
     _PENDING = PendingSave(iteration, root, target, manifest, mine, fragments, t0,
                            time.perf_counter() - t0)

@@ -488,6 +488,10 @@ def resolve(path: str | Path) -> Location:
     if not path.exists():
         raise UCPError(f"{path} does not exist; pass a save root (the directory given to save, with "
                        f"a '{LATEST}' file) or one of its iter_* directories")
+    if isinstance(path, object_store.ObjectPath) and path.name.startswith("iter_"):
+        raise UCPError(f"{path} holds no {MANIFEST}: a save that never committed (or is still being "
+                       f"written), never loaded; pass its save root {path.parent}, whose '{LATEST}' "
+                       "names the last complete checkpoint")
     if path.name.startswith(".iter_") and path.name.endswith(".partial"):
         raise UCPError(f"{path} is an interrupted save (no {MANIFEST}: it was never committed) and "
                        f"cannot be loaded; pass its save root {path.parent}, whose '{LATEST}' names "
