@@ -6,6 +6,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+# formats.hf.archs.ARCHS, spelled out so the parser builds without importing torch (tests/test_cli.py)
+HF_ARCHS = ("llama", "qwen2", "mixtral", "gpt2", "qwen3", "qwen3_moe")
+
 TRUST_HELP = ("unpickle Megatron-LM files with the plain unpickler (runs code from the file): only "
               "for checkpoints you trust whose pickles hold types outside megatron-ucp's allowlist")
 IMPORTS = {"import-legacy": "megatron_torch", "import-torch-dist": "megatron_torch_dist"}
@@ -81,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "directory (config.json, safetensors shards; no optimizer state)")
     p.add_argument("src", help="source checkpoint (format detected)")
     p.add_argument("out", help="new output directory")
-    p.add_argument("--arch", required=True, choices=["llama", "qwen2", "mixtral", "gpt2"],
+    p.add_argument("--arch", required=True, choices=HF_ARCHS,
                    help="the transformers architecture to write (the model must match it exactly)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32", "bfloat16", "float16", "float32"],
                    default=None, help="weight dtype (default: the checkpoint's model dtype)")
