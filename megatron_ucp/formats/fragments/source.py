@@ -9,6 +9,7 @@ fragment read whole (`verify_fragments=True`: for every fragment touched, as `co
 from __future__ import annotations
 
 import math
+import re
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -83,6 +84,16 @@ def _check_volume(ckpt_dir: Path, name: str, shape: tuple[int, ...], slices: lis
     check_tiling(str(ckpt_dir), name, shape, slices, overlap=False, advice=DAMAGED_INDEX)
 
 
+def _check_iteration_dir(ckpt_dir: Path, manifest: Manifest) -> None:
+    """A save names its directory after its iteration (`iter_XXXXXXX`); a manifest that says
+    another one was damaged or copied from another save, and would resume at the wrong step."""
+    named = re.fullmatch(r"iter_(\d+)", ckpt_dir.name)
+    if named and int(named.group(1)) != manifest.iteration:
+        raise UCPError(f"{ckpt_dir / 'manifest.json'}: iteration {manifest.iteration!r}, but the save "
+                       f"wrote it to {ckpt_dir.name}; the manifest is damaged or from another save: "
+                       "restore it or load another iteration")
+
+
 class FragmentSource(ReadsFiles):
     """Reads boxes of universal tensors out of a fragment checkpoint."""
 
@@ -92,6 +103,7 @@ class FragmentSource(ReadsFiles):
                  verify_fragments: bool = False):
         self.dir = location(ckpt_dir)
         self.manifest = manifest
+        _check_iteration_dir(self.dir, manifest)
         self.origin = {"kind": "fragments", "path": str(self.dir)}
         self.reader = Reader()
         self.verify_checksums = verify_checksums
@@ -148,6 +160,23 @@ class FragmentSource(ReadsFiles):
         planner.verify_fragments = False
         planner._recent = OrderedDict()  # (its placeholder tensors must not reach this source's cache)
         return planner
+
+    def check_files(self, part: int = 0, parts: int = 1) -> None:
+        """Every parameter whose fragments a rank file holds is in the manifest: a manifest that
+        lost a parameter's entry would otherwise load, verify and convert without it (and its Adam
+        moments). Headers only (the records and tensor keys); files part, part + parts, ... of
+        the checkpoint, so the ranks of a load share the work."""
+        for i in range(part, len(self.files), parts):
+            path = self.files[i]
+            names = {d["name"] for d in self._records(i).values()}
+            names |= {k.rsplit("/", 1)[0] for k in self.reader.open(path).keys() if not k.startswith("rng/")}
+            unlisted = sorted(names - self.manifest.params.keys())
+            if unlisted:
+                raise UCPError(f"{path}: holds fragments of parameter {unlisted[0]}"
+                               f"{f' (and {len(unlisted) - 1} more)' if len(unlisted) > 1 else ''}, "
+                               "which the manifest does not list; the manifest is damaged or from "
+                               "another save (a checkpoint read through it would silently lack the "
+                               "parameter): restore it or load another iteration")
 
     def _records(self, file: int) -> dict[tuple[str, int], dict]:
         """A rank file's header records by (name, start), parsed once."""
@@ -207,7 +236,9 @@ class FragmentSource(ReadsFiles):
 
     def verify(self) -> int:
         """Read every fragment whole and check its crc32, and that the slices of every parameter
-        tile it exactly (no gap, no overlap). Returns tensors checked."""
+        tile it exactly (no gap, no overlap), and that the manifest lists every parameter the
+        rank files hold. Returns tensors checked."""
+        self.check_files()
         n = 0
         for name, p in self.manifest.params.items():
             check_tiling(str(self.dir), name, p.shape, self.slices[name], advice=DAMAGED_INDEX)
