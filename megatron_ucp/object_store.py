@@ -33,6 +33,7 @@ import urllib.parse
 import urllib.request
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +43,8 @@ from megatron_ucp.errors import UCPError
 SCHEMES = {"s3": "s3", "gs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
 PART_BYTES = 32 * 2**20  # multipart part size (and the writer's buffer): S3 needs >= 5 MiB parts
 UPLOAD_STREAMS = 8  # parts of one object uploaded concurrently
-WINDOW_BYTES = 256 * 2**20  # planned ranges fetched together per object (bounds a load's memory)
+WINDOW_BYTES = 64 * 2**20  # planned ranges fetched together per object: a load holds two windows
+PREFETCH_THREADS = 4  # windows of different objects fetched concurrently in the background
 COALESCE_BYTES = 2**20  # obstore's get_ranges merges ranges less than this apart into one GET
 HEADER_GUESS = 64 * 2**10  # bytes fetched for a safetensors header before knowing its length
 MAX_RETRIES = int(os.environ.get("MEGATRON_UCP_S3_MAX_RETRIES", "5"))
@@ -236,6 +238,11 @@ def get(path: ObjectPath) -> bytes:
         raise store_error(path, "GET", e) from None
 
 
+@functools.cache
+def _prefetcher() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="megatron-ucp-prefetch")
+
+
 def merged_requests(ranges: Sequence[tuple[int, int]]) -> int:
     """The GETs `get_ranges` issues for these ranges: nearby ones merged (obstore's rule)."""
     n, end = 0, None
@@ -411,6 +418,7 @@ class SafetensorsObject:
         self._cache: list[tuple[int, int, memoryview]] = []  # fetched ranges (the current window)
         self._planned: list[tuple[int, int]] = []  # ranges a planned load will read, in order
         self._next = 0  # the first planned range not fetched yet
+        self._ahead: tuple[list[tuple[int, int]], Future] | None = None  # the next window, coming
 
     def _bad(self, why: str) -> UCPError:
         return UCPError(f"{self.path}: not a readable safetensors object ({why}); the object is "
@@ -426,32 +434,47 @@ class SafetensorsObject:
         """The byte ranges (absolute, in the order they will be read) a load needs of this object:
         a read that misses fetches it together with the planned ranges after it, up to
         `WINDOW_BYTES`, in one `get_ranges` call (nearby ranges merged into one GET, the GETs in
-        parallel). Memory holds one window per object, not the rank's share of the checkpoint."""
+        parallel), and the window after it is fetched in the background while this one is used.
+        Memory holds two windows per object, not the rank's share of the checkpoint."""
         self._planned = [r for r in ranges if r[1] > r[0]]
         self._next = 0
+        self._ahead = None
 
-    def _fetch(self, ranges: list[tuple[int, int]]) -> None:
+    def _window_from(self, i: int, first: tuple[int, int] | None = None) -> tuple[list[tuple[int, int]], int]:
+        """Planned ranges from index i (after `first`, the read that missed) up to WINDOW_BYTES;
+        and the index after them."""
+        window = [first] if first else []
+        nbytes = first[1] - first[0] if first else 0
+        while i < len(self._planned) and nbytes < WINDOW_BYTES:
+            r = self._planned[i]
+            if not (first and r[0] >= first[0] and r[1] <= first[1]):
+                window.append(r)
+                nbytes += r[1] - r[0]
+            i += 1
+        return window, i
+
+    def _get(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int, memoryview]]:
         data = get_ranges(self.path, [a for a, _ in ranges], [b for _, b in ranges])
-        self._cache = [(a, b, d) for (a, b), d in zip(ranges, data)]
         self.requests += merged_requests(ranges)
+        return [(a, b, d) for (a, b), d in zip(ranges, data)]
 
     def _bytes(self, begin: int, end: int) -> memoryview:
         for a, b, data in self._cache:
             if a <= begin and end <= b:
                 return data[begin - a:end - a]
-        window, nbytes = [(begin, end)], end - begin
-        i = self._next
-        while i < len(self._planned) and self._planned[i][1] <= begin:
-            i += 1  # (ranges before this read were served or are covered by it)
-        while i < len(self._planned) and nbytes < WINDOW_BYTES:
-            r = self._planned[i]
-            if not (r[0] >= begin and r[1] <= end):
-                window.append(r)
-                nbytes += r[1] - r[0]
-            i += 1
-        self._next = i
-        self._fetch(window)
-        return self._cache[0][2]
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and any(a <= begin and end <= b for a, b in ahead[0]):
+            self._cache = ahead[1].result()  # fetched while the previous window was used
+        else:
+            i = self._next
+            while i < len(self._planned) and self._planned[i][1] <= begin:
+                i += 1  # (ranges before this read were served or are covered by it)
+            window, self._next = self._window_from(i, (begin, end))
+            self._cache = self._get(window)
+        if self._next < len(self._planned):  # the next window comes while this one is used
+            window, self._next = self._window_from(self._next)
+            self._ahead = (window, _prefetcher().submit(self._get, window))
+        return next(d[begin - a:end - a] for a, b, d in self._cache if a <= begin and end <= b)
 
     def _tensor(self, dtype: torch.dtype, shape: tuple[int, ...], begin: int, end: int) -> torch.Tensor:
         data = bytearray(self._bytes(begin, end)) if end > begin else bytearray()
