@@ -81,5 +81,5 @@ def load_bench(layout: str, cfg: dict, url: str, reps: int, local: str) -> dict:
             object_store.get_ranges(p, [0], [share])
     raw = [_between_barriers(raw_get) for _ in range(reps)]
     tg.destroy()
-    return {"ours": ours, "raw": raw, "local": from_disk, "planning": planning[-1],
+    return {"ours": ours, "raw": raw, "local": from_disk, "planning": max(planning),
             "bytes_read": r.bytes_read, "requests": r.requests, "files_opened": r.files_opened}
