@@ -166,17 +166,26 @@ class FragmentSource(ReadsFiles):
         lost a parameter's entry would otherwise load, verify and convert without it (and its Adam
         moments). Headers only (the records and tensor keys); files part, part + parts, ... of
         the checkpoint, so the ranks of a load share the work."""
+        params = self.manifest.params
         for i in range(part, len(self.files), parts):
             path = self.files[i]
             names = {d["name"] for d in self._records(i).values()}
-            names |= {k.rsplit("/", 1)[0] for k in self.reader.open(path).keys() if not k.startswith("rng/")}
-            unlisted = sorted(names - self.manifest.params.keys())
+            keys = [k.rsplit("/", 1) for k in self.reader.open(path).keys() if not k.startswith("rng/")]
+            unlisted = sorted((names | {name for name, _ in keys}) - params.keys())
             if unlisted:
                 raise UCPError(f"{path}: holds fragments of parameter {unlisted[0]}"
                                f"{f' (and {len(unlisted) - 1} more)' if len(unlisted) > 1 else ''}, "
                                "which the manifest does not list; the manifest is damaged or from "
                                "another save (a checkpoint read through it would silently lack the "
                                "parameter): restore it or load another iteration")
+            # a state the manifest does not give the parameter (e.g. Adam moments of a parameter
+            # it calls a buffer) would be dropped as silently
+            extra = next(((n, st) for n, st in keys if st not in params[n].states), None)
+            if extra:
+                raise UCPError(f"{path}: holds state {extra[1]!r} of parameter {extra[0]}, which the "
+                               f"manifest does not list for it (states {list(params[extra[0]].states)}); "
+                               "the manifest is damaged or from another save: restore it or load "
+                               "another iteration")
 
     def _records(self, file: int) -> dict[tuple[str, int], dict]:
         """A rank file's header records by (name, start), parsed once."""
@@ -201,6 +210,10 @@ class FragmentSource(ReadsFiles):
                                "is not the one the manifest index describes (range or place in the "
                                "tensor differ); the index or the file is damaged: restore them or "
                                "load another iteration")
+            if d["step"] != self.steps[name]:
+                raise UCPError(f"{self.files[f.file]}: its fragment of {name} was saved at Adam step "
+                               f"{d['step']}, the manifest says {self.steps[name]}; the manifest is "
+                               "damaged or mixes iterations: restore it or load another iteration")
             self._matched.add((id(sl), f.file))
         return d
 
