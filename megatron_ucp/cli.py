@@ -6,27 +6,43 @@ from __future__ import annotations
 import argparse
 import sys
 
+# formats.hf.archs.ARCHS, spelled out so the parser builds without importing torch (tests/test_cli.py)
+HF_ARCHS = ("llama", "qwen2", "mixtral", "gpt2", "qwen3", "qwen3_moe")
+
 TRUST_HELP = ("unpickle Megatron-LM files with the plain unpickler (runs code from the file): only "
               "for checkpoints you trust whose pickles hold types outside megatron-ucp's allowlist")
 IMPORTS = {"import-legacy": "megatron_torch", "import-torch-dist": "megatron_torch_dist"}
+NO_PROGRESS_HELP = "no progress bars (log lines only)"
+TARGET_DIMS = {"tp": "tensor-parallel", "pp": "pipeline-parallel", "dp": "data-parallel",
+               "ep": "expert-parallel", "vpp": "virtual pipeline (model chunks per stage)",
+               "cp": "context-parallel"}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser (every subcommand but profile-recompute's own flags)."""
     parser = argparse.ArgumentParser(prog="megatron-ucp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("convert", help="consolidate a fragment checkpoint into a universal directory")
     p.add_argument("fragments_dir", help="save root (with 'latest') or an iter_XXXXXXX directory")
     p.add_argument("universal_dir", help="new output directory")
-    p.add_argument("--no-progress", action="store_true")
-    p = sub.add_parser("inspect", help="print layout, iteration, parameter table and sizes")
-    p.add_argument("dir")
+    p.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
+    p = sub.add_parser("inspect", help="print layout, iteration, parameter table and sizes of any "
+                       "checkpoint (megatron-ucp, Megatron-LM torch or torch_dist, Hugging Face)")
+    p.add_argument("dir", help="checkpoint (format detected): a save root or a checkpoint directory")
+    p.add_argument("--trust-pickle", action="store_true", help=TRUST_HELP)
     p = sub.add_parser("reshard", help="any checkpoint (megatron-ucp, Megatron-LM torch or torch_dist) "
                        "-> universal directory, checked against a target layout")
     p.add_argument("--load", required=True, help="source checkpoint (format detected)")
     p.add_argument("--save", required=True, help="new output directory")
-    for dim in ("tp", "pp", "dp", "ep", "vpp", "cp"):
-        p.add_argument(f"--target-{dim}", type=int, default=None)
-    p.add_argument("--target-format", choices=["universal", "torch", "torch_dist"], default="universal")
+    for dim, what in TARGET_DIMS.items():
+        p.add_argument(f"--target-{dim}", type=int, default=None,
+                       help=f"target {what} size (default 1; a universal target is only checked "
+                       "against the target layout, which the loading run chooses)")
+    p.add_argument("--target-format", choices=["universal", "torch", "torch_dist"], default="universal",
+                   help="universal (default; layout-free, megatron_ucp.load or Megatron-LM "
+                   "--universal-checkpoint), or a Megatron-LM checkpoint at the target layout: "
+                   "torch (--ckpt-format torch) or torch_dist (--ckpt-format torch_dist); those need "
+                   "a Megatron-LM source")
     p.add_argument("--workers", type=int, default=1,
                    help="processes writing the universal data files (forked; default 1)")
     p.add_argument("--target-first-stage-layers", type=int, default=None,
@@ -40,14 +56,21 @@ def main(argv: list[str] | None = None) -> int:
                    default=None, help="torch_dist target: the optimizer state's form (default "
                    "fully_reshardable, loads at any layout; dp_reshardable, Megatron-LM's default, "
                    "loads at the target TP/PP only)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
     p.add_argument("--trust-pickle", action="store_true", help=TRUST_HELP)
     p = sub.add_parser("verify", help="checksums of every tensor and exact coverage of every parameter")
-    p.add_argument("dir")
-    p = sub.add_parser("diff", help="max abs/rel difference per tensor between two checkpoints "
-                       "(any supported format and layout)")
-    p.add_argument("a")
-    p.add_argument("b")
+    p.add_argument("dir", help="megatron-ucp checkpoint: a save root or a checkpoint directory")
+    p = sub.add_parser("diff", help="compare two checkpoints (any supported format and layout): the "
+                       "iteration, which parameters and optimizer states each holds, every Adam step "
+                       "and the max abs/rel difference per tensor. Exit status: 0 when they hold the "
+                       "same parameters, states and steps and every difference is within --atol or "
+                       "--rtol (default: identical), 1 when they differ, 2 on an error")
+    p.add_argument("a", help="first checkpoint (format detected)")
+    p.add_argument("b", help="second checkpoint (format detected)")
+    p.add_argument("--atol", type=float, default=0.0,
+                   help="a tensor matches when its max abs difference is at most this (default 0)")
+    p.add_argument("--rtol", type=float, default=0.0,
+                   help="... or its max relative difference is at most this (default 0)")
     p.add_argument("--trust-pickle", action="store_true", help=TRUST_HELP)
     for command, what in (("import-legacy", "torch"), ("import-torch-dist", "torch_dist")):
         p = sub.add_parser(command, help=f"convert a Megatron-LM --ckpt-format {what} checkpoint "
@@ -55,16 +78,18 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("load_dir", help="Megatron-LM save root (with "
                        "latest_checkpointed_iteration.txt) or an iter_XXXXXXX directory")
         p.add_argument("universal_dir", help="new output directory")
-        p.add_argument("--no-progress", action="store_true")
+        p.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
         p.add_argument("--trust-pickle", action="store_true", help=TRUST_HELP)
     p = sub.add_parser("export-hf", help="any checkpoint -> a Hugging Face transformers model "
                        "directory (config.json, safetensors shards; no optimizer state)")
     p.add_argument("src", help="source checkpoint (format detected)")
     p.add_argument("out", help="new output directory")
-    p.add_argument("--arch", required=True, choices=["llama", "qwen2", "mixtral", "gpt2"])
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
-                   help="weight dtype (default: the checkpoint's model dtype)")
-    p.add_argument("--max-shard-bytes", type=int, default=5 * 10**9)
+    p.add_argument("--arch", required=True, choices=HF_ARCHS,
+                   help="the transformers architecture to write (the model must match it exactly)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32", "bfloat16", "float16", "float32"],
+                   default=None, help="weight dtype (default: the checkpoint's model dtype)")
+    p.add_argument("--max-shard-bytes", type=int, default=5 * 10**9,
+                   help="largest safetensors shard (default 5e9 bytes, as save_pretrained)")
     p.add_argument("--vocab-size", type=int, default=None, help="true vocabulary: embedding rows "
                    "to keep (default: the checkpoint's record, else all rows)")
     p.add_argument("--rope-theta", type=float, default=None, help="rotary base (default: the "
@@ -72,13 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--activation", choices=["swiglu", "gelu", "openai_gelu"], default=None,
                    help="the run's MLP activation, which megatron_ucp.save does not record "
                    "(default: Megatron-LM args, else the import-hf record, else gelu / swiglu)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
     p.add_argument("--trust-pickle", action="store_true", help=TRUST_HELP)
     p = sub.add_parser("import-hf", help="a Hugging Face transformers model directory -> universal "
                        "directory (fp32 master weights, fresh optimizer state)")
     p.add_argument("hf_dir", help="save_pretrained output: config.json and *.safetensors")
     p.add_argument("universal_dir", help="new output directory")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
     p = sub.add_parser("import-deepspeed", help="a DeepSpeed universal checkpoint folder "
                        "(ds_to_universal output) -> universal directory with its optimizer state "
                        "(fp32 master weights, Adam moments and step)")
@@ -88,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name-map", required=True, metavar="MAP.yaml",
                    help="the megatron-core model settings and the DeepSpeed -> megatron-core name "
                    "rules (configs/deepspeed/*.yaml; schema in configs/deepspeed/README.md)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
     p.add_argument("--trust-pickle", action="store_true",
                    help="unpickle the zero/*.pt files with the plain unpickler (runs code from the "
                    "files): only for checkpoints you trust that hold types outside the allowlist "
@@ -99,9 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True, metavar="MODEL.yaml",
                    help="model config (configs/recompute/*.yaml)")
     for flag in ("tp", "pp", "dp"):
-        p.add_argument(f"--{flag}", type=int, required=True)
-    p.add_argument("--micro-batch", type=int, required=True)
-    p.add_argument("--global-batch", type=int, required=True)
+        p.add_argument(f"--{flag}", type=int, required=True, help=f"{TARGET_DIMS[flag]} size of the run")
+    p.add_argument("--micro-batch", type=int, required=True, help="micro-batch size (sequences)")
+    p.add_argument("--global-batch", type=int, required=True, help="global batch size (sequences)")
     p.add_argument("--memory-gib", type=float, required=True,
                    help="memory per GPU for weights, grads, optimizer state and activations")
     p.add_argument("--profile", metavar="PROFILE.json", default=None,
@@ -115,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("profile-recompute", add_help=False,
                    help="Lynx: measure per-module layer costs and p2p/TP all-reduce costs on the real "
                    "megatron-core layers into a profile for plan-recompute (its own --help)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["profile-recompute"]:  # its flags are the profiler's own parser's
         from megatron_ucp.recompute import profiler
@@ -146,12 +176,12 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "inspect":
             from megatron_ucp.inspector import inspect
 
-            print(inspect(args.dir))
+            print(inspect(args.dir, trust_pickle=args.trust_pickle))
         elif args.command == "reshard":
             from megatron_ucp.layout import Layout
             from megatron_ucp.reshard import reshard
 
-            sizes = {d: getattr(args, f"target_{d}") for d in ("tp", "pp", "dp", "ep", "vpp", "cp")}
+            sizes = {d: getattr(args, f"target_{d}") for d in TARGET_DIMS}
             target = (Layout(**{d: v for d, v in sizes.items() if v is not None})
                       if any(v is not None for v in sizes.values()) else None)
             print(reshard(args.load, args.save, target, args.target_format,
@@ -167,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "diff":
             from megatron_ucp.checks import diff, format_diff
 
-            print(format_diff(diff(args.a, args.b, trust_pickle=args.trust_pickle)))
+            rows = diff(args.a, args.b, trust_pickle=args.trust_pickle)
+            print(format_diff(rows, args.atol, args.rtol))
+            return int(any(r.differs(args.atol, args.rtol) for r in rows))
         elif args.command in IMPORTS:
             from megatron_ucp.reshard import convert
 

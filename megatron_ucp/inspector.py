@@ -1,24 +1,35 @@
-"""Human-readable summary of a checkpoint: layout, iteration, parameter table, sizes."""
+"""Human-readable summary of a checkpoint of any supported format: layout, iteration, parameter
+table and sizes. megatron-ucp's own formats are read from their manifest alone; the others
+(Megatron-LM torch / torch_dist, Hugging Face, DeepSpeed) through their source (`formats.open_source`),
+which for Megatron-LM rebuilds the run's model from its args."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
 
+from megatron_ucp import formats
 from megatron_ucp.formats import manifest as mf
 
 
-def inspect(path: str | Path) -> str:
-    ckpt = mf.resolve(path)
-    m = mf.read(ckpt)
+def inspect(path: str | Path, trust_pickle: bool = False) -> str:
+    if mf.is_checkpoint(path):
+        ckpt = mf.resolve(path)
+        m = mf.read(ckpt)
+        kind = f"{m.kind} (format {mf.FORMAT} v{m.version})"
+    else:
+        source = formats.open_source(path, progress=False, verify_checksums=False,
+                                     trust_pickle=trust_pickle)
+        ckpt, m = Path(source.dir), source.manifest
+        kind = f"{source.format} (read as universal tensors)"
     params = m.params
     numel = sum(math.prod(p.shape) for p in params.values())
-    files = sorted(f for f in ckpt.iterdir() if f.is_file() and f.name != mf.MANIFEST)
+    files = sorted(f for f in ckpt.rglob("*") if f.is_file() and f.name != mf.MANIFEST)
     size = sum(f.stat().st_size for f in files)
     cfg = m.model
     lines = [
         f"checkpoint   {ckpt}",
-        f"kind         {m.kind} (format {mf.FORMAT} v{m.version})",
+        f"kind         {kind}",
         f"iteration    {m.iteration}",
         f"saved at     {m.layout} ({m.layout_world_size} ranks)",
         f"model        {cfg.get('num_layers')} layers, hidden {cfg.get('hidden_size')}, "

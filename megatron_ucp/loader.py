@@ -37,7 +37,9 @@ class LoadResult:
     extra: dict
     checkpoint: Path
     source_layout: Layout
-    rng_restored: bool  # False: layout changed, generators re-derived from the seed
+    # the generators set from the checkpoint (rng.restore's names: torch_cpu, cuda, tracker.<name>,
+    # python, numpy); empty when the layout changed and they were re-derived (rng.rederive)
+    rng_restored: tuple[str, ...]
     bytes_read: int  # by this rank
     files_opened: int = 0  # checkpoint data files this rank opened
 
@@ -76,6 +78,23 @@ def _check_params(source, params: list[LocalParam], strict: bool) -> None:
                        "architecture or pass strict=False to drop them")
 
 
+def _check_files(source) -> None:
+    """The rank files (or data files) hold no parameter the manifest lost: each rank reads the
+    headers of every world-th file; a problem one rank finds is raised on every rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    problem = ""
+    try:
+        source.check_files(rank, world)
+    except UCPError as e:
+        problem = str(e)
+    found = torch.tensor([int(bool(problem))], dtype=torch.uint8).to(collective_device())
+    dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    if int(found.item()):
+        problems = [""] * world
+        dist.all_gather_object(problems, problem)
+        raise UCPError(next(p for p in problems if p))
+
+
 def _set_shard(index: OptimizerIndex, source, param, shard: tuple[int, int], states: dict,
                steps: dict) -> None:
     """Check that the regions read tile the parameter's optimizer shard at one Adam step, then
@@ -101,6 +120,7 @@ def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: 
     check_layout(manifest.model, layout, str(source.dir))
     check_model_config(manifest.model, model_config(model_chunks), str(source.dir))
     params = local_params(model_chunks)
+    _check_files(source)
     _check_params(source, params, strict)
 
     index = OptimizerIndex(optimizer)
@@ -141,11 +161,12 @@ def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: 
     same = source_layout == layout
     rng_tensors, rng_meta = source.rng(dist.get_rank()) if same else ({}, {})
     if rng_tensors:
-        rng.restore(rng_tensors, rng_meta)
+        restored = rng.restore(rng_tensors, rng_meta)
     else:
+        restored = ()
         rng.rederive(manifest.seed, manifest.iteration)
     if dist.get_rank() == 0:
         log.info("loaded iteration %d (%s, saved at %s) at %s in %.2fs", manifest.iteration,
                  manifest.kind, source_layout, layout, time.perf_counter() - t0)
     return LoadResult(manifest.iteration, manifest.extra, source.dir, source_layout,
-                      bool(rng_tensors), source.bytes_read, source.files_opened)
+                      restored, source.bytes_read, source.files_opened)

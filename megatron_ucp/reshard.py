@@ -71,9 +71,13 @@ def convert(load: str | Path, universal_dir: str | Path, *, progress: Progress =
 
 
 def _open(load: str | Path, fmt: str | None, progress: Progress, trust_pickle: bool):
-    """The source a conversion reads (every fragment it touches checked whole)."""
-    return formats.open_source(load, fmt, progress=progress, verify_fragments=True,
-                               trust_pickle=trust_pickle)
+    """The source a conversion reads (every fragment it touches checked whole; a megatron-ucp
+    source's data files checked against its manifest, so none of their parameters is left out)."""
+    source = formats.open_source(load, fmt, progress=progress, verify_fragments=True,
+                                 trust_pickle=trust_pickle)
+    if source.format in formats.OWN:
+        source.check_files()
+    return source
 
 
 def convert_legacy(load_dir: str | Path, universal_dir: str | Path, progress: Progress = True,

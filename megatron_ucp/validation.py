@@ -11,18 +11,75 @@ ARCH_FIELDS = (
     "ffn_hidden_size", "gated_linear_unit", "normalization", "add_bias_linear", "add_qkv_bias",
     "qk_layernorm", "num_moe_experts", "moe_router_topk", "vocab_size", "max_sequence_length",
     "share_embeddings_and_output_weights", "position_embedding_type",
+    # what the same weights compute: attention windows, softmax, RoPE-free layers
+    "window_size", "window_attn_skip_freq", "softmax_type", "no_rope_freq", "attention_output_gate",
+    "multi_latent_attention",
 )
+
+# TransformerConfig (and MLATransformerConfig) fields the manifest does not record, and why: none
+# changes a tensor's shape or what the model computes from its weights, and none is plain data.
+# Every other field is recorded (lists and tuples as JSON lists, callables by qualified name,
+# dtypes and enums by name); tests/test_model_config.py fails for a field of a megatron-core
+# release that is in neither, so a new field cannot slip through unrecorded.
+NOT_RECORDED = {
+    # hooks and objects the training loop sets at run time (bound methods, timers, contexts)
+    "timers": "run-time object", "finalize_model_grads_func": "run-time hook",
+    "grad_scale_func": "run-time hook", "no_sync_func": "run-time hook", "grad_sync_func": "run-time hook",
+    "param_sync_func": "run-time hook", "_cpu_offloading_context": "run-time object",
+    # weight initialisation: a checkpoint carries the weights themselves
+    "init_method": "initialisation only", "output_layer_init_method": "initialisation only",
+    "embedding_init_method": "initialisation only",
+    # quantizer factories are objects; the FP8/FP4 recipes are recorded by name (fp8_recipe, ...)
+    "fp8_quantizer_factory": "object; fp8_recipe is recorded",
+    "fp4_quantizer_factory": "object; fp4_recipe is recorded",
+}
+
+
+UNRECORDABLE = object()  # what `config_value` returns for a value JSON cannot hold
+
+
+def config_value(value):
+    """A config value as JSON, or `UNRECORDABLE`: tuples and lists as lists (of JSON values),
+    callables by qualified name (the activation), torch dtypes and enums by name."""
+    import enum
+
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        items = [config_value(v) for v in value]
+        return UNRECORDABLE if any(v is UNRECORDABLE for v in items) else items
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        items = {k: config_value(v) for k, v in value.items()}
+        return UNRECORDABLE if any(v is UNRECORDABLE for v in items.values()) else items
+    if isinstance(value, enum.Enum):
+        return value.name
+    if type(value).__name__ == "dtype" and type(value).__module__ == "torch":
+        return str(value)
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', None) or ''}.{value.__qualname__}".lstrip(".")
+    return UNRECORDABLE
+
+
+def config_record(config) -> dict:
+    """A TransformerConfig's fields as the manifest records them (all but `NOT_RECORDED`)."""
+    out = {}
+    for k, v in vars(config).items():
+        value = UNRECORDABLE if k in NOT_RECORDED else config_value(v)
+        if value is not UNRECORDABLE:
+            out[k] = value
+    return out
 
 
 def model_config(model_chunks: list) -> dict:
-    """The architecture of the model as JSON: TransformerConfig scalars plus GPT-level fields."""
+    """The architecture of the model as JSON: every TransformerConfig field but `NOT_RECORDED`
+    (lists and tuples included: window_size, moe_layer_freq, no_rope_freq, ...) plus GPT-level
+    fields."""
     # imported here: the offline tools (convert, inspect) use this module without a model and
     # need not pay megatron-core's import (seconds, ~130 MB)
     from megatron.core.utils import unwrap_model
 
     model = unwrap_model(model_chunks[0])
-    cfg = {k: v for k, v in vars(model.config).items()
-           if isinstance(v, (bool, int, float, str)) or v is None}
+    cfg = config_record(model.config)
     for k in ("vocab_size", "max_sequence_length", "share_embeddings_and_output_weights",
               "position_embedding_type"):
         if hasattr(model, k):

@@ -202,6 +202,14 @@ def convert_it(ck: Ckpt) -> Path:
         assert not ck.out.exists(), f"{ck.out} was written by a failed conversion"
 
 
+def reshard_it(ck: Ckpt) -> object:
+    """A reshard to the universal form (at TP1) that fails must leave no output behind."""
+    try:
+        return reshard(ck.root, ck.out, Layout(tp=1), progress=False)
+    finally:
+        assert not ck.out.exists(), f"{ck.out} was written by a failed reshard"
+
+
 def load_into_tiny_gpt(ck: Ckpt) -> None:
     """Load into megatron-core's default tiny GPT (1 rank); the rank's UCPError comes back in the
     launcher's log and is raised here again, as the rank raised it."""
@@ -342,6 +350,18 @@ both("manifest-unknown-layout-field", "field 'sp' added to layout",
 both("manifest-truncated", "manifest.json cut in half",
      lambda ck: truncate_by(ck.manifest, ck.manifest.stat().st_size // 2), open_it,
      ("<manifest>: cannot read the manifest", "restore the file or load another iteration"))
+
+# a manifest that lost one parameter's entry (its data still in the files): nothing may read the
+# checkpoint without it, neither a check, a conversion, a reshard nor a load
+LOST_FRAGMENTS = (f"<data>: holds fragments of parameter {PROJ}", "which the manifest does not list",
+                  "restore it or load another iteration")
+LOST_UNIVERSAL = (f"<data>: holds tensor '{PROJ}/exp_avg'", "which the manifest does not list",
+                  "re-run `megatron-ucp convert`")
+for call_id, call in (("verify", verify_it), ("convert", convert_it), ("reshard", reshard_it),
+                      ("load", load_into_tiny_gpt)):
+    both(f"manifest-lost-param-{call_id}", f"linear_proj's entry removed from the manifest; {call_id}",
+         lambda ck: edit_manifest(ck, lambda m: m["params"].pop(PROJ)), call, LOST_FRAGMENTS,
+         LOST_UNIVERSAL)
 
 # ---- fragment checkpoint only: the index and the rank files' own records
 

@@ -100,7 +100,7 @@ def test_resume_converted_checkpoint_at_another_layout(converted, tmp_path):
                  timeout=300)
     r = res[0]
     assert r["iteration"] == 6 and r["extra"] == {"consumed_samples": 24}
-    assert r["rng_restored"] is False
+    assert r["rng_restored"] == []  # another layout: re-derived, nothing restored
     assert r["lr"] == [1e-3] * len(r["lr"])  # constant schedule restored from opt_param_scheduler
     # other data than Megatron's mock stream, so only the scale can be compared with the log
     assert all(math.isfinite(x) and x < 6.0 for x in r["losses"]), r["losses"]

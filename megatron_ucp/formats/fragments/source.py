@@ -9,6 +9,7 @@ fragment read whole (`verify_fragments=True`: for every fragment touched, as `co
 from __future__ import annotations
 
 import math
+import re
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -75,6 +76,16 @@ def _check_volume(ckpt_dir: Path, name: str, shape: tuple[int, ...], slices: lis
     check_tiling(str(ckpt_dir), name, shape, slices, overlap=False, advice=DAMAGED_INDEX)
 
 
+def _check_iteration_dir(ckpt_dir: Path, manifest: Manifest) -> None:
+    """A save names its directory after its iteration (`iter_XXXXXXX`); a manifest that says
+    another one was damaged or copied from another save, and would resume at the wrong step."""
+    named = re.fullmatch(r"iter_(\d+)", ckpt_dir.name)
+    if named and int(named.group(1)) != manifest.iteration:
+        raise UCPError(f"{ckpt_dir / 'manifest.json'}: iteration {manifest.iteration!r}, but the save "
+                       f"wrote it to {ckpt_dir.name}; the manifest is damaged or from another save: "
+                       "restore it or load another iteration")
+
+
 class FragmentSource(ReadsFiles):
     """Reads boxes of universal tensors out of a fragment checkpoint."""
 
@@ -84,6 +95,7 @@ class FragmentSource(ReadsFiles):
                  verify_fragments: bool = False):
         self.dir = Path(ckpt_dir)
         self.manifest = manifest
+        _check_iteration_dir(self.dir, manifest)
         self.origin = {"kind": "fragments", "path": str(self.dir)}
         self.reader = Reader()
         self.verify_checksums = verify_checksums
@@ -135,6 +147,32 @@ class FragmentSource(ReadsFiles):
     def step(self, name: str) -> float:
         return self.steps[name]
 
+    def check_files(self, part: int = 0, parts: int = 1) -> None:
+        """Every parameter whose fragments a rank file holds is in the manifest: a manifest that
+        lost a parameter's entry would otherwise load, verify and convert without it (and its Adam
+        moments). Headers only (the records and tensor keys); files part, part + parts, ... of
+        the checkpoint, so the ranks of a load share the work."""
+        params = self.manifest.params
+        for i in range(part, len(self.files), parts):
+            path = self.files[i]
+            names = {d["name"] for d in self._records(i).values()}
+            keys = [k.rsplit("/", 1) for k in self.reader.open(path).keys() if not k.startswith("rng/")]
+            unlisted = sorted((names | {name for name, _ in keys}) - params.keys())
+            if unlisted:
+                raise UCPError(f"{path}: holds fragments of parameter {unlisted[0]}"
+                               f"{f' (and {len(unlisted) - 1} more)' if len(unlisted) > 1 else ''}, "
+                               "which the manifest does not list; the manifest is damaged or from "
+                               "another save (a checkpoint read through it would silently lack the "
+                               "parameter): restore it or load another iteration")
+            # a state the manifest does not give the parameter (e.g. Adam moments of a parameter
+            # it calls a buffer) would be dropped as silently
+            extra = next(((n, st) for n, st in keys if st not in params[n].states), None)
+            if extra:
+                raise UCPError(f"{path}: holds state {extra[1]!r} of parameter {extra[0]}, which the "
+                               f"manifest does not list for it (states {list(params[extra[0]].states)}); "
+                               "the manifest is damaged or from another save: restore it or load "
+                               "another iteration")
+
     def _records(self, file: int) -> dict[tuple[str, int], dict]:
         """A rank file's header records by (name, start), parsed once."""
         if file not in self._headers:
@@ -158,6 +196,10 @@ class FragmentSource(ReadsFiles):
                                "is not the one the manifest index describes (range or place in the "
                                "tensor differ); the index or the file is damaged: restore them or "
                                "load another iteration")
+            if d["step"] != self.steps[name]:
+                raise UCPError(f"{self.files[f.file]}: its fragment of {name} was saved at Adam step "
+                               f"{d['step']}, the manifest says {self.steps[name]}; the manifest is "
+                               "damaged or mixes iterations: restore it or load another iteration")
             self._matched.add((id(sl), f.file))
         return d
 
@@ -193,7 +235,9 @@ class FragmentSource(ReadsFiles):
 
     def verify(self) -> int:
         """Read every fragment whole and check its crc32, and that the slices of every parameter
-        tile it exactly (no gap, no overlap). Returns tensors checked."""
+        tile it exactly (no gap, no overlap), and that the manifest lists every parameter the
+        rank files hold. Returns tensors checked."""
+        self.check_files()
         n = 0
         for name, p in self.manifest.params.items():
             check_tiling(str(self.dir), name, p.shape, self.slices[name], advice=DAMAGED_INDEX)

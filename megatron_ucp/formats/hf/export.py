@@ -35,6 +35,7 @@ from megatron_ucp.storage import (
 log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # torch's / HF's names
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 GENERATION_FILE = "generation_config.json"
@@ -176,8 +177,9 @@ def export(source, out: str | Path, arch: str, *, dtype: str | None = None,
     """Write the model of `source` (any `formats.open_source` source) as HF `arch` to the new
     directory `out`; returns it.
 
-    dtype: "fp32", "bf16" or "fp16" (default: the checkpoint's model dtype). vocab_size: the true
-    vocabulary (default: the checkpoint's record, else every embedding row). rope_theta: default
+    dtype: "fp32", "bf16" or "fp16", or torch's names float32, bfloat16, float16 (default: the
+    checkpoint's model dtype). vocab_size: the true vocabulary (default: the checkpoint's record,
+    else every embedding row). rope_theta: default
     the model config's rotary_base, else 10000. activation: the run's MLP activation ("swiglu",
     "gelu", "openai_gelu"; megatron_ucp.save does not record it): default the Megatron-LM args',
     else import-hf's record, else megatron-core's default (gelu; swiglu for gated MLPs).
@@ -194,8 +196,9 @@ def export(source, out: str | Path, arch: str, *, dtype: str | None = None,
     if dtype is None:
         saved = manifest.params[EMBEDDING].spec.dtype
         dtype = next(k for k, v in DTYPES.items() if DTYPE_NAMES[v] == saved)
+    dtype = DTYPE_ALIASES.get(dtype, dtype)
     if dtype not in DTYPES:
-        raise UCPError(f"unknown dtype {dtype!r}; choose one of {list(DTYPES)}")
+        raise UCPError(f"unknown dtype {dtype!r}; choose one of {[*DTYPES, *DTYPE_ALIASES]}")
     torch_dtype = DTYPES[dtype]
     planned, n_shards = plan(arch, manifest, vocab, torch_dtype, max_shard_bytes)
     model = dict(manifest.model)

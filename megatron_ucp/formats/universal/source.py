@@ -14,6 +14,9 @@ from megatron_ucp.storage import Reader, ReadsFiles, crc32
 RNG_FILE = "rng.safetensors"
 
 
+DATA_FILES = "params_*.safetensors"  # (a glob of `data_file_name`s)
+
+
 def data_file_name(i: int) -> str:
     return f"params_{i:05d}.safetensors"
 
@@ -52,8 +55,29 @@ class UniversalSource(ReadsFiles):
             return t
         return self.reader.read(path, entry.key, tuple(slice(o, o + n) for o, n in zip(offset, shape)))
 
+    def check_files(self, part: int = 0, parts: int = 1) -> None:
+        """Every tensor in the data files is in the manifest: a manifest that lost a parameter's
+        entry would otherwise read, verify and convert without it. Headers only; data files part,
+        part + parts, ... (in name order), so the ranks of a load share the work."""
+        listed: dict[str, set[str]] = {}
+        for p in self.manifest.params.values():
+            for entry in p.tensors.values():
+                listed.setdefault(entry.file, set()).add(entry.key)
+        files = sorted({*listed, *(f.name for f in self.dir.glob(DATA_FILES))})
+        for name in files[part::parts]:
+            path = self.dir / name
+            unlisted = sorted(set(self.reader.open(path).keys()) - listed.get(name, set()))
+            if unlisted:
+                raise UCPError(f"{path}: holds tensor {unlisted[0]!r}"
+                               f"{f' (and {len(unlisted) - 1} more)' if len(unlisted) > 1 else ''}, "
+                               "which the manifest does not list; the manifest is damaged or from "
+                               "another conversion (a checkpoint read through it would silently lack "
+                               "the parameter): restore it or re-run `megatron-ucp convert`")
+
     def verify(self) -> int:
-        """Read every tensor whole and check its crc32 and shape. Returns tensors checked."""
+        """Read every tensor whole and check its crc32 and shape, and that the manifest lists
+        every tensor of the data files. Returns tensors checked."""
+        self.check_files()
         n = 0
         for name, p in self.manifest.params.items():
             for state in p.tensors:

@@ -1,0 +1,69 @@
+"""The command line treats every format alike: `inspect` reads Megatron-LM checkpoints too, every
+flag has a help text, and `--dtype` takes the names HF users type."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_ucp.cli import build_parser, main
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "megatron_lm"
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+@pytest.mark.parametrize("command", [c for c in _subcommands() if c != "profile-recompute"])
+def test_every_flag_has_a_help_text(command):
+    parser = _subcommands()[command]
+    bare = [a.option_strings or a.dest for a in parser._actions
+            if not a.help and not isinstance(a, argparse._HelpAction)]
+    assert bare == [], f"megatron-ucp {command}: arguments without help: {bare}"
+
+
+def test_reshard_help_describes_the_target_flags(capsys):
+    with pytest.raises(SystemExit):
+        main(["reshard", "--help"])
+    out = capsys.readouterr().out
+    for flag, words in (("--target-tp", "tensor-parallel"), ("--target-vpp", "virtual pipeline"),
+                        ("--target-format", "--ckpt-format torch_dist")):
+        assert flag in out and words in out, (flag, out)
+
+
+@pytest.mark.parametrize("fixture,kind", [("torch_dp2", "megatron_torch"),
+                                          ("torch_dist_tp2_dp2", "megatron_torch_dist")])
+def test_inspect_reads_megatron_lm_checkpoints(fixture, kind, capsys):
+    assert main(["inspect", str(FIXTURES / fixture / "ckpt")]) == 0
+    out = capsys.readouterr().out
+    assert f"kind         {kind}" in out
+    assert "decoder.layers.0.self_attention.linear_qkv.weight" in out
+    assert "iteration    6" in out
+
+
+def test_inspect_refuses_what_is_no_checkpoint(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path)]) == 2
+    assert "unknown checkpoint format" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name,st_dtype", [("bfloat16", "BF16"), ("float16", "F16"), ("float32", "F32"),
+                                           ("bf16", "BF16")])
+def test_export_dtype_takes_torch_names(name, st_dtype, tmp_path):
+    out = tmp_path / "hf"
+    assert main(["export-hf", str(FIXTURES / "torch_llama_tp2" / "ckpt"), str(out), "--arch", "llama",
+                 "--dtype", name, "--no-progress"]) == 0
+    shard = next(out.glob("*.safetensors"))
+    header = json.loads(shard.read_bytes()[8:8 + int.from_bytes(shard.read_bytes()[:8], "little")])
+    assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {st_dtype}
+
+
+def test_export_hf_offers_every_arch():
+    from megatron_ucp.cli import HF_ARCHS
+    from megatron_ucp.formats.hf.archs import ARCHS
+
+    assert HF_ARCHS == ARCHS
