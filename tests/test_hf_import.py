@@ -204,10 +204,31 @@ def test_import_refuses_pickled_weights(saved, tmp_path):
     ("llama_bias", "mixtral", "add_bias_linear"),
     ("llama", "mixtral", "num_moe_experts"),
     ("mixtral", "llama", "num_moe_experts"),
+    ("llama", "qwen3", "qk_layernorm"),  # Qwen3 always normalizes q and k
+    ("mixtral", "qwen3_moe", "qk_layernorm"),
 ])
 def test_export_refuses_what_the_arch_cannot_represent(saved, tmp_path, name, arch, field):
     with pytest.raises(UCPError, match=f"cannot export as HF {arch}: model config {field}"):
         export(HFSource(saved[name]), tmp_path / "hf", arch, progress=False)
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("arch, change, field", [
+    ("qwen3", {"add_bias_linear": True}, "add_bias_linear"),  # Qwen3's MLP has no biases
+    ("qwen3", {"add_qkv_bias": True}, "add_qkv_bias"),
+    ("qwen3", {"num_moe_experts": 4}, "num_moe_experts"),
+    ("qwen3_moe", {}, "num_moe_experts"),  # a dense model
+    ("qwen3_moe", {"num_moe_experts": 4, "moe_shared_expert_intermediate_size": 64},
+     "moe_shared_expert_intermediate_size"),
+    ("qwen3_moe", {"num_moe_experts": 4, "moe_router_enable_expert_bias": True},
+     "moe_router_enable_expert_bias"),
+    ("qwen3_moe", {"num_moe_experts": 4, "moe_layer_freq": [0, 1]}, "moe_layer_freq"),
+])
+def test_qwen3_export_refuses_by_field(saved, tmp_path, arch, change, field):
+    src = HFSource(saved["llama"])
+    src.manifest.model.update(qk_layernorm=True, **change)
+    with pytest.raises(UCPError, match=f"cannot export as HF {arch}: model config {field}="):
+        export(src, tmp_path / "hf", arch, progress=False)
     assert not (tmp_path / "hf").exists()
 
 
