@@ -27,11 +27,12 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
+    get_gpt_mtp_block_spec,
 )
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -45,6 +46,7 @@ from megatron_ucp.layout import Layout
 from megatron_ucp.testing import cpu_shim  # noqa: F401  (must precede megatron.core)
 from megatron_ucp.testing.cp_attention import ContextParallelDotProductAttention, split_for_cp
 from megatron_ucp.testing.cpu_shim import REAL_CUDA
+from megatron_ucp.testing.mla_attention import MLACoreAttention
 
 
 class SequenceParallelTorchNorm:
@@ -137,7 +139,8 @@ def init_distributed(layout: Layout) -> None:
 def transformer_config(cfg: TinyGPTConfig, layout: Layout) -> TransformerConfig:
     bf16, fp16 = cfg.dtype == "bf16", cfg.dtype == "fp16"
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.dtype, torch.float32)
-    return TransformerConfig(**{**_config_fields(cfg, layout, bf16, fp16, dtype), **cfg.extra})
+    config_class = MLATransformerConfig if cfg.extra.get("multi_latent_attention") else TransformerConfig
+    return config_class(**{**_config_fields(cfg, layout, bf16, fp16, dtype), **cfg.extra})
 
 
 def _config_fields(cfg: TinyGPTConfig, layout: Layout, bf16: bool, fp16: bool, dtype) -> dict:
@@ -195,7 +198,10 @@ def build(cfg: TinyGPTConfig, layout: Layout) -> TrainState:
         layer_spec = get_gpt_layer_local_spec(
             num_experts=cfg.num_experts, moe_grouped_gemm=cfg.moe_grouped_gemm,
             qk_layernorm=cfg.qk_layernorm, normalization=cfg.normalization,
+            multi_latent_attention=tf_config.multi_latent_attention,
         )
+        if tf_config.multi_latent_attention:  # 0.16.1's local MLA: see mla_attention
+            layer_spec = _replace_module(layer_spec, DotProductAttention, MLACoreAttention)
     if layout.cp > 1:  # megatron-core's CP attention needs TE: see cp_attention
         layer_spec = _replace_module(layer_spec, DotProductAttention, ContextParallelDotProductAttention)
     chunks = []
@@ -208,9 +214,14 @@ def build(cfg: TinyGPTConfig, layout: Layout) -> TrainState:
                 layer_specs=[_replace_module(layer_spec, WrappedTorchNorm, SequenceParallelTorchNorm)] * n,
                 layer_norm=SequenceParallelTorchNorm,
             )
+        mtp_spec = None
+        if tf_config.mtp_num_layers:  # multi-token prediction layers (DeepSeek-V3) on the last stage
+            mtp_spec = get_gpt_mtp_block_spec(tf_config, layer_spec, cfg.transformer_impl != "local",
+                                              vp_stage=vp)
         model = GPTModel(
             config=tf_config,
             transformer_layer_spec=spec,
+            mtp_block_spec=mtp_spec,
             vocab_size=cfg.vocab_size,
             max_sequence_length=cfg.seq_length,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
