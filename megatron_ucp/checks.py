@@ -34,21 +34,46 @@ def verify(path: str | Path) -> str:
 
 @dataclass
 class Difference:
+    """One row of a diff: a tensor's largest differences, or something only one side has
+    (`missing`: the parameter or state is absent from that side; its differences are infinite)."""
+
     name: str
-    state: str
+    state: str  # an optimizer state, "step" (the parameter's Adam step) or "-" (the parameter)
     max_abs: float
     max_rel: float
     note: str = ""
+    missing: str = ""  # "A" or "B": the side that lacks this parameter or state
+
+    def differs(self, atol: float = 0.0, rtol: float = 0.0) -> bool:
+        return bool(self.missing) or not (self.max_abs <= atol or self.max_rel <= rtol)
+
+
+def _row(name: str, state: str, a: torch.Tensor | float, b: torch.Tensor | float,
+         note: str = "") -> Difference:
+    d = (torch.as_tensor(a, dtype=torch.float64) - torch.as_tensor(b, dtype=torch.float64)).abs()
+    rel = d / torch.as_tensor(a, dtype=torch.float64).abs().clamp_min(torch.finfo(torch.float32).tiny)
+    if d.numel() == 0:
+        return Difference(name, state, 0.0, 0.0, note)
+    return Difference(name, state, float(d.max()), float(rel.max()), note)
+
+
+def _missing(name: str, state: str, a_has: bool) -> Difference:
+    side = "B" if a_has else "A"
+    return Difference(name, state, math.inf, math.inf, f"missing in {side}", missing=side)
 
 
 def diff(a: str | Path, b: str | Path, trust_pickle: bool = False) -> list[Difference]:
-    """Max abs/rel difference per parameter and state (vocab rows: the common rows only).
-    Values are compared as stored: checksums are `verify`'s job, not diff's."""
+    """Compare two checkpoints of any formats and layouts: the iteration, the set of parameters,
+    the set of states of each parameter, each parameter's Adam step, and the max abs/rel
+    difference of every tensor both hold (vocab rows: the common rows only). Whatever one side
+    lacks is a `missing` row. Values are compared as stored: checksums are `verify`'s job."""
     sa = formats.open_source(a, verify_checksums=False, progress=False, trust_pickle=trust_pickle)
     sb = formats.open_source(b, verify_checksums=False, progress=False, trust_pickle=trust_pickle)
-    pa, pb = sa.manifest.params, sb.manifest.params
-    out = [Difference(n, "-", math.inf, math.inf, f"only in {'A' if n in pa else 'B'}")
-           for n in sorted(set(pa) ^ set(pb))]
+    ma, mb = sa.manifest, sb.manifest
+    pa, pb = ma.params, mb.params
+    out = [_row("(checkpoint)", "iteration", ma.iteration, mb.iteration,
+                f"iteration {ma.iteration} vs {mb.iteration}")]
+    out += [_missing(n, "-", n in pa) for n in sorted(set(pa) ^ set(pb))]
     for name in sorted(set(pa) & set(pb)):
         shape_a, shape_b = pa[name].shape, pb[name].shape
         note = ""
@@ -59,22 +84,32 @@ def diff(a: str | Path, b: str | Path, trust_pickle: bool = False) -> list[Diffe
                 continue
             note = f"common vocab rows {min(shape_a[0], shape_b[0])}"
         shape = tuple(min(x, y) for x, y in zip(shape_a, shape_b))
-        for state in pa[name].states:
-            if state not in pb[name].states:
-                continue
+        step_a, step_b = sa.step(name), sb.step(name)
+        out.append(_row(name, "step", step_a, step_b, f"step {step_a:g} vs {step_b:g}"))
+        states_a, states_b = pa[name].states, pb[name].states
+        out += [_missing(name, s, s in states_a) for s in sorted(set(states_a) ^ set(states_b))]
+        for state in (s for s in states_a if s in states_b):
             ta = sa.read(name, state, (0,) * len(shape), shape)
             tb = sb.read(name, state, (0,) * len(shape), shape)
-            d = (ta - tb).abs()
-            rel = d / ta.abs().clamp_min(torch.finfo(torch.float32).tiny)
-            out.append(Difference(name, state, float(d.max()), float(rel.max()), note))
+            out.append(_row(name, state, ta, tb, note))
     return out
 
 
-def format_diff(rows: list[Difference]) -> str:
+def format_diff(rows: list[Difference], atol: float = 0.0, rtol: float = 0.0) -> str:
+    """The rows as a table, then a summary line that names what only one side has."""
     lines = [f"{'parameter':<62} {'state':<10} {'max abs':>10} {'max rel':>10}  note"]
     for r in rows:
         lines.append(f"{r.name:<62} {r.state:<10} {r.max_abs:>10.3e} {r.max_rel:>10.3e}  {r.note}")
-    worst = max((r.max_abs for r in rows), default=0.0)
-    lines.append(f"{len(rows)} rows; largest abs difference {worst:.3e}"
-                 + ("; identical" if worst == 0 else ""))
+    missing = [r for r in rows if r.missing]
+    for side in ("A", "B"):
+        lost = [f"{r.name}/{r.state}" if r.state != "-" else r.name for r in missing if r.missing == side]
+        if lost:
+            lines.append(f"missing in {side} ({len(lost)}): {', '.join(lost[:8])}"
+                         + (" ..." if len(lost) > 8 else ""))
+    compared = [r for r in rows if not r.missing]
+    worst = max((r.max_abs for r in compared), default=0.0)
+    differing = sum(r.differs(atol, rtol) for r in rows)
+    verdict = "identical" if not differing and worst == 0 else (
+        "within tolerance" if not differing else f"{differing} rows differ")
+    lines.append(f"{len(rows)} rows; largest abs difference {worst:.3e}; {verdict}")
     return "\n".join(lines)

@@ -6,6 +6,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+# formats.hf.archs.ARCHS, spelled out so the parser builds without importing torch (tests/test_cli.py)
+HF_ARCHS = ("llama", "qwen2", "mixtral", "gpt2", "qwen3", "qwen3_moe")
+
 TRUST_HELP = ("unpickle Megatron-LM files with the plain unpickler (runs code from the file): only "
               "for checkpoints you trust whose pickles hold types outside megatron-ucp's allowlist")
 IMPORTS = {"import-legacy": "megatron_torch", "import-torch-dist": "megatron_torch_dist"}
@@ -57,10 +60,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-pickle", action="store_true", help=TRUST_HELP)
     p = sub.add_parser("verify", help="checksums of every tensor and exact coverage of every parameter")
     p.add_argument("dir", help="megatron-ucp checkpoint: a save root or a checkpoint directory")
-    p = sub.add_parser("diff", help="max abs/rel difference per tensor between two checkpoints "
-                       "(any supported format and layout)")
+    p = sub.add_parser("diff", help="compare two checkpoints (any supported format and layout): the "
+                       "iteration, which parameters and optimizer states each holds, every Adam step "
+                       "and the max abs/rel difference per tensor. Exit status: 0 when they hold the "
+                       "same parameters, states and steps and every difference is within --atol or "
+                       "--rtol (default: identical), 1 when they differ, 2 on an error")
     p.add_argument("a", help="first checkpoint (format detected)")
     p.add_argument("b", help="second checkpoint (format detected)")
+    p.add_argument("--atol", type=float, default=0.0,
+                   help="a tensor matches when its max abs difference is at most this (default 0)")
+    p.add_argument("--rtol", type=float, default=0.0,
+                   help="... or its max relative difference is at most this (default 0)")
     p.add_argument("--trust-pickle", action="store_true", help=TRUST_HELP)
     for command, what in (("import-legacy", "torch"), ("import-torch-dist", "torch_dist")):
         p = sub.add_parser(command, help=f"convert a Megatron-LM --ckpt-format {what} checkpoint "
@@ -74,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "directory (config.json, safetensors shards; no optimizer state)")
     p.add_argument("src", help="source checkpoint (format detected)")
     p.add_argument("out", help="new output directory")
-    p.add_argument("--arch", required=True, choices=["llama", "qwen2", "mixtral", "gpt2"],
+    p.add_argument("--arch", required=True, choices=HF_ARCHS,
                    help="the transformers architecture to write (the model must match it exactly)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32", "bfloat16", "float16", "float32"],
                    default=None, help="weight dtype (default: the checkpoint's model dtype)")
@@ -187,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "diff":
             from megatron_ucp.checks import diff, format_diff
 
-            print(format_diff(diff(args.a, args.b, trust_pickle=args.trust_pickle)))
+            rows = diff(args.a, args.b, trust_pickle=args.trust_pickle)
+            print(format_diff(rows, args.atol, args.rtol))
+            return int(any(r.differs(args.atol, args.rtol) for r in rows))
         elif args.command in IMPORTS:
             from megatron_ucp.reshard import convert
 

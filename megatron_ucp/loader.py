@@ -37,7 +37,9 @@ class LoadResult:
     extra: dict
     checkpoint: Path
     source_layout: Layout
-    rng_restored: bool  # False: layout changed, generators re-derived from the seed
+    # the generators set from the checkpoint (rng.restore's names: torch_cpu, cuda, tracker.<name>,
+    # python, numpy); empty when the layout changed and they were re-derived (rng.rederive)
+    rng_restored: tuple[str, ...]
     bytes_read: int  # by this rank
     files_opened: int = 0  # checkpoint data files this rank opened
 
@@ -159,11 +161,12 @@ def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: 
     same = source_layout == layout
     rng_tensors, rng_meta = source.rng(dist.get_rank()) if same else ({}, {})
     if rng_tensors:
-        rng.restore(rng_tensors, rng_meta)
+        restored = rng.restore(rng_tensors, rng_meta)
     else:
+        restored = ()
         rng.rederive(manifest.seed, manifest.iteration)
     if dist.get_rank() == 0:
         log.info("loaded iteration %d (%s, saved at %s) at %s in %.2fs", manifest.iteration,
                  manifest.kind, source_layout, layout, time.perf_counter() - t0)
     return LoadResult(manifest.iteration, manifest.extra, source.dir, source_layout,
-                      bool(rng_tensors), source.bytes_read, source.files_opened)
+                      restored, source.bytes_read, source.files_opened)

@@ -35,8 +35,8 @@ class SourceRuns:
             d = self.root / f"src_{len(self.cache)}_{layout}"
             res = launch(nprocs(layout), f"{SCENARIOS}:train_and_save",
                          {"layout": layout, "cfg": cfg, "steps": STEPS, "save_dir": str(d / "ckpt"),
-                          "continue_steps": STEPS, "dump_dir": str(d / "dump")})
-            self.cache[key] = {"dir": d, "ckpt": d / "ckpt", "dump": d / "dump", **res[0]}
+                          "continue_steps": STEPS, "dump_dir": str(d / "dump"), "rng_dir": str(d / "rng")})
+            self.cache[key] = {"dir": d, "ckpt": d / "ckpt", "dump": d / "dump", "rng": d / "rng", **res[0]}
         return self.cache[key]
 
 
@@ -45,7 +45,23 @@ def source_runs(tmp_path_factory) -> SourceRuns:
     return SourceRuns(tmp_path_factory.mktemp("sources"))
 
 
+# The skips `make test` expects on a CPU host (UCP_EXPECTED_SKIPS_ONLY=1 fails the run on any other,
+# so a test that silently stops running is noticed): the full transition matrix, and the GPU tests.
+EXPECTED_SKIPS = ("UCP_FULL_MATRIX=1", "needs a CUDA GPU")
+SKIPPED: dict[str, str] = {}
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and isinstance(report.longrepr, tuple):
+        SKIPPED[report.nodeid] = report.longrepr[2].removeprefix("Skipped: ")
+
+
 def pytest_sessionfinish(session, exitstatus):
+    unexpected = {k: v for k, v in SKIPPED.items() if not v.startswith(EXPECTED_SKIPS)}
+    if unexpected and os.environ.get("UCP_EXPECTED_SKIPS_ONLY") == "1":
+        lines = "\n".join(f"  {k}: {v}" for k, v in sorted(unexpected.items()))
+        print(f"\nunexpected skips ({len(unexpected)}; expected only {EXPECTED_SKIPS}):\n{lines}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
     if REPORT:
         out = Path(session.config.rootpath) / "out"
         out.mkdir(exist_ok=True)

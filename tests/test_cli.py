@@ -60,3 +60,10 @@ def test_export_dtype_takes_torch_names(name, st_dtype, tmp_path):
     shard = next(out.glob("*.safetensors"))
     header = json.loads(shard.read_bytes()[8:8 + int.from_bytes(shard.read_bytes()[:8], "little")])
     assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {st_dtype}
+
+
+def test_export_hf_offers_every_arch():
+    from megatron_ucp.cli import HF_ARCHS
+    from megatron_ucp.formats.hf.archs import ARCHS
+
+    assert HF_ARCHS == ARCHS

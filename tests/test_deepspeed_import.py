@@ -20,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import oracles
 import pytest
 import torch
 import yaml
@@ -96,18 +97,27 @@ def ds_source() -> DeepSpeedSource:
 
 
 def test_import_equals_deepspeed_bitwise(imported, ds_source):
+    """Every imported tensor, read with safetensors and put back in DeepSpeed's order by hand
+    (nn.MultiheadAttention's in_proj is [q; k; v], megatron's linear_qkv per head [q_h; k_h; v_h]:
+    tests/oracles.split_qkv, not megatron_ucp's layouts), has DeepSpeed's own digest."""
     meta, _ = reference()
     digests = json.loads(meta["ref_step2_sha256"])
+    manifest, tensors = oracles.universal_tensors(imported)
     u = formats.open_source(imported)
-    assert u.manifest.iteration == 2
-    assert sorted(ds_source.rules[n][0] for n in u.manifest.params) == sorted(
+    assert u.manifest.iteration == 2 == manifest["iteration"]
+    assert sorted(ds_source.rules[n][0] for n in manifest["params"]) == sorted(
         {k.rsplit("/", 1)[0] for k in digests})
-    for name in u.manifest.params:
+    heads = NameMap.load(TINY_MAP).model["num_attention_heads"]
+    for name in manifest["params"]:
         ds_name = ds_source.ds_name(name)
-        assert u.step(name) == 2.0 == float(meta["step_before"]), name
+        assert manifest["params"][name]["step"] == 2.0 == float(meta["step_before"]), name
         for state, stem in FILES.items():
-            t = in_deepspeed_layout(ds_source, u, name, state)
+            t = tensors[f"{name}/{state}"]
+            if name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
+                t = torch.cat(oracles.split_qkv(t, heads, heads))
             assert sha256(t) == digests[f"{ds_name}/{stem}"], f"{name} {state} != DeepSpeed's {ds_name}"
+            # the same through megatron_ucp's own universal reader and DeepSpeed layouts
+            assert sha256(in_deepspeed_layout(ds_source, u, name, state)) == digests[f"{ds_name}/{stem}"]
     # the fused QKV really was reordered: [q; k; v] rows != megatron's per-group rows
     qkv = full(u, "decoder.layers.0.self_attention.linear_qkv.weight", "param")
     assert not torch.equal(qkv, ds_source.ds.tensor("layers.0.self_attn.in_proj_weight", "param"))
@@ -260,6 +270,7 @@ def test_megatron_deepspeed_map(tmp_path, tied):
     name_map = _mds_map(tmp_path, tied)
     out = import_deepspeed(tmp_path / "ds", tmp_path / "out", name_map, progress=False)
     u = formats.open_source(out)
+    manifest, tensors = oracles.universal_tensors(out)  # safetensors, not the universal reader
     emb = "tied_modules.embed" if tied else "1"
     expect = {"embedding.word_embeddings.weight": f"{emb}.word_embeddings.weight",
               "embedding.position_embeddings.weight": f"{emb}.position_embeddings.weight",
@@ -287,9 +298,9 @@ def test_megatron_deepspeed_map(tmp_path, tied):
         if ds_name.endswith(("word_embeddings.weight", "lm_head.weight")):
             t = t[:50]  # the true vocabulary: padding rows dropped
         assert u.manifest.params[name].shape == tuple(t.shape), name
-        assert u.step(name) == 7.0
+        assert u.step(name) == 7.0 == manifest["params"][name]["step"]
         for i, state in enumerate(("param", "exp_avg", "exp_avg_sq")):
-            assert torch.equal(full(u, name, state), t + i * 1000.0), (name, state)
+            assert torch.equal(tensors[f"{name}/{state}"], t + i * 1000.0), (name, state)
     # per-head [q_h; k_h; v_h] (MHA) is megatron's per-group order: q of head 1 = DS rows 24..31
     heads = Heads(4, 4, 8)
     q, k, v = transforms.split("qkv", full(u, "decoder.layers.1.self_attention.linear_qkv.weight",

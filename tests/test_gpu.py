@@ -20,12 +20,14 @@ from conftest import SCENARIOS, STEPS
 from test_transitions import universal_tensors
 
 from megatron_ucp.staging import HostStager
-from megatron_ucp.testing.cpu_shim import REAL_CUDA
+from megatron_ucp.testing.devices import has_real_cuda
 from megatron_ucp.testing.launch import launch
 
 HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
+REAL_CUDA = has_real_cuda()  # without the CPU shim: importing it would change this process
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not REAL_CUDA, reason="needs a CUDA GPU")]
-needs_te = pytest.mark.skipif(not HAVE_TE, reason="needs Transformer Engine")
+needs_te = pytest.mark.skipif(not (REAL_CUDA and HAVE_TE),
+                             reason="needs a CUDA GPU with Transformer Engine")
 
 BASE = {"dtype": "bf16", "swiglu": True, "num_query_groups": 2, "hidden_size": 128,
         "num_attention_heads": 8, "ffn_hidden_size": 256, "seq_length": 64}

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPORT
 
 transformers = pytest.importorskip("transformers")
 
@@ -22,7 +23,7 @@ from megatron_ucp.formats.hf import export, import_hf  # noqa: E402
 from megatron_ucp.testing.launch import launch  # noqa: E402
 
 HF_SCENARIOS = "megatron_ucp.testing.hf_scenarios"
-ARCHS = ("llama", "qwen2", "gpt2", "mixtral")
+ARCHS = ("llama", "qwen2", "gpt2", "mixtral", "qwen3", "qwen3_moe")
 TOL = 1e-4  # fp32 logits, max abs difference
 TRUE_VOCAB = 250  # the model pads it to 256 (vocab rows 250..255 must not be exported)
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
@@ -37,6 +38,10 @@ CFGS = {
     # top-2 of 4 experts; megatron-core's MoE wants sequence parallelism with TP
     "mixtral": {**BASE, **ROTARY, "untie_embeddings": True, "num_experts": 4,
                 "sequence_parallel": True},
+    "qwen3": {**BASE, **ROTARY, "qk_layernorm": True},  # QK-norm, GQA, tied
+    # QK-norm, top-2 of 4 experts, no shared expert; expert FFN narrower than the dense one
+    "qwen3_moe": {**BASE, **ROTARY, "qk_layernorm": True, "untie_embeddings": True, "num_experts": 4,
+                  "sequence_parallel": True, "extra": {"moe_ffn_hidden_size": 96}},
 }
 # a transformers Llama built here (biases everywhere, tied, head_dim != hidden / heads) and the
 # megatron-core model of the same architecture (vocabulary 100 padded to 128)
@@ -103,6 +108,10 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 
 
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_export_gives_megatron_logits(runs, arch):
     megatron = torch.load(runs / arch / "megatron.pt")
@@ -110,6 +119,8 @@ def test_export_gives_megatron_logits(runs, arch):
     assert hf.shape == (2, 16, TRUE_VOCAB)  # padding rows trimmed
     diff = max_diff(hf, megatron[..., :TRUE_VOCAB])
     print(f"{arch}: megatron TP2 vs transformers logits max abs diff {diff:.3g}")
+    REPORT[f"hf-export:{arch}"] = {"max_abs_logit_diff": diff,
+                                   "max_rel_logit_diff": rel_diff(hf, megatron[..., :TRUE_VOCAB])}
     assert diff <= TOL
 
 
@@ -137,6 +148,7 @@ def test_import_loads_at_another_layout(runs, reloaded, arch):
     megatron = torch.load(runs / arch / "megatron.pt")
     diff = max_diff(torch.load(runs / arch / "reloaded.pt")[..., :TRUE_VOCAB], megatron[..., :TRUE_VOCAB])
     print(f"{arch}: megatron TP2 vs export -> import-hf -> load at TP1xDP2 logits max abs diff {diff:.3g}")
+    REPORT[f"hf-import:{arch}"] = {"max_abs_logit_diff": diff}
     assert diff <= TOL
 
 

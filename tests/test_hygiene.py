@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -72,3 +73,37 @@ def test_library_never_imports_its_test_helpers():
             offenders += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names
                           if n.startswith("megatron_ucp.testing")]
     assert offenders == []
+
+
+IMPORT_TESTS = r"""
+import importlib, sys
+import torch
+from torch.overrides import _get_current_function_mode_stack
+
+def snapshot():  # torch.cuda's functions (submodules imported later are no change)
+    return ({k: id(v) for k, v in vars(torch.cuda).items() if callable(v) and not isinstance(v, type(torch))},
+            id(torch.Tensor.cuda), id(torch.Tensor.type), len(_get_current_function_mode_stack()))
+
+def same(a, b):
+    return a[1:] == b[1:] and all(b[0].get(k) == v for k, v in a[0].items())
+
+before, changed = snapshot(), []
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+    if not same(before, snapshot()):
+        changed.append(name)
+        before = snapshot()
+print(" ".join(changed))
+"""
+
+
+def test_importing_a_test_module_leaves_the_process_alone():
+    """pytest imports every test module into one process at collection: one that installs the CPU
+    shim there (torch.cuda.is_available() true from then on) silently turns other tests' checks
+    into skips."""
+    names = sorted(p.stem for p in (ROOT / "tests").glob("test_*.py"))
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+    run = subprocess.run([sys.executable, "-c", IMPORT_TESTS, *names], capture_output=True, text=True,
+                         cwd=ROOT / "tests", env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == [], f"these test modules change the process at import: {run.stdout}"

@@ -1,5 +1,6 @@
 """Property test of the manifest and piece parser: a mutated manifest is refused with UCPError or,
-if it still parses, reads exactly the saved values (never anything else, never another error).
+if it still parses, reads exactly the saved parameters, states, steps, iteration and values
+(never anything else, never another error).
 
 The checkpoint is a real two-rank fragment checkpoint of two tensors written by the library's own
 writer (`write_rank_file`, `build_index`); each example mutates one value of its manifest JSON
@@ -24,13 +25,15 @@ from megatron_ucp.layout import Layout
 from megatron_ucp.spec import ParamSpec, Piece
 
 STATES = ("param", "exp_avg", "exp_avg_sq")
+ITERATION, STEP = 5, 5.0
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> tuple[Path, dict, dict[str, dict[str, torch.Tensor]]]:
     """w [4, 3] split over TP2 by rows (rank r holds rows 2r..2r+1), b [3] replicated (rank 0);
     returns (directory, manifest JSON, name -> state -> full tensor)."""
-    d = tmp_path_factory.mktemp("fuzz")
+    d = tmp_path_factory.mktemp("fuzz") / "iter_0000005"  # as a save names it
+    d.mkdir()
     g = torch.Generator().manual_seed(0)
     full = {"w": {s: torch.randn(4, 3, generator=g) for s in STATES},
             "b": {s: torch.randn(3, generator=g) for s in STATES}}
@@ -97,9 +100,14 @@ def test_mutated_manifest_is_refused_or_reads_the_saved_values(checkpoint, choic
                for n, p in m.params.items()}
     except UCPError:
         return
+    # parsed: then it must be exactly the saved checkpoint (nothing lost, nothing else read)
+    assert m.iteration == ITERATION, mutated
+    assert got.keys() == full.keys(), mutated
     for n, states in got.items():
+        assert states.keys() == full[n].keys(), (n, mutated)
+        assert src.step(n) == STEP, (n, mutated)
         for s, t in states.items():
-            assert n in full and torch.equal(t, full[n][s]), (n, s, mutated)
+            assert t.dtype == full[n][s].dtype and torch.equal(t, full[n][s]), (n, s, mutated)
 
 
 def test_unmutated_manifest_reads_back(checkpoint):

@@ -4,7 +4,11 @@
     of every file bitwise (model weights, flat buffers including their zero gaps, rng states) and
     every non-tensor field (iteration, step, param groups, scheduler, flops); args differ only in
     the saving rank.
-(2) Another layout: legacy at the target -> universal again equals the first universal bitwise.
+    Every written file is also assembled by hand (tests/oracles.py: torch.load, Megatron-LM's
+    flat-buffer rule, no megatron_ucp reader) and must hold the universal tensors it was written
+    from, so a bug shared by the legacy reader and writer cannot cancel out.
+(2) Another layout: legacy at the target -> universal again equals the first universal bitwise,
+    and the hand assembly of the target holds the universal tensors.
 (3) The written files load through megatron-core's own legacy path (model load_state_dict,
     DistributedOptimizer.load_state_dict + load_parameter_state) in a launched run at the target
     layout, hold the universal values, and training goes on.
@@ -20,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors import safe_open
+from oracles import assert_dumps_hold, assert_holds_universal, legacy_full, universal_tensors
 
 from megatron_ucp import UCPError
 from megatron_ucp.formats.megatron_legacy import run_fields as legacy_source_fields
@@ -41,6 +45,11 @@ def load(path: Path):
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
+def training_dtype(ckpt: Path) -> torch.dtype:
+    args = load(next((ckpt / ITER).iterdir()) / "model_optim_rng.pt")["args"]
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+
+
 def assert_same(a, b, where: str) -> None:
     """Bitwise equality of nested checkpoint objects (types, key order, tensors, numpy states)."""
     assert type(a) is type(b), (where, type(a), type(b))
@@ -58,16 +67,6 @@ def assert_same(a, b, where: str) -> None:
         assert np.array_equal(a, b), where
     else:
         assert a == b, (where, a, b)
-
-
-def universal_tensors(udir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    manifest = json.loads((udir / "manifest.json").read_text())
-    tensors = {}
-    for name, p in manifest["params"].items():
-        for state, e in p["tensors"].items():
-            with safe_open(str(udir / e["file"]), "pt") as f:
-                tensors[f"{name}/{state}"] = f.get_tensor(e["key"])
-    return manifest, tensors
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +97,7 @@ def test_same_layout_round_trip_is_bitwise(universal, name, tmp_path):
                 assert {k for k in sa if sa[k] != sb[k]} <= {"local_rank"}, d
                 assert b["optimizer"] is not None and b["checkpoint_version"] == 3.0
             assert_same(a, b, f"{d}/{fn}")
+    assert assert_holds_universal(legacy_full(out), universal[name], training_dtype(out), step=6.0) > 0
 
 
 @pytest.mark.parametrize("name,target,first", [
@@ -120,6 +120,7 @@ def test_other_layout_back_to_universal_is_bitwise(universal, name, target, firs
             a.decoder_first_pipeline_num_layers) == (lay.tp, lay.pp, lay.dp, lay.world_size,
                                                      lay.vpp, first)
     assert_same(m["rng_state"], rng, "rng_state")
+    assert assert_holds_universal(legacy_full(out), universal[name], training_dtype(out), step=6.0) > 0
     again = convert_legacy(out, tmp_path / "u2", progress=False)
     m1, t1 = universal_tensors(universal[name])
     m2, t2 = universal_tensors(again)
@@ -141,7 +142,7 @@ def test_other_layout_back_to_universal_is_bitwise(universal, name, target, firs
         assert m2["optimizer"] == m1["optimizer"]
 
 
-def test_reshard_target_format_torch(tmp_path):
+def test_reshard_target_format_torch(universal, tmp_path):
     s = reshard(FIXTURES / "torch_tp2_pp2" / "ckpt", tmp_path / "out", Layout(tp=1, pp=1, dp=2),
                 target_format="torch", progress=False)
     assert s.target_format == "torch" and s.params > 0 and s.bytes_written > 0
@@ -154,6 +155,8 @@ def test_reshard_target_format_torch(tmp_path):
     got = load(tmp_path / "same" / ITER / "mp_rank_01_001" / "model_optim_rng.pt")
     assert got["args"].decoder_first_pipeline_num_layers == 2
     assert_same(got["rng_state"], src["rng_state"], "rng_state")
+    for out in (tmp_path / "out", tmp_path / "same"):
+        assert_holds_universal(legacy_full(out), universal["torch_tp2_pp2"], torch.bfloat16, step=6.0)
 
 
 def test_reshard_torch_needs_megatron_source(universal, tmp_path):
@@ -234,22 +237,6 @@ def load_legacy_rank(layout: str, cfg: dict, load_dir: str, dump_dir: str) -> di
     return {"loss": loss, "iteration": it, "lr": lrs, "num_steps": st.scheduler.num_steps}
 
 
-def _universal_name(local: str, pp: int, first: int | None) -> str:
-    """TP1 target: local name -> universal name (layer offset of the pipeline stage)."""
-    parts = local.split(".")
-    if local == "output_layer.weight":
-        return "embedding.word_embeddings.weight"
-    if local.startswith("decoder.layers."):
-        parts[2] = str(int(parts[2]) + (first if pp else 0))
-        rest = ".".join(parts[3:])
-        rest = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-                "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
-                "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
-                "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias"}.get(rest, rest)
-        return ".".join(parts[:3]) + "." + rest
-    return local
-
-
 @pytest.mark.parametrize("target,first", [("tp1pp1dp2", None), ("tp1pp2dp1", 2)])
 def test_written_checkpoint_loads_in_megatron_core(universal, tmp_path, target, first):
     """torch_tp2_pp2 -> legacy at the target -> megatron-core's own legacy optimizer load."""
@@ -272,27 +259,7 @@ def test_written_checkpoint_loads_in_megatron_core(universal, tmp_path, target, 
     assert all(math.isfinite(r["loss"]) and r["loss"] < 6.0 for r in res), res
 
     manifest, tensors = universal_tensors(universal["torch_tp2_pp2"])
-    assert_dumps_hold(tmp_path / "dump", manifest, tensors, first)
-
-
-def assert_dumps_hold(dump_dir: Path, manifest: dict, tensors: dict, first: int | None) -> None:
-    """Every rank's dumped model weight is the universal master cast to bf16, its optimizer range
-    holds the universal values (step 6), and the ranges cover every parameter once."""
-    covered = dict.fromkeys(manifest["params"], 0)
-    for rank in range(2):
-        dump = load(dump_dir / f"rank{rank}.pt")
-        pp = dump["coords"]["pp"]
-        for e in dump["params"]:
-            name = _universal_name(e["name"], pp, first)
-            assert torch.equal(e["model"], tensors[f"{name}/param"].to(torch.bfloat16)), name
-            if e["range"] is not None:
-                a, b = e["range"]
-                assert e["step"] == 6.0, name
-                for s in STATES:
-                    assert torch.equal(e[s], tensors[f"{name}/{s}"].reshape(-1)[a:b]), (name, s)
-                if e["name"] != "output_layer.weight":  # the tied copy on the last stage
-                    covered[name] += b - a
-    assert covered == {n: math.prod(p["shape"]) for n, p in manifest["params"].items()}
+    assert_dumps_hold(tmp_path / "dump", manifest, tensors, first, ranks=2)
 
 
 def test_torch_dist_to_legacy_at_another_layout(tmp_path):
@@ -305,7 +272,9 @@ def test_torch_dist_to_legacy_at_another_layout(tmp_path):
     m = load(tmp_path / "out" / ITER / "mp_rank_00" / "model_optim_rng.pt")
     assert (m["args"].ckpt_format, m["args"].use_dist_ckpt, m["args"].tensor_model_parallel_size) == \
         ("torch", False, 1)
-    m1, t1 = universal_tensors(convert_torch_dist(src, tmp_path / "u1", progress=False))
+    u1 = convert_torch_dist(src, tmp_path / "u1", progress=False)
+    m1, t1 = universal_tensors(u1)
+    assert_holds_universal(legacy_full(tmp_path / "out"), u1, torch.bfloat16, step=6.0)
     _, t2 = universal_tensors(convert_legacy(tmp_path / "out", tmp_path / "u2", progress=False))
     assert t1.keys() == t2.keys() and all(torch.equal(t, t2[k]) for k, t in t1.items())
     cfg = {"num_layers": 3, "hidden_size": 32, "num_attention_heads": 4, "ffn_hidden_size": 128,
@@ -317,7 +286,7 @@ def test_torch_dist_to_legacy_at_another_layout(tmp_path):
                   "dump_dir": str(tmp_path / "dump")}, timeout=300, env=env)
     assert all(r["iteration"] == 6 and r["num_steps"] == 28 for r in res), res
     assert all(math.isfinite(r["loss"]) and r["loss"] < 6.0 for r in res), res
-    assert_dumps_hold(tmp_path / "dump", m1, t1, None)
+    assert_dumps_hold(tmp_path / "dump", m1, t1, None, ranks=2)
 
 
 # ---- every conversion is validated before its commit -------------------------------------------

@@ -146,7 +146,7 @@ def test_overlap_recompute_flag_selects_the_plan_schedule(tmp_path, monkeypatch)
 
     from megatron_ucp.recompute import plan as recompute_plan
     from megatron_ucp.recompute.plan import PlanError
-    from megatron_ucp.testing.recompute_scenarios import make_plan
+    from megatron_ucp.testing.recompute_plans import make_plan
 
     parser = megatron_lm.extra_args_provider(argparse.ArgumentParser())
     assert parser.parse_args([]).overlap_recompute is None

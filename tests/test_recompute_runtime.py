@@ -18,7 +18,7 @@ from __future__ import annotations
 from megatron_ucp.recompute.profile import MODULES, LinkCost, ModuleCost, Profile, StageEnds
 from megatron_ucp.recompute.simulator import simulate
 from megatron_ucp.testing.launch import launch
-from megatron_ucp.testing.recompute_scenarios import make_plan
+from megatron_ucp.testing.recompute_plans import make_plan
 
 DROPOUT = {"hidden_dropout": 0.1, "attention_dropout": 0.1}
 CFG = {"hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 128, "vocab_size": 256,

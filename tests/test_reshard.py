@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from oracles import assert_holds_universal, assert_universal_is_dump, legacy_full
 
 import megatron_ucp as ucp
 from megatron_ucp.checks import diff, verify
@@ -30,14 +32,16 @@ def test_reshard_tool_legacy_checkpoint(tmp_path):
     assert len(list(out.glob("params_*.safetensors"))) >= 2  # --workers 2: files split for 2 writers
     assert verify(out).startswith("OK")
     assert all(d.max_abs == 0 for d in diff(LEGACY, out))
+    assert assert_holds_universal(legacy_full(LEGACY), out, torch.bfloat16, step=6.0) > 0
 
 
 def test_reshard_fragments_and_impossible_target(source_runs, tmp_path):
-    saved = source_runs.get("tp2", {"dtype": "fp32"})["ckpt"]
-    s = reshard(saved, tmp_path / "ok", Layout(tp=4), progress=False)
+    source = source_runs.get("tp2", {"dtype": "fp32"})
+    s = reshard(source["ckpt"], tmp_path / "ok", Layout(tp=4), progress=False)
     assert s.source_kind == "fragments" and s.params == len(mf.read(tmp_path / "ok").params)
+    assert assert_universal_is_dump(tmp_path / "ok", source["dump"]) > 0
     with pytest.raises(ucp.UCPError, match="num_attention_heads=4 is not divisible by TP=3"):
-        reshard(saved, tmp_path / "bad", Layout(tp=3), progress=False)
+        reshard(source["ckpt"], tmp_path / "bad", Layout(tp=3), progress=False)
     assert not (tmp_path / "bad").exists()
 
 

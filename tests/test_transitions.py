@@ -75,7 +75,7 @@ def check_transition(source_runs, tmp_path, src: str, dst: str, cfg: dict, dst_c
     assert r0["grad_scaler"] == source["grad_scaler"]  # fp16 loss scale and trackers restored
     assert r0["iteration"] == STEPS
     assert r0["extra"] == {"consumed_samples": STEPS * 8}
-    assert r0["rng_restored"] is (src == dst)
+    assert bool(r0["rng_restored"]) is (src == dst)
 
     # (a) bitwise state after load, against an independent assembly of the saved run
     expected = assemble(source["dump"], swiglu)
@@ -162,7 +162,7 @@ FEATURES = [
 # Reverse directions whose source layout and mapping the reduced matrix already covers the other way.
 FEATURES_FULL_ONLY = {("llama-gqa2", "tp1"), ("sp", "tp1"), ("vpp", "pp1"), ("no-init", "tp1"),
                       ("cp", "tp1"), ("uneven-pp", "pp2", "tp2"), ("moe", "dp2", "ep2dp2"),
-                      ("moe-grouped", "dp1"), ("vocab-pad", "tp1")}
+                      ("moe-grouped", "dp1")}
 
 
 def _full_only(feature: tuple) -> bool:

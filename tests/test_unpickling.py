@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from oracles import assert_holds_universal, assert_universal_is_dump, legacy_full
 
 from megatron_ucp import UCPError
 from megatron_ucp.checks import diff, verify
@@ -44,6 +45,7 @@ def test_unexpected_type_is_refused_and_trust_pickle_allows_it(tmp_path):
     assert not (tmp_path / "u").exists()
     out = convert_legacy(ckpt, tmp_path / "u", progress=False, trust_pickle=True)
     assert all(d.max_abs == 0 for d in diff(LEGACY, out))
+    assert assert_holds_universal(legacy_full(LEGACY), out, torch.bfloat16, step=6.0) > 0
 
 
 def test_megatron_files_load_with_the_allowlist(tmp_path):
@@ -64,8 +66,9 @@ def no_unpickling(monkeypatch):
     monkeypatch.setattr(torch, "load", refuse)
 
 
-def test_own_formats_never_unpickle(source_runs, tmp_path, no_unpickling):
-    saved = source_runs.get("tp2", {"dtype": "fp32"})["ckpt"]
+def test_own_formats_never_unpickle(source_runs, tmp_path, no_unpickling, monkeypatch):
+    source = source_runs.get("tp2", {"dtype": "fp32"})
+    saved = source["ckpt"]
     udir = convert(saved, tmp_path / "u", progress=False)
     for path in (saved, udir):
         assert verify(path).startswith("OK")
@@ -74,3 +77,5 @@ def test_own_formats_never_unpickle(source_runs, tmp_path, no_unpickling):
         assert src.read(name, "exp_avg", (0,), (64,)).shape == (64,)
         assert src.rng(0) is not None
     assert all(d.max_abs == 0 for d in diff(saved, udir))
+    monkeypatch.undo()  # the saving run's dump is a pickle: the independent check reads it
+    assert assert_universal_is_dump(udir, source["dump"]) > 0

@@ -15,6 +15,8 @@ import os
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megatron_ucp.testing.devices import has_real_cuda
+
 _CPU = torch.device("cpu")
 CUDA_GENERATOR = torch.Generator()  # stands in for the device's default CUDA generator
 
@@ -140,7 +142,7 @@ def _tensor_type(self, dtype=None, non_blocking=False, **kw):
 
 _INSTALLED = False
 # A real GPU (and no UCP_CPU_SHIM=1): the shim stays out of the way and tests run on CUDA.
-REAL_CUDA = os.environ.get("UCP_CPU_SHIM") != "1" and torch.cuda.is_available()
+REAL_CUDA = has_real_cuda()
 
 
 def install() -> None:

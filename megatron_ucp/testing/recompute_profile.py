@@ -101,7 +101,7 @@ def timed_steps(layout: str, cfg: dict, runs: list, warmup: int, steps: int) -> 
     from megatron_ucp.recompute import runtime
     from megatron_ucp.recompute.activations import ActivationCounter
     from megatron_ucp.testing import tiny_gpt as tg
-    from megatron_ucp.testing.recompute_scenarios import make_plan
+    from megatron_ucp.testing.recompute_plans import make_plan
 
     lay = Layout.parse(layout)
     tg.init_distributed(lay)

@@ -72,6 +72,15 @@ def dump_local_state(state: tg.TrainState, dump_dir: str) -> None:
     torch.save({"coords": coords, "params": entries}, Path(dump_dir) / f"rank{dist.get_rank()}.pt")
 
 
+def dump_rng(rng_dir: str) -> None:
+    """Write rank<r>.pt: every generator this rank holds now (rng.capture)."""
+    from megatron_ucp import rng
+
+    tensors, meta = rng.capture()
+    Path(rng_dir).mkdir(parents=True, exist_ok=True)
+    torch.save({"tensors": tensors, "meta": meta}, Path(rng_dir) / f"rank{dist.get_rank()}.pt")
+
+
 def _save(st: tg.TrainState, save_dir: str, async_save: bool = False) -> None:
     ucp.save(st.model, st.optimizer, st.scheduler, save_dir, st.iteration,
              extra={"consumed_samples": st.iteration * st.config.global_batch_size}, seed=st.config.seed,
@@ -79,8 +88,9 @@ def _save(st: tg.TrainState, save_dir: str, async_save: bool = False) -> None:
 
 
 def train_and_save(layout: str, cfg: dict, steps: int, save_dir: str, continue_steps: int = 0,
-                   dump_dir: str | None = None, async_save: bool = False) -> dict:
+                   dump_dir: str | None = None, async_save: bool = False, rng_dir: str | None = None) -> dict:
     """Train `steps`, save, then keep training `continue_steps` (the no-interruption reference).
+    rng_dir: the generators as they are once the save returns (what a resume must restore).
 
     async_save: the background writer is held until the continued steps have changed every
     parameter and Adam moment in place, so the files must come from the staged copies.
@@ -96,6 +106,8 @@ def train_and_save(layout: str, cfg: dict, steps: int, save_dir: str, continue_s
     t0 = time.perf_counter()
     _save(st, save_dir, async_save)
     save_s = time.perf_counter() - t0
+    if rng_dir:
+        dump_rng(rng_dir)
     scaler = _scaler_state(st)
     continued = [tg.train_step(st) for _ in range(continue_steps)]
     uncommitted = saver.pending()
@@ -164,10 +176,13 @@ def _latest(save_dir: str) -> str:
 
 
 def load_and_train(layout: str, cfg: dict, load_dir: str, steps: int, dump_dir: str | None = None,
-                   resave_dir: str | None = None, sabotage: str | None = None) -> dict:
-    """Load at `layout`, optionally dump and re-save at once, then train `steps`.
+                   resave_dir: str | None = None, sabotage: str | None = None,
+                   rng_dir: str | None = None) -> dict:
+    """Load at `layout`, optionally dump (state; generators to `rng_dir`) and re-save at once,
+    then train `steps`.
 
-    sabotage="scheduler" restarts the LR schedule after the load (negative control for tests).
+    sabotage="scheduler" restarts the LR schedule after the load, sabotage="rng" re-seeds torch's
+    generator (negative controls for tests).
     """
     st = setup(layout, cfg)
     t0 = time.perf_counter()
@@ -176,7 +191,11 @@ def load_and_train(layout: str, cfg: dict, load_dir: str, steps: int, dump_dir: 
     if sabotage == "scheduler":
         st.scheduler.num_steps = 0
         st.scheduler.step(0)
+    if sabotage == "rng":
+        torch.manual_seed(0)
     st.iteration = r.iteration
+    if rng_dir:
+        dump_rng(rng_dir)
     scaler = _scaler_state(st)
     if dump_dir:
         dump_local_state(st, dump_dir)

@@ -97,6 +97,9 @@ class TinyGPTConfig:
     moe_grouped_gemm: bool = False
     transformer_impl: str = "local"  # or "transformer_engine" (needs a GPU and TE)
     seed: int = 1234
+    # dropout draws from the generators a resume must restore (or re-derive at another layout)
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
     # optimizer and schedule
     lr: float = 1e-3
     min_lr: float = 1e-4
@@ -161,8 +164,8 @@ def _config_fields(cfg: TinyGPTConfig, layout: Layout, bf16: bool, fp16: bool, d
         fp16=fp16,
         params_dtype=dtype,
         pipeline_dtype=dtype,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
+        hidden_dropout=cfg.hidden_dropout,
+        attention_dropout=cfg.attention_dropout,
         # full weights drawn on CPU then split: init independent of TP (TE layers draw on the GPU)
         use_cpu_initialization=cfg.transformer_impl == "local",
         gradient_accumulation_fusion=False,

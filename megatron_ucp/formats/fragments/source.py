@@ -9,6 +9,7 @@ fragment read whole (`verify_fragments=True`: for every fragment touched, as `co
 from __future__ import annotations
 
 import math
+import re
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -75,6 +76,16 @@ def _check_volume(ckpt_dir: Path, name: str, shape: tuple[int, ...], slices: lis
     check_tiling(str(ckpt_dir), name, shape, slices, overlap=False, advice=DAMAGED_INDEX)
 
 
+def _check_iteration_dir(ckpt_dir: Path, manifest: Manifest) -> None:
+    """A save names its directory after its iteration (`iter_XXXXXXX`); a manifest that says
+    another one was damaged or copied from another save, and would resume at the wrong step."""
+    named = re.fullmatch(r"iter_(\d+)", ckpt_dir.name)
+    if named and int(named.group(1)) != manifest.iteration:
+        raise UCPError(f"{ckpt_dir / 'manifest.json'}: iteration {manifest.iteration!r}, but the save "
+                       f"wrote it to {ckpt_dir.name}; the manifest is damaged or from another save: "
+                       "restore it or load another iteration")
+
+
 class FragmentSource(ReadsFiles):
     """Reads boxes of universal tensors out of a fragment checkpoint."""
 
@@ -84,6 +95,7 @@ class FragmentSource(ReadsFiles):
                  verify_fragments: bool = False):
         self.dir = Path(ckpt_dir)
         self.manifest = manifest
+        _check_iteration_dir(self.dir, manifest)
         self.origin = {"kind": "fragments", "path": str(self.dir)}
         self.reader = Reader()
         self.verify_checksums = verify_checksums

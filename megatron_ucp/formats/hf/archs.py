@@ -19,14 +19,18 @@ import torch
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.hf.transforms import Heads
 
-ARCHS = ("llama", "qwen2", "mixtral", "gpt2")
+ARCHS = ("llama", "qwen2", "mixtral", "gpt2", "qwen3", "qwen3_moe")
 HF_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "mixtral": "MixtralForCausalLM", "gpt2": "GPT2LMHeadModel"}
-ROTARY = ("llama", "qwen2", "mixtral")  # RMSNorm, SwiGLU, rotary positions, no LayerNorm biases
+            "mixtral": "MixtralForCausalLM", "gpt2": "GPT2LMHeadModel",
+            "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+# RMSNorm, SwiGLU, rotary positions, no LayerNorm biases
+ROTARY = ("llama", "qwen2", "mixtral", "qwen3", "qwen3_moe")
+QK_NORM = ("qwen3", "qwen3_moe")  # RMSNorm over each head's q and k (megatron-core: qk_layernorm)
+MOE = ("mixtral", "qwen3_moe")
 
 # (universal name, transform, HF names, feature); feature "" = always, else one of FEATURES
 Entry = tuple[str, str, tuple[str, ...], str]
-FEATURES = ("untied", "qkv_bias", "linear_bias", "moe")
+FEATURES = ("untied", "qkv_bias", "linear_bias", "moe", "qk_norm")
 
 _ROTARY_GLOBAL: list[Entry] = [
     ("embedding.word_embeddings.weight", "copy", ("model.embed_tokens.weight",), ""),
@@ -58,6 +62,23 @@ _ROTARY_DENSE_MLP: list[Entry] = [
     ("decoder.layers.{i}.mlp.linear_fc2.weight", "copy", ("model.layers.{i}.mlp.down_proj.weight",), ""),
     ("decoder.layers.{i}.mlp.linear_fc2.bias", "copy", ("model.layers.{i}.mlp.down_proj.bias",),
      "linear_bias"),
+]
+_QK_NORM: list[Entry] = [
+    ("decoder.layers.{i}.self_attention.q_layernorm.weight", "copy",
+     ("model.layers.{i}.self_attn.q_norm.weight",), "qk_norm"),
+    ("decoder.layers.{i}.self_attention.k_layernorm.weight", "copy",
+     ("model.layers.{i}.self_attn.k_norm.weight",), "qk_norm"),
+]
+# Qwen3-MoE in the Hub layout (transformers 5 fuses the experts when it loads them)
+_QWEN3_MOE_ROUTER: list[Entry] = [
+    ("decoder.layers.{i}.mlp.router.weight", "copy", ("model.layers.{i}.mlp.gate.weight",), ""),
+]
+_QWEN3_MOE_EXPERT: list[Entry] = [
+    ("decoder.layers.{i}.mlp.experts.experts.{e}.linear_fc1.weight", "gate_up",
+     ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
+      "model.layers.{i}.mlp.experts.{e}.up_proj.weight"), ""),
+    ("decoder.layers.{i}.mlp.experts.experts.{e}.linear_fc2.weight", "copy",
+     ("model.layers.{i}.mlp.experts.{e}.down_proj.weight",), ""),
 ]
 # Mixtral as every Mixtral checkpoint on the Hub stores it (and transformers' save_pretrained
 # writes it): w1 = gate, w3 = up, w2 = down
@@ -97,6 +118,7 @@ _GPT2_LAYER: list[Entry] = [
 IGNORED_HF = {
     "llama": (r"\.rotary_emb\.inv_freq$",), "qwen2": (r"\.rotary_emb\.inv_freq$",),
     "mixtral": (r"\.rotary_emb\.inv_freq$",), "gpt2": (r"\.attn\.(masked_)?bias$",),
+    "qwen3": (r"\.rotary_emb\.inv_freq$",), "qwen3_moe": (r"\.rotary_emb\.inv_freq$",),
 }
 
 
@@ -138,6 +160,8 @@ def features(cfg: dict) -> set[str]:
         out.add("qkv_bias")
     if cfg.get("num_moe_experts"):
         out.add("moe")
+    if cfg.get("qk_layernorm"):
+        out.add("qk_norm")
     return out
 
 
@@ -148,8 +172,11 @@ def rules(arch: str, cfg: dict) -> list[Rule]:
         glob, layer, per_expert = _GPT2_GLOBAL, _GPT2_LAYER, []
     elif arch == "mixtral":
         glob, layer, per_expert = _ROTARY_GLOBAL, _ROTARY_ATTENTION + _MIXTRAL_ROUTER, _MIXTRAL_EXPERT
+    elif arch == "qwen3_moe":
+        glob, layer = _ROTARY_GLOBAL, _ROTARY_ATTENTION + _QK_NORM + _QWEN3_MOE_ROUTER
+        per_expert = _QWEN3_MOE_EXPERT
     else:
-        glob, layer, per_expert = _ROTARY_GLOBAL, _ROTARY_ATTENTION + _ROTARY_DENSE_MLP, []
+        glob, layer, per_expert = _ROTARY_GLOBAL, _ROTARY_ATTENTION + _QK_NORM + _ROTARY_DENSE_MLP, []
     out = [Rule(m, kind, hf) for m, kind, hf, when in glob if not when or when in feats]
     for i in range(cfg["num_layers"]):
         out += [Rule(m.format(i=i), kind, tuple(h.format(i=i) for h in hf))
@@ -179,6 +206,12 @@ def check_exportable(arch: str, cfg: dict, hints: dict) -> None:
         ("mtp_num_layers", None, "multi-token prediction layers have no place in HF {arch}"),
         ("heterogeneous_block_specs", False, "HF {arch} layers are all alike"),
     ]
+    if arch in QK_NORM:
+        common = [c for c in common if c[0] != "qk_layernorm"]
+        if not get("qk_layernorm"):
+            raise _fail(arch, "qk_layernorm", get("qk_layernorm"), f"HF {arch} normalizes q and k "
+                        "per head; a model without QK-norm is --arch llama"
+                        + (" or qwen2" if arch == "qwen3" else " or mixtral"))
     for field, default, why in common:
         if _differs(get(field, default), default):
             raise _fail(arch, field, get(field), why.format(arch=arch))
@@ -209,29 +242,36 @@ def check_exportable(arch: str, cfg: dict, hints: dict) -> None:
         if "qkv_bias" not in feats:
             raise _fail(arch, "add_qkv_bias", False, "Qwen2 has q/k/v biases; a model without them "
                         "is --arch llama")
-    if arch == "mixtral":
+    if arch in QK_NORM and feats & {"qkv_bias", "linear_bias"}:
+        raise _fail(arch, "add_bias_linear" if "linear_bias" in feats else "add_qkv_bias", True,
+                    f"HF {arch} has no MLP biases, and its attention_bias covers q/k/v and o_proj "
+                    "together")
+    if arch in MOE:
+        name = {"mixtral": "Mixtral", "qwen3_moe": "Qwen3-MoE"}[arch]
         if feats & {"qkv_bias", "linear_bias"}:
             raise _fail(arch, "add_bias_linear" if "linear_bias" in feats else "add_qkv_bias", True,
-                        "Mixtral has no biases")
+                        f"{name} has no biases")
         if "moe" not in feats:
-            raise _fail(arch, "num_moe_experts", get("num_moe_experts"), "Mixtral is a MoE model; "
-                        "a dense model is --arch llama")
-        moe = [("moe_router_pre_softmax", False, "Mixtral picks the top-k experts before the softmax"),
-               ("moe_router_score_function", "softmax", "Mixtral's router scores are a softmax"),
-               ("moe_router_topk_scaling_factor", None, "Mixtral does not scale routing weights"),
-               ("moe_router_enable_expert_bias", False, "Mixtral's router has no expert bias"),
-               ("moe_shared_expert_intermediate_size", None, "Mixtral has no shared experts"),
-               ("moe_router_num_groups", None, "Mixtral routes without expert groups"),
-               ("moe_layer_freq", 1, "every Mixtral layer is a MoE layer")]
+            raise _fail(arch, "num_moe_experts", get("num_moe_experts"), f"{name} is a MoE model; "
+                        f"a dense model is --arch {'llama' if arch == 'mixtral' else 'qwen3'}")
+        moe = [("moe_router_score_function", "softmax", f"{name}'s router scores are a softmax"),
+               ("moe_router_topk_scaling_factor", None, f"{name} does not scale routing weights"),
+               ("moe_router_enable_expert_bias", False, f"{name}'s router has no expert bias"),
+               ("moe_shared_expert_intermediate_size", None, f"{name} has no shared experts"),
+               ("moe_router_num_groups", None, f"{name} routes without expert groups"),
+               ("moe_layer_freq", 1, f"every {name} layer is a MoE layer")]
+        if arch == "mixtral":  # Qwen3-MoE's norm_topk_prob=false is megatron's pre-softmax routing
+            moe.append(("moe_router_pre_softmax", False, "Mixtral renormalizes the top-k softmax weights"))
         for field, default, why in moe:
             if _differs(get(field, default), default):
                 raise _fail(arch, field, get(field), why)
         ffn = get("moe_ffn_hidden_size")
-        if ffn not in (None, get("ffn_hidden_size")):
+        if arch == "mixtral" and ffn not in (None, get("ffn_hidden_size")):
             raise _fail(arch, "moe_ffn_hidden_size", ffn, "Mixtral's intermediate_size is both; "
                         f"ffn_hidden_size is {get('ffn_hidden_size')}")
     elif "moe" in feats:
-        raise _fail(arch, "num_moe_experts", get("num_moe_experts"), "a MoE model is --arch mixtral")
+        raise _fail(arch, "num_moe_experts", get("num_moe_experts"),
+                    "a MoE model is --arch qwen3_moe" if arch in QK_NORM else "a MoE model is --arch mixtral")
     if arch == "gpt2":
         _require(arch, cfg, "position_embedding_type", "learned_absolute",
                  "HF gpt2 learns absolute position embeddings (wpe)")
@@ -289,6 +329,17 @@ def hf_config(arch: str, cfg: dict, *, vocab: int, dtype: str, rope_theta: float
         out.update(num_local_experts=cfg["num_moe_experts"], num_experts_per_tok=cfg["moe_router_topk"],
                    sliding_window=None, output_router_logits=False, router_jitter_noise=0.0,
                    router_aux_loss_coef=cfg.get("moe_aux_loss_coeff") or 0.0)
+    if arch in QK_NORM:
+        out.update(attention_bias=False, use_sliding_window=False, sliding_window=None,
+                   max_window_layers=cfg["num_layers"], layer_types=["full_attention"] * cfg["num_layers"])
+    if arch == "qwen3_moe":
+        # Hub config names; intermediate_size is the dense MLP's (mlp_only_layers, none here)
+        out.update(num_experts=cfg["num_moe_experts"], num_experts_per_tok=cfg["moe_router_topk"],
+                   moe_intermediate_size=cfg.get("moe_ffn_hidden_size") or cfg["ffn_hidden_size"],
+                   intermediate_size=cfg["ffn_hidden_size"],
+                   norm_topk_prob=not cfg.get("moe_router_pre_softmax", False),
+                   decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False,
+                   router_aux_loss_coef=cfg.get("moe_aux_loss_coeff") or 0.0)
     return out
 
 
@@ -314,6 +365,11 @@ _HF_DEFAULTS = {
                 "num_experts_per_tok": 2},
     "gpt2": {"layer_norm_epsilon": 1e-5, "n_positions": 1024, "tie_word_embeddings": True,
              "activation_function": "gelu_new"},
+    "qwen3": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "tie_word_embeddings": False,
+              "rope_theta": 10000.0, "hidden_act": "silu", "head_dim": 128},
+    "qwen3_moe": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "tie_word_embeddings": False,
+                  "rope_theta": 10000.0, "hidden_act": "silu", "num_experts_per_tok": 8,
+                  "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": []},
 }
 GPT2_GELUS = {"gelu": "gelu", "gelu_new": "openai_gelu", "gelu_pytorch_tanh": "openai_gelu"}
 
@@ -374,6 +430,9 @@ def megatron_args(arch: str, hf: dict, where: str) -> tuple[argparse.Namespace, 
         if d.get("use_sliding_window") or (arch == "mixtral" and d.get("sliding_window")):
             raise refuse("sliding_window", "megatron-core's local attention has no sliding window")
         bias_attn, bias_mlp = bool(d.get("attention_bias")), bool(d.get("mlp_bias"))
+        if arch in QK_NORM and bias_attn:
+            raise refuse("attention_bias", f"HF {arch} has no MLP biases; megatron-core's "
+                         "add_bias_linear puts biases on every linear layer or none")
         if bias_attn != bias_mlp:
             raise refuse("attention_bias", f"with mlp_bias={bias_mlp}: megatron-core's "
                          "add_bias_linear puts biases on every linear layer or none")
@@ -391,9 +450,20 @@ def megatron_args(arch: str, hf: dict, where: str) -> tuple[argparse.Namespace, 
                     max_position_embeddings=d["max_position_embeddings"],
                     attention_dropout=d.get("attention_dropout", 0.0))
         run = {"activation": "swiglu", "rotary_base": theta}
+        if arch in QK_NORM:
+            args["qk_layernorm"] = True
         if arch == "mixtral":
             args.update(num_experts=d["num_local_experts"], moe_router_topk=d["num_experts_per_tok"],
                         moe_ffn_hidden_size=d["intermediate_size"])
+        if arch == "qwen3_moe":
+            if d["decoder_sparse_step"] != 1 or d["mlp_only_layers"]:
+                field = "decoder_sparse_step" if d["decoder_sparse_step"] != 1 else "mlp_only_layers"
+                raise refuse(field, "dense layers between MoE layers are not imported (every layer "
+                             "must be a MoE layer)")
+            args.update(num_experts=d.get("num_experts", d.get("num_local_experts")),
+                        moe_router_topk=d["num_experts_per_tok"],
+                        moe_ffn_hidden_size=d["moe_intermediate_size"],
+                        moe_router_pre_softmax=not d["norm_topk_prob"])
     args.update(padded_vocab_size=d["vocab_size"],
                 untie_embeddings_and_output_weights=not d["tie_word_embeddings"])
     return argparse.Namespace(**args), run

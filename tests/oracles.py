@@ -1,0 +1,532 @@
+"""Independent assemblies of the files every megatron-ucp writer and reader handles.
+
+Nothing here goes through megatron_ucp's readers, writers or layout code (the format modules'
+key names, state names, flat offsets, stacking or q/k/v orders): files are opened with
+safetensors, torch.load and torch.distributed.checkpoint's own FileSystemReader, and sliced with
+the rules Megatron-LM's files follow, written out by hand (tests/fixtures/megatron_lm/README.md and
+the shared fixtures' README: parameters in reverse state-dict order, starts aligned to 64
+elements, a tied embedding in a bucket of its own at PP > 1, TP shards concatenated along the
+known dim, SwiGLU gate halves then up halves). So a bug shared by a format's reader and writer
+(both wrong the same way, so every round trip agrees) shows here as a value in the wrong place.
+
+Writer tests: read what the writer wrote with these functions and compare with the universal
+tensors it was given (`universal_tensors`). Reader tests: the same functions on the source.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import re
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from torch.distributed.checkpoint import FileSystemReader
+
+STATES = ("param", "exp_avg", "exp_avg_sq")
+COLUMN = ("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias",
+          "linear_fc1.weight", "linear_fc1.bias")  # split on dim 0 over TP
+ROW = ("linear_proj.weight", "linear_fc2.weight")  # split on dim 1
+WORD = "embedding.word_embeddings.weight"
+
+
+def load(path: Path):
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+# ------------------------------------------------------------------------------------ universal
+
+
+def universal_tensors(udir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """manifest.json and {"<param>/<state>": tensor}, read with safetensors directly."""
+    manifest = json.loads((Path(udir) / "manifest.json").read_text())
+    tensors = {}
+    for name, p in manifest["params"].items():
+        for state, e in p["tensors"].items():
+            with safe_open(str(Path(udir) / e["file"]), "pt") as f:
+                tensors[f"{name}/{state}"] = f.get_tensor(e["key"])
+    return manifest, tensors
+
+
+def assert_holds_universal(full: dict[str, dict], udir: Path, model_dtype: torch.dtype | None,
+                           states: tuple[str, ...] = STATES, step: float | None = None) -> int:
+    """`full` (name -> {"model": training-dtype weight, state: fp32 tensor, "step"}) assembled
+    from a written checkpoint holds exactly the universal tensors of `udir` it was written from:
+    the same parameters, every state bitwise, the model weight the master cast to `model_dtype`.
+    Returns the number of tensors compared."""
+    manifest, tensors = universal_tensors(udir)
+    assert set(full) == set(manifest["params"]), sorted(set(full) ^ set(manifest["params"]))
+    n = 0
+    for name, got in full.items():
+        for s in states:
+            want = tensors[f"{name}/{s}"]
+            assert got[s].dtype == want.dtype and got[s].shape == want.shape, (name, s)
+            assert torch.equal(got[s], want), f"{name}/{s} differs from the universal tensor"
+            n += 1
+        if model_dtype is not None:
+            assert torch.equal(got["model"], tensors[f"{name}/param"].to(model_dtype)), f"{name} model"
+        if step is not None and "step" in got:
+            assert got["step"] == step == manifest["params"][name]["step"], name
+    return n
+
+
+# -------------------------------------------------------------------- flat DistributedOptimizer
+
+
+def buckets(names_numels: list[tuple[str, int]], own_bucket: set[str]) -> list[list[tuple[str, int, int]]]:
+    """megatron-core DDP's buckets of one buffer: [[(name, start in the bucket, numel)]...].
+    Parameters in reverse order, each start rounded up to 64 elements; a name in `own_bucket`
+    (the tied embedding / output layer at PP > 1) gets a bucket of its own."""
+    out: list[list] = [[]]
+    rel = 0
+    for name, numel in reversed(names_numels):
+        if name in own_bucket and out[-1]:
+            out.append([])
+            rel = 0
+        rel = -(-rel // 64) * 64
+        out[-1].append((name, rel, numel))
+        rel += numel
+        if name in own_bucket:
+            out.append([])
+            rel = 0
+    return [b for b in out if b]
+
+
+def flat_layout(names_numels: list[tuple[str, int]], own_bucket: set[str]) -> tuple[dict, int]:
+    """name -> start in a legacy distrib_optim.pt tensor (the buckets one after another, each
+    without its end padding), and that tensor's length."""
+    starts, base = {}, 0
+    for bucket in buckets(names_numels, own_bucket):
+        for name, start, _ in bucket:
+            starts[name] = base + start
+        last_name, last_start, last_numel = bucket[-1]
+        base += last_start + last_numel
+    return starts, base
+
+
+def full_tensor(name: str, copies: list[tuple[int, torch.Tensor]], swiglu: bool) -> torch.Tensor:
+    """Concatenate TP shards along the known dim; replicated copies must all be equal."""
+    by_tp: dict[int, torch.Tensor] = {}
+    for tp, t in copies:
+        if tp in by_tp:
+            assert torch.equal(by_tp[tp], t), f"{name}: replicated copies differ"
+        by_tp[tp] = t
+    shards = [by_tp[r] for r in sorted(by_tp)]
+    if len(shards) == 1:
+        return shards[0]
+    if name.endswith(ROW):
+        return torch.cat(shards, dim=1)
+    if name.endswith(COLUMN):
+        if swiglu and "linear_fc1" in name:
+            halves = [s.chunk(2, dim=0) for s in shards]
+            return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+        return torch.cat(shards, dim=0)
+    for s in shards[1:]:
+        assert torch.equal(s, shards[0]), f"{name}: TP-replicated copies differ"
+    return shards[0]
+
+
+def layer_offset(args, pp: int, chunk: int) -> int:
+    """Global index of the first layer of pipeline stage `pp`, virtual chunk `chunk`."""
+    if args.virtual_pipeline_model_parallel_size:
+        per_virtual = args.num_layers // (args.pipeline_model_parallel_size
+                                          * args.virtual_pipeline_model_parallel_size)
+        return chunk * args.num_layers // args.virtual_pipeline_model_parallel_size + pp * per_virtual
+    first = args.decoder_first_pipeline_num_layers
+    if first:
+        rest = (args.num_layers - first) // max(args.pipeline_model_parallel_size - 1, 1)
+        return 0 if pp == 0 else first + (pp - 1) * rest
+    return pp * args.num_layers // args.pipeline_model_parallel_size
+
+
+# --------------------------------------------------------------- Megatron-LM --ckpt-format torch
+
+
+def universal_name(local: str, layer_offset: int, expert_offset: int) -> str:
+    m = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", local)
+    if not m:
+        return local
+    layer, rest = int(m.group(1)) + layer_offset, m.group(2)
+    rest = re.sub(r"^input_layernorm\.(weight|bias)$", r"self_attention.linear_qkv.layer_norm_\1", rest)
+    rest = re.sub(r"^pre_mlp_layernorm\.(weight|bias)$", r"mlp.linear_fc1.layer_norm_\1", rest)
+    e = re.fullmatch(r"mlp\.experts\.local_experts\.(\d+)\.(.+)", rest)
+    if e:
+        rest = f"mlp.experts.experts.{int(e.group(1)) + expert_offset}.{e.group(2)}"
+    return f"decoder.layers.{layer}.{rest}"
+
+
+def split_grouped(sd: dict[str, torch.Tensor], experts: int) -> dict[str, torch.Tensor]:
+    """GroupedMLP's fused `mlp.experts.weight1`/`weight2` as SequentialMLP's per-expert local
+    tensors: GroupedMLP computes with weight1.view(experts, hidden, -1) and
+    weight2.view(experts, -1, hidden), each expert's matrix transposed to Linear's [out, in]."""
+    out = {}
+    for k, t in sd.items():
+        m = re.fullmatch(r"(.*\.mlp\.experts\.)weight([12])", k)
+        if not m:
+            out[k] = t
+            continue
+        hidden = t.shape[0] if m.group(2) == "1" else t.shape[1]
+        views = t.reshape(experts, hidden, -1) if m.group(2) == "1" else t.reshape(experts, -1, hidden)
+        for j, v in enumerate(views):
+            out[f"{m.group(1)}local_experts.{j}.linear_fc{m.group(2)}.weight"] = v.t()
+    return out
+
+
+def legacy_iteration(ckpt: Path) -> Path:
+    it = int((Path(ckpt) / "latest_checkpointed_iteration.txt").read_text())
+    return Path(ckpt) / f"iter_{it:07d}"
+
+
+def legacy_reference(ckpt: Path) -> dict[str, dict]:
+    """Universal name -> {"weight": [(tp, model tensor)...], state: [(tp, fp32 tensor)...],
+    "step": {steps}} of a `--ckpt-format torch` save (distributed optimizer)."""
+    out: dict[str, dict] = {}
+    for rank_dir in sorted(legacy_iteration(ckpt).iterdir()):
+        m, optim = load(rank_dir / "model_optim_rng.pt"), load(rank_dir / "distrib_optim.pt")
+        args = m["args"]
+        pp_size, ep_size = args.pipeline_model_parallel_size, args.expert_model_parallel_size
+        parts = [int(x) for x in rank_dir.name.split("_")[2:]]
+        tp = parts[0]
+        pp = parts[1] if pp_size > 1 else 0
+        ep = parts[-1] if ep_size > 1 else 0
+        entries = optim if isinstance(optim, list) else [optim]
+        chunk_keys = sorted(k for k in m if re.fullmatch(r"model\d*", k))
+        tied = not args.untie_embeddings_and_output_weights
+        opt = m["optimizer"]
+        opts = opt if isinstance(opt, list) else [opt]  # a list: the chained dense + expert optimizers
+        groups = [g for o in opts for g in o["optimizer"]["param_groups"]]
+        steps = {g["step"] for g in groups}
+        for c, key in enumerate(chunk_keys):
+            sd = {k: v for k, v in m[key].items() if torch.is_tensor(v)}
+            own = ({WORD, "output_layer.weight"} & set(sd) if tied and pp_size > 1 else set())
+            slices: dict[str, dict] = {}
+            for e, entry in enumerate(entries):
+                if entry is None:
+                    continue
+                # a second entry: the expert optimizer (EP > 1); at EP1 the experts share the
+                # dense optimizer's buffer
+                names = [(k, v.numel()) for k, v in sd.items()
+                         if len(entries) == 1 or ("experts" in k) == (e == 1)]
+                starts, total = flat_layout(names, own)
+                (flat,) = entry[c].values()  # one (param dtype, grad dtype) buffer per chunk
+                assert flat["numel_unpadded"] == total == flat["param"].numel(), rank_dir
+                assert set(flat) == {"numel_unpadded", *STATES}, (rank_dir, sorted(flat))
+                for name, numel in names:
+                    s = starts[name]
+                    slices[name] = {st: flat[st][s:s + numel].view(sd[name].shape) for st in STATES}
+            experts_per_rank = (args.num_experts or 0) // ep_size
+            if experts_per_rank:
+                sd = split_grouped(sd, experts_per_rank)
+                split = {}
+                for local, states in slices.items():
+                    per_state = {st: split_grouped({local: t}, experts_per_rank) for st, t in states.items()}
+                    for k in per_state[STATES[0]]:
+                        split[k] = {st: per_state[st][k] for st in STATES}
+                slices = split
+            for local, weight in sd.items():
+                if local == "output_layer.weight" and tied:
+                    name = WORD  # the same tensor (full_tensor checks the copies agree)
+                else:
+                    name = universal_name(local, layer_offset(args, pp, c), ep * experts_per_rank)
+                d = out.setdefault(name, {"weight": [], "step": set()})
+                d["weight"].append((tp, weight))
+                d["step"] |= steps
+                for st, t in slices.get(local, {}).items():
+                    d.setdefault(st, []).append((tp, t))
+    return out
+
+
+def legacy_full(ckpt: Path) -> dict[str, dict]:
+    """Universal name -> {"model": full training-dtype weight, state: full fp32 tensor, "step"}
+    of a `--ckpt-format torch` save, assembled by hand."""
+    args = load(next(legacy_iteration(ckpt).iterdir()) / "model_optim_rng.pt")["args"]
+    out = {}
+    for name, copies in legacy_reference(ckpt).items():
+        (step,) = copies["step"]
+        out[name] = {"model": full_tensor(name, copies["weight"], args.swiglu), "step": step,
+                     **{s: full_tensor(name, copies[s], args.swiglu) for s in STATES}}
+    return out
+
+
+# ---------------------------------------------------------- Megatron-LM --ckpt-format torch_dist
+
+
+def dist_iteration(ckpt: Path) -> Path:
+    ckpt = Path(ckpt)
+    if (ckpt / ".metadata").exists():
+        return ckpt
+    it = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    return ckpt / f"iter_{it:07d}"
+
+
+def load_keys(ckpt: Path, keys: list[str]) -> dict:
+    """Read the named tensors/objects of a torch_dist directory without a process group."""
+    ckpt = dist_iteration(ckpt)
+    meta = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    sd = {k: torch.empty(tuple(meta[k].size), dtype=meta[k].properties.dtype)
+          if hasattr(meta[k], "size") else io.BytesIO() for k in keys}
+    dcp.load(sd, checkpoint_id=str(ckpt), no_dist=True)
+    return sd
+
+
+def tensor_keys(ckpt: Path) -> dict[str, tuple[int, ...]]:
+    meta = FileSystemReader(str(dist_iteration(ckpt))).read_metadata().state_dict_metadata
+    return {k: tuple(v.size) for k, v in meta.items() if hasattr(v, "size")}
+
+
+def model_key(name: str) -> tuple[str, tuple[int, ...]]:
+    """'decoder.layers.1.x.weight' -> ('decoder.layers.x.weight', (1,)); experts stacked too:
+    'decoder.layers.1.mlp.experts.experts.3.w' -> ('decoder.layers.mlp.experts.experts.w', (1, 3))."""
+    m = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name)
+    if not m:
+        return name, ()
+    rest, index = m.group(2), (int(m.group(1)),)
+    e = re.fullmatch(r"(mlp\.experts\.experts)\.(\d+)\.(.+)", rest)
+    if e:
+        rest, index = f"{e.group(1)}.{e.group(3)}", (*index, int(e.group(2)))
+    return f"decoder.layers.{rest}", index
+
+
+def fully_reshardable_full(ckpt: Path, names: list[str]) -> dict[str, dict]:
+    """Universal name -> {"model", state...} from a fully_reshardable torch_dist checkpoint
+    (`<model key>[stacked index]` and `optimizer.state.<state>.<model key>[stacked index]`).
+    Also asserts that the checkpoint holds no tensor these names do not account for and that the
+    names fill every stacked index."""
+    keyed = {n: model_key(n) for n in names}
+    model_keys = sorted({k for k, _ in keyed.values()})
+    wanted = model_keys + [f"optimizer.state.{s}.{k}" for k in model_keys for s in STATES]
+    stored = tensor_keys(ckpt)
+    assert set(stored) == set(wanted), sorted(set(stored) ^ set(wanted))
+    for k in model_keys:
+        indices = {i for key, i in keyed.values() if key == k}
+        assert len(indices) == math.prod(stored[k][:len(next(iter(indices)))]), k
+    t = load_keys(ckpt, wanted)
+    return {n: {"model": t[k][i], **{s: t[f"optimizer.state.{s}.{k}"][i] for s in STATES}}
+            for n, (k, i) in keyed.items()}
+
+
+# one dense GPT layer's parameters in the legacy state-dict order (linear_proj is registered
+# before linear_qkv)
+LAYER = ("self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias",
+         "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
+         "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+         "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias",
+         "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
+         "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")
+
+
+def stage_order(args, pp: int, shapes: dict[str, tuple]) -> list[str]:
+    """Universal names of a dense GPT's pipeline stage `pp` in state-dict order (the last stage's
+    tied output layer as `output_layer.weight`), those `shapes` (universal shapes) has."""
+    first, last = pp == 0, pp == args.pipeline_model_parallel_size - 1
+    lo = layer_offset(args, pp, 0)
+    hi = args.num_layers if last else layer_offset(args, pp + 1, 0)
+    order = [WORD, "embedding.position_embeddings.weight"] if first else []
+    order += [f"decoder.layers.{i}.{n}" for i in range(lo, hi) for n in LAYER]
+    if last:
+        order += ["decoder.final_layernorm.weight", "decoder.final_layernorm.bias"]
+        if args.pipeline_model_parallel_size > 1 or args.untie_embeddings_and_output_weights:
+            order.append("output_layer.weight")
+    return [n for n in order if (WORD if n == "output_layer.weight" else n) in shapes]
+
+
+def tp_local(name: str, shape: tuple, tp_size: int) -> tuple[int, ...]:
+    axis = 0 if name.endswith(COLUMN) else 1 if name.endswith(ROW) else None
+    return tuple(s // tp_size if d == axis else s for d, s in enumerate(shape))
+
+
+def dp_reshardable_full(ckpt: Path, shapes: dict[str, tuple]) -> dict[str, dict]:
+    """Universal name -> {"model", state...} from a dp_reshardable torch_dist checkpoint of a
+    dense GPT (PP, TP; no VPP, no experts): each model-parallel rank's (mp = pp * TP + tp) flat
+    buckets `optimizer.distributed.dp_group_idx_<mp>.gbuf_idx_0.dtype_(<param>, torch.float32)
+    .bucket_idx_<b>.<state>`, sliced with `buckets`; the model tensors stacked as in
+    fully_reshardable."""
+    args = load(dist_iteration(ckpt) / "common.pt")["args"]
+    assert not args.virtual_pipeline_model_parallel_size and not args.num_experts
+    tp_size, pp_size = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    dtype = "torch.bfloat16" if args.bf16 else "torch.float16" if args.fp16 else "torch.float32"
+    tied = not args.untie_embeddings_and_output_weights
+    stored = tensor_keys(ckpt)
+    copies: dict[str, dict[str, list]] = {}
+    flat_keys = []
+    for pp in range(pp_size):
+        order = stage_order(args, pp, shapes)
+        own = {WORD, "output_layer.weight"} & set(order) if tied and pp_size > 1 else set()
+        for tp in range(tp_size):
+            mp = pp * tp_size + tp
+            local = {n: tp_local(n, shapes[WORD if n == "output_layer.weight" else n], tp_size)
+                     for n in order}
+            for b, bucket in enumerate(buckets([(n, math.prod(local[n])) for n in order], own)):
+                prefix = (f"optimizer.distributed.dp_group_idx_{mp}.gbuf_idx_0.dtype_({dtype}, "
+                          f"torch.float32).bucket_idx_{b}")
+                flat = load_keys(ckpt, [f"{prefix}.{s}" for s in STATES])
+                flat_keys += list(flat)
+                for name, start, numel in bucket:
+                    key = WORD if name == "output_layer.weight" and tied else name
+                    for s in STATES:
+                        assert start + numel <= flat[f"{prefix}.{s}"].numel(), (prefix, name)
+                        piece = flat[f"{prefix}.{s}"][start:start + numel].view(local[name])
+                        copies.setdefault(key, {}).setdefault(s, []).append((tp, piece))
+    flats = {k for k in stored if k.startswith("optimizer.distributed.")}
+    assert flats == set(flat_keys), sorted(flats ^ set(flat_keys))
+    model = load_keys(ckpt, sorted({model_key(n)[0] for n in copies}))
+    return {n: {"model": model[model_key(n)[0]][model_key(n)[1]],
+                **{s: full_tensor(n, c[s], args.swiglu) for s in STATES}} for n, c in copies.items()}
+
+
+# ------------------------------------------------------------------------------- loaded dumps
+
+
+def local_to_universal(local: str, pp: int, first: int | None) -> str:
+    """TP1 dump (megatron_ucp.testing.scenarios.dump_local_state): local name -> universal name
+    (layer offset of an uneven pipeline stage of `first` layers; no experts)."""
+    if local == "output_layer.weight":
+        return WORD
+    return universal_name(local, first if pp and first else 0, 0)
+
+
+def assert_dumps_hold(dump_dir: Path, manifest: dict, tensors: dict, first: int | None,
+                      ranks: int, step: float = 6.0) -> None:
+    """Every TP1 rank's dumped model weight is the universal master cast to bf16, its optimizer
+    range holds the universal values (at `step`), and the ranges cover every parameter once."""
+    covered = dict.fromkeys(manifest["params"], 0)
+    for rank in range(ranks):
+        dump = load(Path(dump_dir) / f"rank{rank}.pt")
+        pp = dump["coords"]["pp"]
+        for e in dump["params"]:
+            name = local_to_universal(e["name"], pp, first)
+            assert torch.equal(e["model"], tensors[f"{name}/param"].to(torch.bfloat16)), name
+            if e["range"] is not None:
+                a, b = e["range"]
+                assert e["step"] == step, name
+                for s in STATES:
+                    assert torch.equal(e[s], tensors[f"{name}/{s}"].reshape(-1)[a:b]), (name, s)
+                if e["name"] != "output_layer.weight":  # the tied copy on the last stage
+                    covered[name] += b - a
+    assert covered == {n: math.prod(p["shape"]) for n, p in manifest["params"].items()}
+
+
+def assert_universal_is_dump(udir: Path, dump_dir: Path, swiglu: bool = False) -> int:
+    """A universal checkpoint of a megatron_ucp save holds, bitwise, the state the saving run
+    dumped (tests/reference.py's hand assembly of the per-rank dumps): every parameter, its
+    master weight, Adam moments and step. Returns the number of tensors compared."""
+    from reference import STATES as DUMP_STATES
+    from reference import assemble
+
+    manifest, tensors = universal_tensors(udir)
+    expected = {}
+    for key, states in assemble(dump_dir, swiglu).items():
+        if key == "output_layer.weight" and WORD in manifest["params"] and "output_layer.weight" \
+                not in manifest["params"]:
+            continue  # the tied copy on the last stage (the same tensor as the embedding)
+        expected[universal_name(key, 0, 0)] = states
+    assert set(expected) == set(manifest["params"]), sorted(set(expected) ^ set(manifest["params"]))
+    n = 0
+    for name, states in expected.items():
+        assert manifest["params"][name]["step"] == states.get("step", 0.0), name
+        for s in DUMP_STATES:
+            if s not in states:  # a persistent buffer: no optimizer state
+                continue
+            assert torch.equal(tensors[f"{name}/{s}"], states[s]), f"{name}/{s}"
+            n += 1
+    return n
+
+
+def dist_shapes(ckpt: Path) -> dict[str, tuple[int, ...]]:
+    """Universal name -> shape of a dense torch_dist checkpoint's parameters, from its stacked
+    model tensors (`decoder.layers.<key>` is [layers, ...])."""
+    out = {}
+    for key, shape in tensor_keys(ckpt).items():
+        if key.startswith("optimizer."):
+            continue
+        if key.startswith("decoder.layers."):
+            rest = key[len("decoder.layers."):]
+            out.update({f"decoder.layers.{i}.{rest}": shape[1:] for i in range(shape[0])})
+        else:
+            out[key] = shape
+    return out
+
+
+# ----------------------------------------------------------------------------- Hugging Face
+
+
+def split_qkv(t: torch.Tensor, heads: int, groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v rows of megatron's fused linear_qkv weight or bias: per query group g (in order)
+    the rows of its heads // groups query heads, then its key head, then its value head."""
+    per_group = heads // groups
+    d = t.shape[0] // (groups * (per_group + 2))
+    g = t.reshape(groups, (per_group + 2) * d, *t.shape[1:])
+    flat = (-1, *t.shape[1:])
+    return (g[:, :per_group * d].reshape(flat), g[:, per_group * d:(per_group + 1) * d].reshape(flat),
+            g[:, (per_group + 1) * d:].reshape(flat))
+
+
+def hf_expected(master: dict[str, torch.Tensor], arch: str, heads: int, groups: int, vocab: int
+                ) -> dict[str, torch.Tensor]:
+    """The tensors a transformers `arch` (llama, qwen2, mixtral or gpt2) checkpoint of the
+    megatron-core GPT with full master weights `master` (universal names) holds, by the textbook
+    correspondences:
+    megatron's fused linear_qkv rows are per query group [q heads of the group; k; v] (head_dim
+    rows each), SwiGLU's linear_fc1 is [gate; up], GPT-2's Conv1D stores [in, out], and the
+    vocabulary rows beyond `vocab` are padding."""
+    out = {}
+    layers = sorted({int(n.split(".")[2]) for n in master if n.startswith("decoder.layers.")})
+
+    def qkv(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return split_qkv(t, heads, groups)
+
+    def have(name: str) -> bool:
+        return name in master
+
+    if arch in ("llama", "qwen2", "mixtral"):
+        out["model.embed_tokens.weight"] = master[WORD][:vocab]
+        out["model.norm.weight"] = master["decoder.final_layernorm.weight"]
+        if have("output_layer.weight"):
+            out["lm_head.weight"] = master["output_layer.weight"][:vocab]
+        for i in layers:
+            m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+            out[h + "input_layernorm.weight"] = master[m + "self_attention.linear_qkv.layer_norm_weight"]
+            out[h + "post_attention_layernorm.weight"] = master[m + "mlp.linear_fc1.layer_norm_weight"]
+            for kind in ("weight", "bias"):
+                if have(m + f"self_attention.linear_qkv.{kind}"):
+                    q, k, v = qkv(master[m + f"self_attention.linear_qkv.{kind}"])
+                    out.update({h + f"self_attn.q_proj.{kind}": q, h + f"self_attn.k_proj.{kind}": k,
+                                h + f"self_attn.v_proj.{kind}": v})
+                if have(m + f"mlp.linear_fc1.{kind}"):
+                    gate, up = master[m + f"mlp.linear_fc1.{kind}"].chunk(2)
+                    out.update({h + f"mlp.gate_proj.{kind}": gate, h + f"mlp.up_proj.{kind}": up})
+                for mine, theirs in (("self_attention.linear_proj", "self_attn.o_proj"),
+                                     ("mlp.linear_fc2", "mlp.down_proj")):
+                    if have(m + f"{mine}.{kind}"):
+                        out[h + f"{theirs}.{kind}"] = master[m + f"{mine}.{kind}"]
+            if have(m + "mlp.router.weight"):  # Mixtral: w1 gate, w3 up, w2 down per expert
+                out[h + "block_sparse_moe.gate.weight"] = master[m + "mlp.router.weight"]
+                experts = {int(n.split(".")[6]) for n in master if n.startswith(m + "mlp.experts.experts.")}
+                for e in sorted(experts):
+                    x, y = f"{m}mlp.experts.experts.{e}.", f"{h}block_sparse_moe.experts.{e}."
+                    out[y + "w1.weight"], out[y + "w3.weight"] = master[x + "linear_fc1.weight"].chunk(2)
+                    out[y + "w2.weight"] = master[x + "linear_fc2.weight"]
+    elif arch == "gpt2":
+        out["transformer.wte.weight"] = master[WORD][:vocab]
+        out["transformer.wpe.weight"] = master["embedding.position_embeddings.weight"]
+        out["transformer.ln_f.weight"] = master["decoder.final_layernorm.weight"]
+        out["transformer.ln_f.bias"] = master["decoder.final_layernorm.bias"]
+        if have("output_layer.weight"):
+            out["lm_head.weight"] = master["output_layer.weight"][:vocab]
+        for i in layers:
+            m, h = f"decoder.layers.{i}.", f"transformer.h.{i}."
+            for kind in ("weight", "bias"):
+                out[h + f"ln_1.{kind}"] = master[m + f"self_attention.linear_qkv.layer_norm_{kind}"]
+                out[h + f"ln_2.{kind}"] = master[m + f"mlp.linear_fc1.layer_norm_{kind}"]
+            out[h + "attn.c_attn.weight"] = torch.cat(qkv(master[m + "self_attention.linear_qkv.weight"])).t()
+            out[h + "attn.c_attn.bias"] = torch.cat(qkv(master[m + "self_attention.linear_qkv.bias"]))
+            for mine, theirs in (("self_attention.linear_proj", "attn.c_proj"),
+                                 ("mlp.linear_fc1", "mlp.c_fc"), ("mlp.linear_fc2", "mlp.c_proj")):
+                out[h + f"{theirs}.weight"] = master[m + f"{mine}.weight"].t()
+                out[h + f"{theirs}.bias"] = master[m + f"{mine}.bias"]
+    else:
+        raise ValueError(arch)
+    return {k: v.contiguous() for k, v in out.items()}
