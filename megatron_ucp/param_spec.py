@@ -263,7 +263,18 @@ def declared_state_dict(model) -> dict:
     """The (unwrapped) model's `sharded_state_dict()`, with the metadata megatron-core's layers
     read: the DP x CP group (GPTModel's MTP embedding copy and the learnable softmax offset index
     it without a default; Megatron-LM's save passes it too)."""
-    return model.sharded_state_dict(metadata=ensure_metadata_has_dp_cp_group(None))
+    try:
+        return model.sharded_state_dict(metadata=ensure_metadata_has_dp_cp_group(None))
+    except AssertionError as e:  # megatron-core cannot declare this model (nor save it in torch_dist)
+        hint = ""
+        tied = getattr(model, "share_embeddings_and_output_weights", False)
+        if getattr(model, "mtp_process", False) and tied:
+            hint = (" megatron-core 0.16.1 cannot declare MTP with tied embeddings on a pipeline "
+                    "stage after the first (LanguageModule.tie_embeddings_and_output_weights_state_dict "
+                    "asserts); train with untied embeddings or PP=1.")
+        raise UCPError(f"the model's own sharded_state_dict() (megatron-core) fails: "
+                       f"AssertionError {str(e)[:200]!r}; megatron-ucp derives every parameter's "
+                       f"split from it, so it can neither save nor load this model.{hint}") from e
 
 
 def local_params(model_chunks: list) -> list[LocalParam]:

@@ -79,12 +79,14 @@ def test_family_transition(family, src, dst, cfg, dst_cfg, source_runs, tmp_path
 
 
 def test_tied_mtp_at_pp2_is_refused_by_megatron_core_itself():
-    """Upstream, megatron-core 0.16.1: with tied embeddings, MTP on a later pipeline stage and
-    PP > 1, GPTModel.sharded_state_dict asserts (LanguageModule.
+    """Upstream, megatron-core 0.16.1: a model with tied embeddings and MTP on a later pipeline
+    stage trains (2 steps at PP2 run), but GPTModel.sharded_state_dict asserts (LanguageModule.
     tie_embeddings_and_output_weights_state_dict: the MTP stage's output layer has its own weight),
-    so neither Megatron-LM's torch_dist save nor megatron_ucp can declare the model. Untied MTP at
-    PP2 is covered above. When this test fails, megatron-core runs it: add a tied MTP transition."""
+    so neither Megatron-LM's torch_dist save nor megatron_ucp can declare it: refused by name.
+    Untied MTP at PP2 is covered above. When this fails, megatron-core declares it: add a transition."""
     tied = {**MTP, "untie_embeddings": False}
     with pytest.raises(LaunchError) as e:
         launch(2, f"{SCENARIOS}:param_specs", {"layout": "pp2", "cfg": tied}, timeout=300)
-    assert "tie_embeddings_and_output_weights_state_dict" in str(e.value), str(e.value)[-3000:]
+    assert "UCPError: the model's own sharded_state_dict() (megatron-core) fails" in str(e.value), \
+        str(e.value)[-3000:]
+    assert "cannot declare MTP with tied embeddings" in str(e.value)
