@@ -25,6 +25,7 @@ from megatron.core.distributed import (
 )
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
     get_gpt_mtp_block_spec,
@@ -69,6 +70,8 @@ def _replace_module(spec, old: type, new):
     """Copy of a layer spec with every `old` module class replaced by `new`."""
     if spec is old:
         return new
+    if isinstance(spec, list):  # a block spec's layer_specs
+        return [_replace_module(s, old, new) for s in spec]
     if isinstance(spec, ModuleSpec) or dataclasses.is_dataclass(spec) and not isinstance(spec, type):
         return dataclasses.replace(spec, **{f.name: _replace_module(getattr(spec, f.name), old, new)
                                             for f in dataclasses.fields(spec)})
@@ -203,15 +206,29 @@ def build(cfg: TinyGPTConfig, layout: Layout) -> TrainState:
             qk_layernorm=cfg.qk_layernorm, normalization=cfg.normalization,
             multi_latent_attention=tf_config.multi_latent_attention,
         )
-        if tf_config.multi_latent_attention:  # 0.16.1's local MLA: see mla_attention
-            layer_spec = _replace_module(layer_spec, DotProductAttention, MLACoreAttention)
-    if layout.cp > 1:  # megatron-core's CP attention needs TE: see cp_attention
-        layer_spec = _replace_module(layer_spec, DotProductAttention, ContextParallelDotProductAttention)
+
+    def stand_ins(spec):
+        if tf_config.multi_latent_attention and cfg.transformer_impl == "local":  # see mla_attention
+            spec = _replace_module(spec, DotProductAttention, MLACoreAttention)
+        if layout.cp > 1:  # megatron-core's CP attention needs TE: see cp_attention
+            spec = _replace_module(spec, DotProductAttention, ContextParallelDotProductAttention)
+        return spec
+
+    layer_spec = stand_ins(layer_spec)
+    # dense and MoE layers mixed (first-k-dense, moe_layer_freq): megatron-core's per-layer block
+    # spec, as Megatron-LM builds it
+    mixed = bool(tf_config.num_moe_experts) and tf_config.moe_layer_freq != 1
     chunks = []
     for vp_stage in range(layout.vpp or 1):
         vp = vp_stage if layout.vpp else None
         spec = layer_spec
-        if cfg.sequence_parallel:
+        if mixed:
+            spec = stand_ins(get_gpt_decoder_block_spec(tf_config, cfg.transformer_impl != "local",
+                                                        normalization=cfg.normalization, vp_stage=vp))
+            if cfg.sequence_parallel:
+                layers = _replace_module(spec.layer_specs, WrappedTorchNorm, SequenceParallelTorchNorm)
+                spec = dataclasses.replace(spec, layer_specs=layers, layer_norm=SequenceParallelTorchNorm)
+        elif cfg.sequence_parallel:
             n = get_num_layers_to_build(tf_config, vp_stage=vp)
             spec = TransformerBlockSubmodules(
                 layer_specs=[_replace_module(layer_spec, WrappedTorchNorm, SequenceParallelTorchNorm)] * n,
@@ -219,7 +236,7 @@ def build(cfg: TinyGPTConfig, layout: Layout) -> TrainState:
             )
         mtp_spec = None
         if tf_config.mtp_num_layers:  # multi-token prediction layers (DeepSeek-V3) on the last stage
-            mtp_spec = get_gpt_mtp_block_spec(tf_config, layer_spec, cfg.transformer_impl != "local",
+            mtp_spec = get_gpt_mtp_block_spec(tf_config, spec, cfg.transformer_impl != "local",
                                               vp_stage=vp)
         model = GPTModel(
             config=tf_config,
