@@ -13,8 +13,10 @@ from pathlib import Path
 
 import torch
 
-from megatron_ucp import formats
+from megatron_ucp import formats, object_store
 from megatron_ucp.formats import manifest as mf
+from megatron_ucp.object_store import ObjectPath
+from megatron_ucp.storage import location
 
 
 def verify(path: str | Path) -> str:
@@ -25,10 +27,16 @@ def verify(path: str | Path) -> str:
     m = source.manifest
     report = (f"OK {source.dir}: {m.kind}, iteration {m.iteration}, {len(m.params)} "
               f"parameters, {n} tensors verified, {source.bytes_read / 2**20:.2f} MiB read")
-    stale = mf.interrupted_saves(path) if Path(path) != source.dir else []
+    root = location(path)
+    stale = mf.interrupted_saves(root) if root != source.dir else []
     if stale:
         report += (f"; {len(stale)} interrupted save(s) under {path} ({', '.join(p.name for p in stale)}):"
                    " never loaded, removed by the next save")
+    if isinstance(root, ObjectPath):  # a killed writer's multipart uploads, billed until aborted
+        uploads = object_store.incomplete_uploads(root)
+        if uploads:
+            report += (f"; {len(uploads)} incomplete multipart upload(s) under {path} "
+                       f"({', '.join(u.path.key for u in uploads[:5])}): aborted by the next save")
     return report
 
 

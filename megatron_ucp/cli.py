@@ -169,10 +169,14 @@ def main(argv: list[str] | None = None) -> int:
     progress = False if getattr(args, "no_progress", False) else tqdm
 
     try:
+        # under torchrun a conversion is one job: each process converts a share, rank 0 commits
+        distributed = args.command in ("convert", "reshard") and _join_torchrun_job()
+        if distributed:
+            progress = False
         if args.command == "convert":
             from megatron_ucp.reshard import convert
 
-            convert(args.fragments_dir, args.universal_dir, progress=progress)
+            convert(args.fragments_dir, args.universal_dir, progress=progress, distributed=distributed)
         elif args.command == "inspect":
             from megatron_ucp.inspector import inspect
 
@@ -189,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
                           first_stage_layers=args.target_first_stage_layers,
                           last_stage_layers=args.target_last_stage_layers, workers=args.workers,
                           optim_sharding=args.target_optim_sharding,
-                          expert_tensor_parallel=args.target_etp, trust_pickle=args.trust_pickle))
+                          expert_tensor_parallel=args.target_etp, trust_pickle=args.trust_pickle,
+                          distributed=distributed))
         elif args.command == "verify":
             from megatron_ucp.checks import verify
 
@@ -227,6 +232,20 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         logger.removeHandler(handler)
     return 0
+
+
+def _join_torchrun_job() -> bool:
+    """True under torchrun with several processes (WORLD_SIZE > 1): the gloo process group is
+    initialized here (from torchrun's MASTER_ADDR / MASTER_PORT / RANK); gloo, no GPU needed."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return True
 
 
 def _plan_recompute(args) -> int:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from megatron_ucp import formats
 from megatron_ucp.formats import manifest as mf
+from megatron_ucp.object_store import ObjectPath, list_objects
 
 
 def inspect(path: str | Path, trust_pickle: bool = False) -> str:
@@ -24,8 +25,11 @@ def inspect(path: str | Path, trust_pickle: bool = False) -> str:
         kind = f"{source.format} (read as universal tensors)"
     params = m.params
     numel = sum(math.prod(p.shape) for p in params.values())
-    files = sorted(f for f in ckpt.rglob("*") if f.is_file() and f.name != mf.MANIFEST)
-    size = sum(f.stat().st_size for f in files)
+    if isinstance(ckpt, ObjectPath):  # one listing, sizes included
+        sizes = [n for p, n in list_objects(ckpt) if p.name != mf.MANIFEST]
+    else:
+        sizes = [f.stat().st_size for f in ckpt.rglob("*") if f.is_file() and f.name != mf.MANIFEST]
+    files, size = sizes, sum(sizes)
     cfg = m.model
     lines = [
         f"checkpoint   {ckpt}",

@@ -18,14 +18,17 @@ import torch.distributed as dist
 
 from megatron_ucp import rng
 from megatron_ucp.errors import UCPError
+from megatron_ucp.formats import manifest as mf
 from megatron_ucp.formats import open_megatron_ucp
 from megatron_ucp.formats.manifest import RUN_HYPERPARAMETERS
 from megatron_ucp.layout import Layout
 from megatron_ucp.local_slice import read_local
+from megatron_ucp.object_store import ObjectPath
 from megatron_ucp.optimizer_state import OptimizerIndex
 from megatron_ucp.param_spec import LocalParam, local_params
 from megatron_ucp.spec import STATES
 from megatron_ucp.staging import collective_device
+from megatron_ucp.storage import Location, location, plan_reads
 from megatron_ucp.validation import check_layout, check_model_config, model_config
 
 log = logging.getLogger(__name__)
@@ -35,13 +38,14 @@ log = logging.getLogger(__name__)
 class LoadResult:
     iteration: int
     extra: dict
-    checkpoint: Path
+    checkpoint: Location
     source_layout: Layout
     # the generators set from the checkpoint (rng.restore's names: torch_cpu, cuda, tracker.<name>,
     # python, numpy); empty when the layout changed and they were re-derived (rng.rederive)
     rng_restored: tuple[str, ...]
     bytes_read: int  # by this rank
     files_opened: int = 0  # checkpoint data files this rank opened
+    requests: int = 0  # GET requests this rank issued to an object store (0 for local files)
 
 
 def _check_params(source, params: list[LocalParam], strict: bool) -> None:
@@ -108,13 +112,32 @@ def _set_shard(index: OptimizerIndex, source, param, shard: tuple[int, int], sta
     index.set(param, states, next(iter(steps.values()))[0])
 
 
+def _resolve_once(path: str | Path) -> Location:
+    """The checkpoint directory `path` names, found by rank 0 alone and broadcast: thousands of
+    ranks reading `latest` and probing prefixes of one bucket are what gets a store to answer 503
+    SlowDown. Its error, if any, is raised on every rank."""
+    where = location(path)  # (every rank: an unsupported URL scheme fails before any collective)
+    if not isinstance(where, ObjectPath) or not dist.is_initialized() or dist.get_world_size() == 1:
+        return where
+    found: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            found = [str(mf.resolve(where))]
+        except UCPError as e:
+            found = [e]
+    dist.broadcast_object_list(found, src=0)
+    if isinstance(found[0], UCPError):
+        raise UCPError(str(found[0]))
+    return location(found[0])
+
+
 def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: bool = True,
          verify_checksums: bool = True) -> LoadResult:
     """Fill model weights, DistributedOptimizer master weights, Adam moments and step, scheduler,
     and RNG from `path` (a save root with `latest`, a fragment directory or a universal directory).
     Collective: call on every rank after building model, optimizer and scheduler."""
     t0 = time.perf_counter()
-    source = open_megatron_ucp(path, verify_checksums=verify_checksums)
+    source = open_megatron_ucp(_resolve_once(path), verify_checksums=verify_checksums)
     manifest = source.manifest
     layout = Layout.current()
     check_layout(manifest.model, layout, str(source.dir))
@@ -125,17 +148,26 @@ def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: 
 
     index = OptimizerIndex(optimizer)
     index.ensure_state()
+    regions = [(lp, None if lp.spec.buffer else index.region_range(lp)) for lp in params]
+    regions = [(lp, r) for lp, r in regions if lp.spec.buffer or r is not None]
+
+    def reads(src) -> None:  # every read of the loop below, in its order (its plan in a store)
+        for lp, region in regions:
+            if region is None:
+                read_local(src, lp, "param", 0, lp.numel)
+                continue
+            for s in STATES:
+                read_local(src, lp, s, region[1] - lp.base, region[2] - lp.base)
+
+    plan_reads(source, reads)
     # id(param) -> (param, shard range, states, steps) while its regions are being read; handed to
     # the optimizer as soon as they tile the shard, so host memory holds one parameter's shard at
     # a time, not the rank's whole optimizer state
     shards: dict[int, tuple] = {}
-    for lp in params:
-        if lp.spec.buffer:  # every holder reads its whole local slice; no optimizer state
+    for lp, region in regions:  # (region: this universal tensor's part of the shard)
+        if region is None:  # a buffer: every holder reads its whole local slice; no optimizer state
             with torch.no_grad():
                 lp.region(lp.param).copy_(read_local(source, lp, "param", 0, lp.numel))
-            continue
-        region = index.region_range(lp)  # this universal tensor's part of the shard
-        if region is None:
             continue
         shard, a, b = region
         if id(lp.param) not in shards:
@@ -169,4 +201,4 @@ def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: 
         log.info("loaded iteration %d (%s, saved at %s) at %s in %.2fs", manifest.iteration,
                  manifest.kind, source_layout, layout, time.perf_counter() - t0)
     return LoadResult(manifest.iteration, manifest.extra, source.dir, source_layout,
-                      restored, source.bytes_read, source.files_opened)
+                      restored, source.bytes_read, source.files_opened, source.requests)

@@ -232,11 +232,16 @@ def maybe_finalize_async_save(*args, **kwargs):
 def _find_checkpoint(path: str | None) -> Path | None:
     """The checkpoint directory `path` names (save root, fragment or universal dir), or None."""
     from megatron_ucp.formats import manifest as mf
+    from megatron_ucp.object_store import StoreError
+    from megatron_ucp.storage import location
 
     if not path:
         return None
+    where = location(path)  # an unsupported URL scheme is an error, never "no checkpoint"
     try:
-        return mf.resolve(path)
+        return mf.resolve(where)
+    except StoreError:  # a store that failed (credentials, throttling) is not an empty --load
+        raise
     except UCPError:
         return None
 

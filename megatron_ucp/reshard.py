@@ -21,8 +21,9 @@ from megatron_ucp import formats
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats import manifest as mf
 from megatron_ucp.layout import Layout
+from megatron_ucp.object_store import ObjectPath, download_tree, list_objects
 from megatron_ucp.progress import Progress
-from megatron_ucp.storage import refuse_non_empty, staged_dir
+from megatron_ucp.storage import local_only, location, refuse_non_empty, staged_dir
 from megatron_ucp.validation import check_layout
 
 log = logging.getLogger(__name__)
@@ -53,21 +54,24 @@ class ReshardSummary:
 
 def convert(load: str | Path, universal_dir: str | Path, *, progress: Progress = True,
             max_file_bytes: int = 2**31, workers: int = 1, fmt: str | None = None,
-            trust_pickle: bool = False) -> Path:
+            trust_pickle: bool = False, distributed: bool = False) -> Path:
     """Consolidate a checkpoint (a fragment checkpoint, or a Megatron-LM one) into a new universal
     directory; returns its path. fmt: the source format (detected when None). trust_pickle: load
     Megatron-LM files with the plain unpickler (otherwise only the types Megatron-LM writes).
 
     Every fragment of a fragment checkpoint is read whole once and its checksum checked. Peak
     memory is about two parameter states per writer, not the model. workers > 1 writes the data
-    files in forked processes.
+    files in forked processes. distributed: one job of the initialized process group (torchrun,
+    gloo), every process converting a balanced share of the files, rank 0 committing once; the
+    output is byte for byte that of workers=max(workers, world size) in one process.
     """
-    refuse_non_empty(Path(universal_dir))  # before a possibly long source rebuild
+    refuse_non_empty(location(universal_dir))  # before a possibly long source rebuild
     source = _open(load, fmt, progress, trust_pickle)
     if source.format == "universal":
         raise UCPError(f"{source.dir}: already a universal checkpoint; nothing to convert")
     return formats.get("universal").write(source, universal_dir, progress=progress,
-                                          max_file_bytes=max_file_bytes, workers=workers)
+                                          max_file_bytes=max_file_bytes, workers=workers,
+                                          distributed=distributed)
 
 
 def _open(load: str | Path, fmt: str | None, progress: Progress, trust_pickle: bool):
@@ -116,7 +120,7 @@ def reshard(load: str | Path, save: str | Path, target: Layout | None = None,
             first_stage_layers: int | None = None,
             last_stage_layers: int | None = None, workers: int = 1,
             optim_sharding: str | None = None, expert_tensor_parallel: int | None = None,
-            trust_pickle: bool = False) -> ReshardSummary:
+            trust_pickle: bool = False, distributed: bool = False) -> ReshardSummary:
     """Convert `load` to `target_format` at `target`.
 
     target_format "torch": a stock Megatron-LM `--ckpt-format torch` checkpoint at `target`;
@@ -133,7 +137,7 @@ def reshard(load: str | Path, save: str | Path, target: Layout | None = None,
     t0 = time.perf_counter()
     if target_format not in TARGET_FORMATS:
         raise UCPError(f"--target-format {target_format}: unknown; choose one of {list(TARGET_FORMATS)}")
-    out = Path(save)
+    out = location(save)
     if optim_sharding is not None and target_format != "torch_dist":
         raise UCPError(f"--target-optim-sharding applies to --target-format torch_dist only (the "
                        f"{target_format} form has one optimizer layout)")
@@ -142,7 +146,11 @@ def reshard(load: str | Path, save: str | Path, target: Layout | None = None,
                        "torch checkpoint is written by expert-data-parallel rank 0 alone, so it "
                        "cannot hold an expert TP other than TP; the universal form is "
                        "layout-free (the loading run chooses its ETP)")
+    if distributed and target_format != "universal":
+        raise UCPError(f"--target-format {target_format} runs as one process; run it without "
+                       "torchrun (the universal target can be written by a distributed job)")
     if target_format != "universal":
+        out = local_only(out, f"reshard --target-format {target_format}")
         kind = formats.detect(load)
         options = {k: v for k, v in (("sharding", optim_sharding),
                                      ("expert_tensor_parallel", expert_tensor_parallel)) if v}
@@ -155,18 +163,28 @@ def reshard(load: str | Path, save: str | Path, target: Layout | None = None,
         kind = source.format
         if target is not None:  # before writing anything the target could not use
             check_layout(source.manifest.model, target, str(source.dir))
+        if kind == "universal" and distributed:
+            raise UCPError(f"{source.dir}: already universal: the copy runs as one process; run "
+                           "it without torchrun")
         if kind == "universal":
             # staged like every writer: a copy killed half-way must not leave a partial `out`
             # (it would block the retry and could hold a manifest without its data files)
             with staged_dir(out) as partial:
-                shutil.copytree(source.dir, partial, dirs_exist_ok=True)
+                if isinstance(source.dir, ObjectPath):
+                    download_tree(source.dir, partial)
+                else:
+                    shutil.copytree(source.dir, partial, dirs_exist_ok=True)
         else:
-            formats.get("universal").write(source, out, progress=progress, workers=workers)
+            formats.get("universal").write(source, out, progress=progress, workers=workers,
+                                           distributed=distributed)
         manifest = mf.read(out)
-    files = [f for f in out.rglob("*") if f.is_file()]
+    if isinstance(out, ObjectPath):
+        written = sum(n for _, n in list_objects(out))
+    else:
+        written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     return ReshardSummary(kind, out, len(manifest.params),
                           sum(math.prod(p.shape) for p in manifest.params.values()),
-                          sum(f.stat().st_size for f in files), time.perf_counter() - t0,
+                          written, time.perf_counter() - t0,
                           target_format=target_format)
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_ucp import rng
+from megatron_ucp import object_store, rng
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats import manifest as mf
 from megatron_ucp.formats.fragments import (
@@ -51,7 +51,8 @@ from megatron_ucp.layout import Layout
 from megatron_ucp.optimizer_state import OptimizerIndex
 from megatron_ucp.param_spec import local_params
 from megatron_ucp.staging import HostStager, collective_device, steps_to_floats
-from megatron_ucp.storage import StagedDir, file_in_the_way
+from megatron_ucp.storage import Location, StagedDir, file_in_the_way, location
+from megatron_ucp.storage import staged as staged_commit
 from megatron_ucp.validation import model_config
 
 log = logging.getLogger(__name__)
@@ -64,8 +65,8 @@ class PendingSave:
     """A save whose rank file is being (or has been) written and which is not committed yet."""
 
     iteration: int
-    root: Path
-    staged: StagedDir  # <root>/.iter_XXXXXXX.partial -> <root>/iter_XXXXXXX
+    root: Location
+    staged: StagedDir | object_store.StagedPrefix  # .iter_X.partial -> iter_X, or a store prefix
     manifest: Manifest | None  # rank 0 only: everything but the parameters' index and the byte count
     specs: list[dict]  # the specs this rank contributes to the index at commit (maybe none)
     fragments: list[Fragment]  # its fragments: their records go into the index at commit
@@ -95,7 +96,7 @@ before_background_write: Callable[[PendingSave], None] | None = None
 
 def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: int, *,
          extra: dict | None = None, seed: int = 1234, vocab_size: int | None = None,
-         async_save: bool = False) -> Path:
+         async_save: bool = False) -> Location:
     """Save a fragment checkpoint of model + DistributedOptimizer + scheduler under `path`.
 
     extra: JSON-able training state (consumed samples, ...) returned by `load`.
@@ -110,7 +111,7 @@ def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: 
     """
     finalize(blocking=True)  # the previous asynchronous save commits (or raises) first
     t0 = time.perf_counter()
-    root = Path(path)
+    root = location(path)  # a local directory or an object-store URL (never `s3:` as a directory)
     # every rank sees the root (one filesystem), so all raise, before any collective
     blocker = file_in_the_way(root)
     if blocker is not None:
@@ -118,9 +119,24 @@ def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: 
         raise UCPError(f"{root}: the save root {what}; pass a directory")
     rank = dist.get_rank()
     layout = Layout.current()
-    target = StagedDir(root / mf.iteration_dir_name(iteration))
+    target = staged_commit(root / mf.iteration_dir_name(iteration), mf.MANIFEST)
     final = target.final
-    if rank == 0:
+    in_store = isinstance(root, object_store.ObjectPath)
+    prepare_error: list = [None]  # rank 0's error preparing a store prefix, raised on every rank
+    if rank == 0 and in_store:
+        try:
+            # rank 0 lists, once: objects of saves that never committed and their incomplete
+            # multipart uploads (a killed writer's), never loadable; the previous save is finalized
+            stray, uploads = object_store.leftovers(root, mf.MANIFEST)
+            if stray or uploads:
+                log.warning("removing %d object(s) and aborting %d incomplete upload(s) under %s, left "
+                            "by interrupted saves", len(stray), len(uploads), root)
+                object_store.remove(stray, uploads)
+            target.create(replace=True)  # re-saving an iteration uncommits it first
+        except UCPError as e:
+            prepare_error = [f"saving iteration {iteration} to {final} failed before any rank wrote: "
+                             f"{e}; nothing was committed"]
+    elif rank == 0:
         for stale in mf.interrupted_saves(root):  # never loadable; the previous save is finalized
             log.warning("removing %s, left by an interrupted save", stale)
             shutil.rmtree(stale, ignore_errors=True)
@@ -179,7 +195,12 @@ def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: 
             extra=extra or {}, seed=seed)
     # Rank 0 has prepared the directory once every rank is here: the one barrier, after the
     # copies, so that its file-system work and the ranks' copies overlap.
-    dist.barrier()
+    if in_store:  # (the barrier, carrying rank 0's outcome: a store can refuse it)
+        dist.broadcast_object_list(prepare_error, src=0)
+        if prepare_error[0]:
+            raise UCPError(prepare_error[0])
+    else:
+        dist.barrier()
     global _PENDING
     _PENDING = PendingSave(iteration, root, target, manifest, mine, fragments, t0,
                            time.perf_counter() - t0)

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+from seaweed import s3_prefix, s3_server  # noqa: F401 (fixtures: an S3 server for the object-store tests)
 
 from megatron_ucp.testing.launch import launch
 

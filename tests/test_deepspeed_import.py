@@ -236,9 +236,11 @@ def _mds_map(tmp: Path, tied: bool) -> Path:
     return path
 
 
-def _mds_folder(tmp: Path, tied: bool, vocab_rows: int = 56) -> dict[str, torch.Tensor]:
-    """A GPTModelPipe universal folder with distinct values everywhere; returns name -> tensor."""
-    h, ffn, layers, seq = 32, 48, 2, 16
+def _mds_folder(tmp: Path, tied: bool, vocab_rows: int = 56, h: int = 32, ffn: int = 48, layers: int = 2,
+                seq: int = 16, groups_rows: int | None = None) -> dict[str, torch.Tensor]:
+    """A GPTModelPipe universal folder with distinct values everywhere; returns name -> tensor.
+    groups_rows: the rows of query_key_value (GQA), default 3 * h."""
+    qkv = groups_rows or 3 * h
     g = torch.Generator().manual_seed(0)
     names: dict[str, tuple[int, ...]] = {}
     emb = "tied_modules.embed" if tied else "1"
@@ -247,8 +249,8 @@ def _mds_folder(tmp: Path, tied: bool, vocab_rows: int = 56) -> dict[str, torch.
     for i in range(layers):
         k = i + 2  # GPTModelPipe: spec index 0 is _to_float16, 1 the embedding
         for n, s in (("input_layernorm.weight", (h,)), ("input_layernorm.bias", (h,)),
-                     ("self_attention.query_key_value.weight", (3 * h, h)),
-                     ("self_attention.query_key_value.bias", (3 * h,)),
+                     ("self_attention.query_key_value.weight", (qkv, h)),
+                     ("self_attention.query_key_value.bias", (qkv,)),
                      ("self_attention.dense.weight", (h, h)), ("self_attention.dense.bias", (h,)),
                      ("post_attention_layernorm.weight", (h,)), ("post_attention_layernorm.bias", (h,)),
                      ("mlp.dense_h_to_4h.weight", (ffn, h)), ("mlp.dense_h_to_4h.bias", (ffn,)),
@@ -310,6 +312,50 @@ def test_megatron_deepspeed_map(tmp_path, tied):
     assert torch.equal(v[24:32], qkv[88:96])
 
 
+@pytest.mark.parametrize("size", [
+    dict(h=32, ffn=48, layers=2, seq=16, vocab=50, heads=4, groups=4),
+    dict(h=64, ffn=160, layers=3, seq=24, vocab=70, heads=8, groups=2),  # another size, GQA
+])
+def test_shipped_map_reads_the_sizes_from_the_checkpoint(tmp_path, size):
+    """configs/deepspeed/megatron_deepspeed_gpt.yaml, unedited, for two sizes of GPTModelPipe: the
+    sizes from the parameters' shapes, the heads from Megatron-DeepSpeed's saved args."""
+    import argparse
+
+    head_dim = size["h"] // size["heads"]
+    ds = _mds_folder(tmp_path, True, vocab_rows=size["vocab"], h=size["h"], ffn=size["ffn"],
+                     layers=size["layers"], seq=size["seq"],
+                     groups_rows=(size["heads"] + 2 * size["groups"]) * head_dim)
+    args = argparse.Namespace(num_attention_heads=size["heads"], num_key_value_heads=size["groups"])
+    torch.save({"args": args, "iteration": 7}, tmp_path / "ds" / "mp_rank_00_model_states.pt")
+    out = import_deepspeed(tmp_path / "ds", tmp_path / "out", MDS_MAP, progress=False)
+    model = formats.open_source(out).manifest.extra["deepspeed_import"]["model"]
+    assert {k: model[k] for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                                  "num_query_groups", "vocab_size", "max_position_embeddings")} == \
+        dict(num_layers=size["layers"], hidden_size=size["h"], ffn_hidden_size=size["ffn"],
+             num_attention_heads=size["heads"], num_query_groups=size["groups"], vocab_size=size["vocab"],
+             max_position_embeddings=size["seq"])
+    _, tensors = oracles.universal_tensors(out)
+    last = size["layers"] + 1  # GPTModelPipe index of the last transformer layer
+    assert torch.equal(tensors[f"decoder.layers.{size['layers'] - 1}.mlp.linear_fc2.weight/param"],
+                       ds[f"{last}.mlp.dense_4h_to_h.weight"])
+
+
+def test_auto_sizes_refusals(tmp_path):
+    _mds_folder(tmp_path, True, vocab_rows=50)
+    with pytest.raises(UCPError, match=r"model\.num_attention_heads is auto, but .*ds does not say it "
+                       r"\(shapes do not say how the hidden size splits into heads"):
+        import_deepspeed(tmp_path / "ds", tmp_path / "out", MDS_MAP, progress=False)
+    doc = yaml.safe_load(MDS_MAP.read_text())
+    doc["model"].update(num_attention_heads=4, hidden_size=1024)  # written for another size
+    bad = tmp_path / "big.yaml"
+    bad.write_text(yaml.safe_dump(doc))
+    with pytest.raises(UCPError, match=r"big\.yaml: model\.hidden_size is 1024, but .* has 32 \(DeepSpeed "
+                       r"parameter 'tied_modules\.embed\.word_embeddings\.weight' of shape \[50, 32\]\).*"
+                       r"set model\.hidden_size to 32 or to auto"):
+        import_deepspeed(tmp_path / "ds", tmp_path / "out", bad, progress=False)
+    assert not (tmp_path / "out").exists()
+
+
 def test_qkv_concat_layouts():
     """[q; k; v] (one block per saving TP rank) -> per query group, and back; GQA included."""
     heads = Heads(4, 2, 3)  # 2 q heads per group, head_dim 3: rows q 12, k 6, v 6
@@ -349,9 +395,8 @@ def test_shape_mismatch(tmp_path):
     doc["model"]["ffn_hidden_size"] = 64
     bad = tmp_path / "ffn64.yaml"
     bad.write_text(yaml.safe_dump(doc))
-    with pytest.raises(UCPError, match=r"linear1\.weight/fp32\.pt: DeepSpeed parameter 'layers\.0\."
-                       r"linear1\.weight' has shape \[128, 128\].*ffn64\.yaml.*linear_fc1\.weight of "
-                       r"shape \[64, 128\].*model settings"):
+    with pytest.raises(UCPError, match=r"ffn64\.yaml: model\.ffn_hidden_size is 64, but .* has 128 "
+                       r"\(DeepSpeed parameter 'layers\.0\.linear2\.weight' of shape \[128, 128\]\)"):
         DeepSpeedSource(DS_DIR, bad)
 
 

@@ -179,6 +179,10 @@ def test_uneven_target_needs_split(universal, tmp_path):
 # ------------------------------------------------------------- megatron-core's own legacy load
 
 
+# the ranks import this module as tests.test_megatron_legacy_out, which imports tests/oracles.py
+RANK_PATH = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+
+
 def load_legacy_rank(layout: str, cfg: dict, load_dir: str, dump_dir: str) -> dict:
     """Rank function: build the tiny GPT at `layout`, load a legacy checkpoint as Megatron-LM's
     load_checkpoint does for `--ckpt-format torch` (model load_state_dict on each chunk's module,
@@ -250,7 +254,7 @@ def test_written_checkpoint_loads_in_megatron_core(universal, tmp_path, target, 
            "global_batch_size": 4,
            "extra": {"add_qkv_bias": True,
                      **({"num_layers_in_first_pipeline_stage": first} if first else {})}}
-    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {"PYTHONPATH": RANK_PATH}
     res = launch(2, "tests.test_megatron_legacy_out:load_legacy_rank",
                  {"layout": target, "cfg": cfg, "load_dir": str(out),
                   "dump_dir": str(tmp_path / "dump")}, timeout=300, env=env)
@@ -280,7 +284,7 @@ def test_torch_dist_to_legacy_at_another_layout(tmp_path):
     cfg = {"num_layers": 3, "hidden_size": 32, "num_attention_heads": 4, "ffn_hidden_size": 128,
            "seq_length": 32, "vocab_size": 256, "dtype": "bf16", "micro_batch_size": 2,
            "global_batch_size": 4, "extra": {"add_qkv_bias": True}}
-    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {"PYTHONPATH": RANK_PATH}
     res = launch(2, "tests.test_megatron_legacy_out:load_legacy_rank",
                  {"layout": "tp1pp1dp2", "cfg": cfg, "load_dir": str(tmp_path / "out"),
                   "dump_dir": str(tmp_path / "dump")}, timeout=300, env=env)

@@ -93,7 +93,8 @@ def check_transition(source_runs, tmp_path, src: str, dst: str, cfg: dict, dst_c
     ref, got = source["continued"], r0["losses"]
     rel = [abs(g - r) / abs(r) for g, r in zip(got, ref)]
     REPORT[name or f"{src}->{dst}"] = {"reference": ref, "resumed": got, "rel_delta": rel,
-                                       "bytes_read_per_rank": [r["bytes_read"] for r in res]}
+                                       "bytes_read_per_rank": [r["bytes_read"] for r in res],
+                                       "store_requests_per_rank": [r["requests"] for r in res]}
     assert rel[0] < rtol[0], (ref, got)
     assert max(rel) < rtol[1], (ref, got)
 

@@ -20,6 +20,8 @@ from types import ModuleType
 
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats import manifest as mf
+from megatron_ucp.object_store import ObjectPath
+from megatron_ucp.storage import location
 
 # name -> package; the first two are megatron-ucp's own, whose manifest.json names the format
 FORMATS = {
@@ -43,8 +45,11 @@ OWN = ("fragments", "universal")
 
 def detect(path: str | Path) -> str:
     """The name of the format `path` holds (a checkpoint directory or a save root)."""
+    path = location(path)  # an unsupported URL scheme is an error here
     if mf.is_checkpoint(path):
         return mf.read_checkpoint(path)[1].kind
+    if isinstance(path, ObjectPath):  # in a store only megatron-ucp's own formats are read
+        mf.resolve(path)  # says what is wrong (no `latest`, a save that never committed, ...)
     for name in FORMATS:
         if name not in OWN and get(name).detect(Path(path)):
             return name
@@ -62,6 +67,7 @@ def detect(path: str | Path) -> str:
 
 def open_source(path: str | Path, fmt: str | None = None, **options):
     """A source of universal tensors for `path`, in format `fmt` (detected when None)."""
+    path = location(path)
     if fmt in OWN or (fmt is None and mf.is_checkpoint(path)):
         return open_megatron_ucp(path, **options)
     return get(fmt or detect(path)).open_source(path, **options)

@@ -20,10 +20,11 @@ from itertools import chain
 from pathlib import Path
 from typing import NamedTuple
 
+from megatron_ucp import object_store
 from megatron_ucp.errors import UCPError
 from megatron_ucp.layout import Layout
 from megatron_ucp.spec import STATES, ParamSpec, Piece, cover_once_cheap, states_of
-from megatron_ucp.storage import write_text_atomic
+from megatron_ucp.storage import Location, location, write_text_atomic
 
 FORMAT = "megatron-ucp"
 # 3: the manifest indexes every fragment (which file holds which range); 2: fragment pieces carry
@@ -461,9 +462,9 @@ def check_same_params(out: Path, have: Iterable[str], want: Iterable[str]) -> No
         raise not_committed(out, f"lacks parameter(s) {missing[:3]} / has unexpected {extra[:3]}")
 
 
-def resolve(path: str | Path) -> Path:
-    """A checkpoint directory itself, or a save root whose `latest` names one."""
-    path = Path(path)
+def resolve(path: str | Path) -> Location:
+    """A checkpoint directory itself, or a save root whose `latest` names one (local or a URL)."""
+    path = location(path)
     if (path / MANIFEST).exists():
         return path
     if (path / LATEST).exists():
@@ -487,6 +488,10 @@ def resolve(path: str | Path) -> Path:
     if not path.exists():
         raise UCPError(f"{path} does not exist; pass a save root (the directory given to save, with "
                        f"a '{LATEST}' file) or one of its iter_* directories")
+    if isinstance(path, object_store.ObjectPath) and path.name.startswith("iter_"):
+        raise UCPError(f"{path} holds no {MANIFEST}: a save that never committed (or is still being "
+                       f"written), never loaded; pass its save root {path.parent}, whose '{LATEST}' "
+                       "names the last complete checkpoint")
     if path.name.startswith(".iter_") and path.name.endswith(".partial"):
         raise UCPError(f"{path} is an interrupted save (no {MANIFEST}: it was never committed) and "
                        f"cannot be loaded; pass its save root {path.parent}, whose '{LATEST}' names "
@@ -499,25 +504,31 @@ def resolve(path: str | Path) -> Path:
                          "iter_* directories) or by `megatron-ucp convert`")
 
 
-def interrupted_saves(root: str | Path) -> list[Path]:
-    """`.iter_*.partial` directories under a save root: saves that never committed."""
-    return sorted(Path(root).glob(".iter_*.partial"))
+def interrupted_saves(root: str | Path) -> list[Location]:
+    """`.iter_*.partial` directories under a save root: saves that never committed (in a store:
+    the iter_* prefixes without a manifest)."""
+    root = location(root)
+    if isinstance(root, object_store.ObjectPath):
+        stray, _ = object_store.leftovers(root, MANIFEST)
+        return sorted({p.parent for p in stray}, key=str)
+    return sorted(root.glob(".iter_*.partial"))
 
 
 def is_checkpoint(path: str | Path) -> bool:
     """A megatron-ucp checkpoint directory or save root (it may still fail to resolve)."""
-    return (Path(path) / MANIFEST).exists() or (Path(path) / LATEST).exists()
+    path = location(path)
+    return (path / MANIFEST).is_file() or (path / LATEST).is_file()
 
 
-def _complete(root: Path) -> str:
+def _complete(root: Location) -> str:
     """The committed iter_* checkpoints under `root`, for error messages."""
     names = sorted(p.parent.name for p in root.glob("iter_*/" + MANIFEST))
     return (f"complete checkpoints under {root}: {', '.join(names)}" if names
             else f"there is no complete checkpoint under {root}")
 
 
-def read(ckpt_dir: Path) -> Manifest:
-    path = Path(ckpt_dir) / MANIFEST
+def read(ckpt_dir: Location) -> Manifest:
+    path = location(ckpt_dir) / MANIFEST
     try:
         with paused_gc():  # a fragment index is millions of small lists
             return Manifest.from_json(json.loads(path.read_text()), str(path))
@@ -526,7 +537,7 @@ def read(ckpt_dir: Path) -> Manifest:
                        "restore the file or load another iteration") from e
 
 
-def read_checkpoint(path: str | Path) -> tuple[Path, Manifest]:
+def read_checkpoint(path: str | Path) -> tuple[Location, Manifest]:
     """(checkpoint directory, its manifest) for a checkpoint directory or a save root."""
     ckpt = resolve(path)
     return ckpt, read(ckpt)
@@ -540,12 +551,21 @@ def encode(manifest: Manifest) -> str:
         return json.dumps(manifest.to_json(), sort_keys=True, separators=(",", ":"), check_circular=False)
 
 
-def write(ckpt_dir: Path, manifest: Manifest) -> None:
-    write_text_atomic(Path(ckpt_dir) / MANIFEST, encode(manifest))
+def write(ckpt_dir: Location, manifest: Manifest) -> None:
+    """The commit of a checkpoint. In a store: a create-only put, after every data object."""
+    ckpt_dir = location(ckpt_dir)
+    if isinstance(ckpt_dir, object_store.ObjectPath):
+        object_store.put(ckpt_dir / MANIFEST, encode(manifest).encode(), create_only=True)
+        return
+    write_text_atomic(ckpt_dir / MANIFEST, encode(manifest))
 
 
-def write_latest(root: Path, ckpt_name: str) -> None:
-    write_text_atomic(Path(root) / LATEST, ckpt_name + "\n")
+def write_latest(root: Location, ckpt_name: str) -> None:
+    root = location(root)
+    if isinstance(root, object_store.ObjectPath):
+        object_store.put(root / LATEST, (ckpt_name + "\n").encode())  # one PUT: old or new
+        return
+    write_text_atomic(root / LATEST, ckpt_name + "\n")
 
 
 __all__ = ["FORMAT", "VERSION", "MANIFEST", "LATEST", "STATES", "Manifest", "ParamEntry",

@@ -19,7 +19,7 @@ import torch
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.manifest import check_same_params, not_committed
 from megatron_ucp.layout import Layout
-from megatron_ucp.storage import refuse_non_empty
+from megatron_ucp.storage import local_only, refuse_non_empty
 from megatron_ucp.validation import check_layout
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -54,7 +54,7 @@ def resolve_iteration(path: str | Path, is_iteration: Callable[[Path], bool],
     """(iteration directory, iteration) from a Megatron-LM save root (its tracker file names the
     iteration) or an iteration directory itself; the iteration is None when a directory's name
     does not say it (the caller reads it from the files)."""
-    path = Path(path)
+    path = local_only(path, f"reading a Megatron-LM {fmt} checkpoint")
     if is_iteration(path):
         match = re.fullmatch(r"iter_(\d{7})", path.name)
         return path, int(match.group(1)) if match else 0 if path.name == RELEASE else None

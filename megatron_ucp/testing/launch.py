@@ -70,6 +70,16 @@ def launch(nprocs: int, target: str, kwargs: dict, timeout: float = 600.0, env: 
         return [json.loads((Path(tmp) / f"result{r}.json").read_text()) for r in range(nprocs)]
 
 
+def cli(argv: list[str]) -> int:
+    """`megatron-ucp ARGV` in a launched rank (as under torchrun: RANK, WORLD_SIZE, MASTER_* set)."""
+    from megatron_ucp.cli import main
+
+    code = main(argv)
+    if code:
+        raise SystemExit(code)
+    return code
+
+
 def _worker(target: str, kwargs_json: str, result_path: str) -> None:
     import importlib
 

@@ -205,7 +205,7 @@ def load_and_train(layout: str, cfg: dict, load_dir: str, steps: int, dump_dir: 
     losses = [tg.train_step(st) for _ in range(steps)]
     tg.destroy()
     return {"losses": losses, "iteration": r.iteration, "extra": r.extra, "bytes_read": r.bytes_read,
-            "files_opened": r.files_opened,
+            "files_opened": r.files_opened, "requests": r.requests,
             "rng_restored": r.rng_restored, "load_seconds": load_s, "grad_scaler": scaler,
             "lr": [g["lr"] for g in st.optimizer.param_groups]}
 

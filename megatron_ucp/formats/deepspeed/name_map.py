@@ -36,6 +36,11 @@ MODEL_FIELDS = {
     "normalization": "LayerNorm", "layernorm_epsilon": 1e-5, "activation": "gelu",
     "add_bias_linear": True, "add_qkv_bias": None, "tied_embeddings": True,
 }
+# sizes a map may leave to the checkpoint (`auto`): the DeepSpeed tensors' shapes say them, the
+# heads come from the saving run's args (Megatron-DeepSpeed) or hidden_size / kv_channels
+AUTO = "auto"
+SIZES = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size",
+         "num_query_groups", "max_position_embeddings")
 ACTIVATIONS = ("gelu", "relu", "squared_relu", "swiglu")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 POSITIONS = ("learned_absolute", "rope", "none")
@@ -105,6 +110,44 @@ class NameMap:
         return cls(path, model, optimizer, rules)
 
     # ------------------------------------------------------------------ megatron-core model
+
+    def with_sizes(self, shapes: dict[str, tuple[int, ...]], args: dict, where: str) -> NameMap:
+        """The map with its `auto` sizes taken from the DeepSpeed parameters' `shapes` (and the
+        heads from the saving run's `args`), every size it gives checked against them: a map
+        written for one size of a model serves every size of it."""
+        found, evidence = _sizes_from_shapes(self.rules, shapes)
+        for key, arg in (("num_attention_heads", "num_attention_heads"),
+                         ("num_query_groups", "num_key_value_heads")):
+            if isinstance(args.get(arg), int) and args[arg] > 0:
+                found.setdefault(key, args[arg])
+                evidence.setdefault(key, f"the saving run's args.{arg}")
+        m = dict(self.model)
+        if m["num_attention_heads"] == AUTO and "num_attention_heads" not in found \
+                and isinstance(m["kv_channels"], int) and "hidden_size" in found:
+            found["num_attention_heads"] = found["hidden_size"] // m["kv_channels"]
+            evidence["num_attention_heads"] = "hidden_size / model.kv_channels"
+        if m["num_query_groups"] == AUTO and "num_query_groups" not in found and "qkv_rows" in found:
+            heads = m["num_attention_heads"] if m["num_attention_heads"] != AUTO else \
+                found.get("num_attention_heads")
+            hidden = m["hidden_size"] if m["hidden_size"] != AUTO else found.get("hidden_size")
+            if heads and hidden:
+                head_dim = m["kv_channels"] or hidden // heads
+                found["num_query_groups"] = (found["qkv_rows"] // head_dim - heads) // 2
+                evidence["num_query_groups"] = evidence["qkv_rows"] + f" ({heads} heads of {head_dim})"
+        for key in SIZES:
+            if m[key] == AUTO:
+                if key not in found:
+                    raise UCPError(f"name map {self.path}: model.{key} is auto, but {where} does not "
+                                   f"say it ({_AUTO_SOURCES[key]}); write the run's value in the map")
+                m[key] = found[key]
+            elif key == "vocab_size" and key in found and m[key] <= found[key]:
+                pass  # the rows may still hold padding: the map's true vocabulary keeps a prefix
+            elif key in found and m[key] is not None and m[key] != found[key]:
+                raise UCPError(f"name map {self.path}: model.{key} is {m[key]}, but {where} has "
+                               f"{found[key]} ({evidence[key]}); the map was written for another "
+                               f"size of the model: set model.{key} to {found[key]} or to auto")
+        _check_sizes(_Check(self.path), m)
+        return NameMap(self.path, m, self.optimizer, self.rules)
 
     def megatron_args(self) -> tuple[argparse.Namespace, dict]:
         """Megatron-LM style args of the map's megatron-core model (one rank; the rebuild's
@@ -191,6 +234,49 @@ class NameMap:
         return {n: out[n] for n in specs}
 
 
+_AUTO_SOURCES = {
+    "num_layers": "no rule maps a DeepSpeed parameter to decoder.layers.<i>",
+    "hidden_size": "no rule maps a DeepSpeed parameter to embedding.word_embeddings.weight",
+    "vocab_size": "no rule maps a DeepSpeed parameter to embedding.word_embeddings.weight",
+    "ffn_hidden_size": "no same-layout rule maps a DeepSpeed parameter to "
+                       "decoder.layers.0.mlp.linear_fc2.weight",
+    "max_position_embeddings": "no rule maps a DeepSpeed parameter to "
+                               "embedding.position_embeddings.weight",
+    "num_attention_heads": "shapes do not say how the hidden size splits into heads: the folder has "
+                           "no mp_rank_00_model_states.pt with the run's args, and model.kv_channels "
+                           "is not given",
+    "num_query_groups": "no rule maps a DeepSpeed parameter to decoder.layers.0.self_attention."
+                        "linear_qkv.weight, or the heads are unknown",
+}
+
+
+def _sizes_from_shapes(rules: list[Rule], shapes: dict[str, tuple[int, ...]]) -> tuple[dict, dict]:
+    """Model sizes the DeepSpeed parameters' shapes say, and for each the parameter saying it."""
+    by_target: dict[str, tuple[str, tuple[int, ...], Rule]] = {}
+    for ds_name, shape in shapes.items():
+        rule = next((r for r in rules if r.target(ds_name) is not None), None)
+        if rule is not None:
+            by_target.setdefault(rule.target(ds_name), (ds_name, shape, rule))
+    found, evidence = {}, {}
+
+    def take(key: str, target: str, dim: int, same_layout: bool = False) -> None:
+        hit = by_target.get(target)
+        if hit and len(hit[1]) > dim and (not same_layout or hit[2].layout == "same"):
+            found[key] = hit[1][dim]
+            evidence[key] = f"DeepSpeed parameter {hit[0]!r} of shape {list(hit[1])}"
+
+    layers = {int(m.group(1)): t for t in by_target if (m := re.match(r"decoder\.layers\.(\d+)\.", t))}
+    if layers:
+        found["num_layers"] = max(layers) + 1
+        evidence["num_layers"] = f"DeepSpeed parameter {by_target[layers[max(layers)]][0]!r} (the last layer)"
+    take("vocab_size", "embedding.word_embeddings.weight", 0)
+    take("hidden_size", "embedding.word_embeddings.weight", 1)
+    take("max_position_embeddings", "embedding.position_embeddings.weight", 0)
+    take("ffn_hidden_size", "decoder.layers.0.mlp.linear_fc2.weight", 1, same_layout=True)
+    take("qkv_rows", "decoder.layers.0.self_attention.linear_qkv.weight", 0)
+    return found, evidence
+
+
 def _summary(m: dict) -> str:
     return (f"{m['num_layers']} layers, hidden {m['hidden_size']}, "
             f"{'tied' if m['tied_embeddings'] else 'untied'} embeddings, "
@@ -228,12 +314,14 @@ def _model(check: _Check, d) -> dict:
     required = tuple(k for k, v in MODEL_FIELDS.items() if v is REQUIRED)
     check.keys(d, "model", required, tuple(k for k in MODEL_FIELDS if k not in required))
     m = {k: d.get(k, v) for k, v in MODEL_FIELDS.items()}
-    for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size"):
+    for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size",
+              "num_query_groups", "kv_channels", "max_position_embeddings"):
+        optional = MODEL_FIELDS[k] is not REQUIRED
+        if (m[k] == AUTO and k in SIZES) or (optional and m[k] is None):
+            continue
         if not (isinstance(m[k], int) and not isinstance(m[k], bool) and m[k] > 0):
-            raise check.fail(f"model.{k}", f"expected a positive integer, got {m[k]!r}")
-    for k in ("num_query_groups", "kv_channels", "max_position_embeddings"):
-        if m[k] is not None and not (isinstance(m[k], int) and not isinstance(m[k], bool) and m[k] > 0):
-            raise check.fail(f"model.{k}", f"expected a positive integer, got {m[k]!r}")
+            raise check.fail(f"model.{k}", f"expected a positive integer{' or auto' if k in SIZES else ''}, "
+                             f"got {m[k]!r}")
     for k in ("add_bias_linear", "tied_embeddings"):
         if not isinstance(m[k], bool):
             raise check.fail(f"model.{k}", f"expected true or false, got {m[k]!r}")
@@ -245,8 +333,15 @@ def _model(check: _Check, d) -> dict:
                        ("position_embedding_type", POSITIONS), ("normalization", NORMS)):
         if m[k] not in choices:
             raise check.fail(f"model.{k}", f"{m[k]!r} is not one of {list(choices)}")
+    if not any(m[k] == AUTO for k in SIZES):
+        _check_sizes(check, m)
+    return m
+
+
+def _check_sizes(check: _Check, m: dict) -> None:
+    """The sizes agree with each other (once every `auto` one is known)."""
     heads, groups = m["num_attention_heads"], m["num_query_groups"] or m["num_attention_heads"]
-    if heads % groups:
+    if groups <= 0 or heads % groups:
         raise check.fail("model.num_query_groups", f"{groups} does not divide {heads} heads")
     if m["kv_channels"] is None and m["hidden_size"] % heads:
         raise check.fail("model.kv_channels", f"not given and hidden_size {m['hidden_size']} is "
@@ -254,7 +349,6 @@ def _model(check: _Check, d) -> dict:
     if m["position_embedding_type"] == "learned_absolute" and not m["max_position_embeddings"]:
         raise check.fail("model.max_position_embeddings", "learned position embeddings need the "
                          "table's rows")
-    return m
 
 
 def _rule(check: _Check, i: int, r) -> Rule:

@@ -4,9 +4,11 @@ tensors, optimizer state included.
 On disk (DeepSpeed 0.19): `<folder>/zero/<DeepSpeed parameter name>/{fp32,exp_avg,exp_avg_sq}.pt`,
 each a `torch.save`d dict `{"param": full fp32 tensor, "cat_dim": int, ...}` (TP slices merged,
 ZeRO partitions gathered, vocab padding stripped where the model declared it), and `step.pt`, the
-Adam step (a tensor). `zero/optimizer_state.pt` (param groups, loss scaler: DeepSpeed classes)
-and the `mp_rank_*_model_states.pt` copy are not read: hyper-parameters come from the name map or
-from the loading run. Every `.pt` is unpickled with torch's restricted unpickler
+Adam step (a tensor). `zero/optimizer_state.pt` (param groups, loss scaler: DeepSpeed classes) is
+not read: hyper-parameters come from the name map or from the loading run. Of the
+`mp_rank_00_model_states.pt` copy only Megatron-DeepSpeed's `args` are read, for the head counts
+of a map whose sizes are `auto` (the other sizes come from the parameters' shapes). Every `.pt`
+is unpickled with torch's restricted unpickler
 (`megatron_common.torch_load`; `trust_pickle` lifts it).
 
 The name map (`name_map.NameMap`) says which megatron-core model the run is and which megatron-core
@@ -23,7 +25,7 @@ import torch
 
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.deepspeed import layouts
-from megatron_ucp.formats.deepspeed.name_map import DTYPES, NameMap, Rule
+from megatron_ucp.formats.deepspeed.name_map import AUTO, DTYPES, NameMap, Rule
 from megatron_ucp.formats.hf.transforms import Heads
 from megatron_ucp.formats.manifest import RUN_HYPERPARAMETERS, Manifest, ParamEntry
 from megatron_ucp.formats.megatron_common import torch_load
@@ -31,7 +33,7 @@ from megatron_ucp.formats.megatron_rebuild import import_specs
 from megatron_ucp.layout import Layout
 from megatron_ucp.progress import Progress
 from megatron_ucp.spec import ParamSpec
-from megatron_ucp.storage import refuse_non_empty
+from megatron_ucp.storage import local_only, location, refuse_non_empty
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +48,7 @@ HOLDS = ("a DeepSpeed universal checkpoint's zero/<param>/*.pt files hold (tenso
 def resolve(path: str | Path) -> Path:
     """The folder holding `zero/`: `path` itself, its `latest_universal` target, or the parent of
     a `zero` folder."""
-    path = Path(path)
+    path = local_only(path, "import-deepspeed")
     if (path / ZERO).is_dir():
         return path
     if (path / LATEST).is_file():
@@ -111,6 +113,21 @@ class DSUniversalDir:
             raise UCPError(f"{self.file(name, stem)}: {t.dtype} tensor; expected floating point")
         return t
 
+    def run_args(self) -> dict:
+        """Megatron-DeepSpeed's saved args (`args` of the `mp_rank_00_model_states.pt` copy that
+        ds_to_universal leaves beside `zero/`) as a dict; {} when the folder has none or they do
+        not unpickle under the restricted unpickler (DeepSpeed trains other modules too)."""
+        path = self.dir / "mp_rank_00_model_states.pt"
+        if not path.is_file():
+            return {}
+        try:
+            obj = torch_load(path, "", self.trust_pickle, HOLDS)
+        except UCPError as e:
+            log.info("%s: its args are not read (%s)", path, e)
+            return {}
+        args = obj.get("args") if isinstance(obj, dict) else None
+        return dict(vars(args)) if args is not None and hasattr(args, "__dict__") else {}
+
     def step(self, name: str) -> float:
         obj = self.load(name, "step")
         if torch.is_tensor(obj) and obj.numel() == 1:
@@ -132,17 +149,20 @@ class DeepSpeedSource:
             raise UCPError(f"{path}: a DeepSpeed universal folder names torch modules, not "
                            "megatron-core parameters; import it with `megatron-ucp import-deepspeed "
                            "DIR OUT --name-map MAP.yaml` (maps in configs/deepspeed/)")
-        self.map = NameMap.load(name_map)
         self.ds = DSUniversalDir(path, trust_pickle)
         self.dir = self.ds.dir
         where = str(self.dir)
+        # each state file is unpickled (memory-mapped) once: checked here, its data read by `read`
+        self._mapped = {(n, "param"): self.ds.tensor(n, "param") for n in self.ds.names}
+        shapes = {n: tuple(self._mapped[(n, "param")].shape) for n in self.ds.names}
+        loaded = NameMap.load(name_map)
+        args = self.ds.run_args() if AUTO in loaded.model.values() else {}  # heads of an auto map
+        self.map = loaded.with_sizes(shapes, args, where)
         args, run = self.map.megatron_args()
         specs, model = import_specs(args, run, self.map.model["vocab_size"])
         self.heads = Heads.of(self.map.model)
         self.rules = self.map.assign(self.ds.names, specs, where)
         dtype = DTYPES[self.map.model["params_dtype"]]
-        # each state file is unpickled (memory-mapped) once: checked here, its data read by `read`
-        self._mapped: dict[tuple[str, str], torch.Tensor] = {}
         steps = {n: self._check(n, ds_name, rule, specs[n]) for n, (ds_name, rule) in self.rules.items()}
         params = {n: ParamEntry(ParamSpec(**{**vars(s), "dtype": dtype}), steps[n])
                   for n, s in specs.items()}
@@ -161,7 +181,9 @@ class DeepSpeedSource:
         megatron-core parameter's; returns its Adam step. (The .pt files are memory-mapped: this
         reads their headers, not their data; `read` takes the mapped tensors.)"""
         for state in STATE_FILES:
-            t = self._mapped[(ds_name, state)] = self.ds.tensor(ds_name, state)
+            t = self._mapped.get((ds_name, state))
+            if t is None:
+                t = self._mapped[(ds_name, state)] = self.ds.tensor(ds_name, state)
             shape = tuple(t.shape)
             if not layouts.fits(rule.layout, shape, spec.shape):
                 raise UCPError(f"{self.ds.file(ds_name, STATE_FILES[state])}: DeepSpeed parameter "
@@ -214,7 +236,7 @@ def import_deepspeed(ds_dir: str | Path, out: str | Path, name_map: str | Path, 
     `megatron_ucp.load` reads at any layout."""
     from megatron_ucp.formats.universal import write
 
-    refuse_non_empty(Path(out))
+    refuse_non_empty(location(out))
     source = DeepSpeedSource(ds_dir, name_map, trust_pickle=trust_pickle)
     log.info("%d DeepSpeed parameters -> megatron-core (name map %s); hyper-parameters: %s",
              len(source.rules), source.map.path,

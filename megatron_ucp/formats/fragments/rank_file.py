@@ -19,7 +19,7 @@ import torch
 
 from megatron_ucp.errors import UCPError
 from megatron_ucp.spec import Piece
-from megatron_ucp.storage import Reader, SafetensorsWriter, crc32_many
+from megatron_ucp.storage import Location, Reader, SafetensorsWriter, crc32_many
 
 
 def rank_file_name(rank: int) -> str:
@@ -48,7 +48,7 @@ class Fragment:
                 self.end, self.step)
 
 
-def write_rank_file(path: Path, fragments: list[Fragment], rng_tensors: dict[str, torch.Tensor],
+def write_rank_file(path: Location, fragments: list[Fragment], rng_tensors: dict[str, torch.Tensor],
                     rng_meta: dict, coords: dict) -> int:
     """Write one rank's fragments; returns bytes written. The file is fsynced before returning."""
     entries = [(f"{f.name}/{s}", torch.float32, (f.end - f.start,)) for f in fragments for s in f.tensors]
@@ -59,12 +59,16 @@ def write_rank_file(path: Path, fragments: list[Fragment], rng_tensors: dict[str
     meta = {"fragments": json.dumps([f.to_json() for f in fragments]),
             "rng": json.dumps(rng_meta), "coords": json.dumps(coords)}
     w = SafetensorsWriter(path, entries, meta)
-    for f in fragments:
-        for s, t in f.tensors.items():
-            w.write(f"{f.name}/{s}", t)
-    for k, v in rng_tensors.items():
-        w.write(f"rng/{k}", v)
-    w.close()
+    try:
+        for f in fragments:
+            for s, t in f.tensors.items():
+                w.write(f"{f.name}/{s}", t)
+        for k, v in rng_tensors.items():
+            w.write(f"rng/{k}", v)
+        w.close()
+    except BaseException:
+        w.abort()  # in a store: the multipart upload is aborted, nothing of it stays
+        raise
     return w.nbytes
 
 

@@ -22,7 +22,15 @@ from megatron_ucp.formats.fragments.index import check_tiling, tiling_suspects
 from megatron_ucp.formats.fragments.rank_file import header_fragments, rank_file_name, read_rng
 from megatron_ucp.formats.manifest import FragmentEntry, Manifest, SliceEntry
 from megatron_ucp.spec import Piece, contiguous_strides, tiles_exactly
-from megatron_ucp.storage import ByteRun, Reader, ReadsFiles, crc32, crc32_combine, tensor_bytes
+from megatron_ucp.storage import (
+    ByteRun,
+    Reader,
+    ReadsFiles,
+    crc32,
+    crc32_combine,
+    location,
+    tensor_bytes,
+)
 
 RECENT_BYTES = 256 * 2**20  # whole local tensors / fragments kept for reuse (oldest evicted first)
 DAMAGED_INDEX = ("the manifest's index or the rank files are damaged or incomplete: restore them or "
@@ -93,7 +101,7 @@ class FragmentSource(ReadsFiles):
 
     def __init__(self, ckpt_dir: Path, manifest: Manifest, verify_checksums: bool = True,
                  verify_fragments: bool = False):
-        self.dir = Path(ckpt_dir)
+        self.dir = location(ckpt_dir)
         self.manifest = manifest
         _check_iteration_dir(self.dir, manifest)
         self.origin = {"kind": "fragments", "path": str(self.dir)}
@@ -147,22 +155,37 @@ class FragmentSource(ReadsFiles):
     def step(self, name: str) -> float:
         return self.steps[name]
 
+    def planning_copy(self, reader: Reader) -> FragmentSource:
+        planner = super().planning_copy(reader)
+        planner.verify_fragments = False
+        planner._recent = OrderedDict()  # (its placeholder tensors must not reach this source's cache)
+        return planner
+
     def check_files(self, part: int = 0, parts: int = 1) -> None:
         """Every parameter whose fragments a rank file holds is in the manifest: a manifest that
         lost a parameter's entry would otherwise load, verify and convert without it (and its Adam
         moments). Headers only (the records and tensor keys); files part, part + parts, ... of
         the checkpoint, so the ranks of a load share the work."""
+        params = self.manifest.params
         for i in range(part, len(self.files), parts):
             path = self.files[i]
             names = {d["name"] for d in self._records(i).values()}
-            names |= {k.rsplit("/", 1)[0] for k in self.reader.open(path).keys() if not k.startswith("rng/")}
-            unlisted = sorted(names - self.manifest.params.keys())
+            keys = [k.rsplit("/", 1) for k in self.reader.open(path).keys() if not k.startswith("rng/")]
+            unlisted = sorted((names | {name for name, _ in keys}) - params.keys())
             if unlisted:
                 raise UCPError(f"{path}: holds fragments of parameter {unlisted[0]}"
                                f"{f' (and {len(unlisted) - 1} more)' if len(unlisted) > 1 else ''}, "
                                "which the manifest does not list; the manifest is damaged or from "
                                "another save (a checkpoint read through it would silently lack the "
                                "parameter): restore it or load another iteration")
+            # a state the manifest does not give the parameter (e.g. Adam moments of a parameter
+            # it calls a buffer) would be dropped as silently
+            extra = next(((n, st) for n, st in keys if st not in params[n].states), None)
+            if extra:
+                raise UCPError(f"{path}: holds state {extra[1]!r} of parameter {extra[0]}, which the "
+                               f"manifest does not list for it (states {list(params[extra[0]].states)}); "
+                               "the manifest is damaged or from another save: restore it or load "
+                               "another iteration")
 
     def _records(self, file: int) -> dict[tuple[str, int], dict]:
         """A rank file's header records by (name, start), parsed once."""
@@ -187,6 +210,10 @@ class FragmentSource(ReadsFiles):
                                "is not the one the manifest index describes (range or place in the "
                                "tensor differ); the index or the file is damaged: restore them or "
                                "load another iteration")
+            if d["step"] != self.steps[name]:
+                raise UCPError(f"{self.files[f.file]}: its fragment of {name} was saved at Adam step "
+                               f"{d['step']}, the manifest says {self.steps[name]}; the manifest is "
+                               "damaged or mixes iterations: restore it or load another iteration")
             self._matched.add((id(sl), f.file))
         return d
 
@@ -316,10 +343,12 @@ class FragmentSource(ReadsFiles):
         the tensor over TP, its fragments (one, or one per DP rank) consecutive ranges of it. With
         them a function that, once the runs are copied (their pages then in the page cache), checks
         every fragment's crc32 against its header and returns the box's crc32, in one pass over the
-        bytes. None where the box needs gathering or checksums are not verified (use `read`)."""
+        bytes. None where the box needs gathering, checksums are not verified or the checkpoint is in
+        an object store (use `read`)."""
         shape, full = tuple(shape), tuple(self.manifest.params[name].shape)
         slices = self.slices[name]
-        if (not self.verify_checksums or len(slices) != 1 or len(slices[0].pieces) != 1
+        if (not self.verify_checksums or not isinstance(self.dir, Path)  # (a store: no file copies)
+                or len(slices) != 1 or len(slices[0].pieces) != 1
                 or shape[1:] != full[1:] or not 0 < shape[0] <= full[0]):
             return None
         sl, pc = slices[0], slices[0].pieces[0]

@@ -28,6 +28,7 @@ from megatron_ucp.storage import (
     DTYPE_TO_ST,
     Reader,
     SafetensorsWriter,
+    location,
     refuse_non_empty,
     staged_dir,
 )
@@ -187,7 +188,7 @@ def export(source, out: str | Path, arch: str, *, dtype: str | None = None,
     """
     t0 = time.perf_counter()
     archs.check_arch(arch)
-    out, manifest = Path(out), source.manifest
+    out, manifest = location(out), source.manifest
     hints = run_hints(manifest, hints or {}, activation)
     if max_shard_bytes <= 0:
         raise UCPError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
@@ -277,7 +278,7 @@ def export_hf(src: str | Path, out: str | Path, arch: str, *, dtype: str | None 
     from megatron_ucp import formats
 
     archs.check_arch(arch)  # before opening (a Megatron-LM source rebuilds its model to open)
-    refuse_non_empty(Path(out))
+    refuse_non_empty(location(out))
     # every fragment read is read whole and its checksum checked, as `convert` does
     source = formats.open_source(src, progress=progress, verify_fragments=True,
                                  trust_pickle=trust_pickle)

@@ -22,7 +22,15 @@ from megatron_ucp.formats.megatron_rebuild import import_specs
 from megatron_ucp.layout import Layout
 from megatron_ucp.progress import Progress
 from megatron_ucp.spec import ParamSpec
-from megatron_ucp.storage import DTYPE_NAMES, ST_TO_DTYPE, Reader, ReadsFiles, refuse_non_empty
+from megatron_ucp.storage import (
+    DTYPE_NAMES,
+    ST_TO_DTYPE,
+    Reader,
+    ReadsFiles,
+    local_only,
+    location,
+    refuse_non_empty,
+)
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +51,7 @@ class HFDir(ReadsFiles):
     headers, data read on demand."""
 
     def __init__(self, path: str | Path):
-        self.dir = Path(path)
+        self.dir = local_only(path, "import-hf")
         if not (self.dir / CONFIG_FILE).is_file():
             raise UCPError(f"{self.dir}: no {CONFIG_FILE}; pass a Hugging Face model directory "
                            "(save_pretrained output)")
@@ -196,7 +204,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, progress: Progress = True,
     weights, zero Adam moments, step 0) that `megatron_ucp.load` reads at any layout."""
     from megatron_ucp.formats.universal import write
 
-    refuse_non_empty(Path(out))
+    refuse_non_empty(location(out))
     source = HFSource(hf_dir)
     if source.ignored:
         log.info("skipped %d non-parameter tensor(s) of the HF checkpoint, e.g. %s",

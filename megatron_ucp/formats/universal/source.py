@@ -9,7 +9,7 @@ import torch
 
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.manifest import Manifest
-from megatron_ucp.storage import Reader, ReadsFiles, crc32
+from megatron_ucp.storage import Reader, ReadsFiles, crc32, location
 
 RNG_FILE = "rng.safetensors"
 
@@ -31,7 +31,7 @@ class UniversalSource(ReadsFiles):
     format = "universal"  # its name in the `formats` registry
 
     def __init__(self, ckpt_dir: Path, manifest: Manifest, verify_checksums: bool = True):
-        self.dir = Path(ckpt_dir)
+        self.dir = location(ckpt_dir)
         self.manifest = manifest
         self.origin = manifest.converted_from or {"kind": "universal", "path": str(self.dir)}
         self.reader = Reader()

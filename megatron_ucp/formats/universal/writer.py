@@ -18,12 +18,21 @@ from pathlib import Path
 
 import torch
 
+from megatron_ucp.errors import UCPError
 from megatron_ucp.formats import manifest as mf
 from megatron_ucp.formats.manifest import Manifest, ParamEntry, TensorEntry
 from megatron_ucp.formats.universal.source import RNG_FILE, data_file_name, rng_prefix
 from megatron_ucp.progress import Progress, bar
 from megatron_ucp.spec import ParamSpec, states_of
-from megatron_ucp.storage import ByteRun, Reader, SafetensorsWriter, crc32, staged_dir, write_tensors
+from megatron_ucp.storage import (
+    ByteRun,
+    Reader,
+    SafetensorsWriter,
+    crc32,
+    location,
+    staged_dir,
+    write_tensors,
+)
 
 log = logging.getLogger(__name__)
 # (name, state) -> the full tensor; or the runs of source-file bytes that hold it in order, with a
@@ -129,6 +138,81 @@ def write_params(out_dir: Path, params: dict[str, ParamSpec], read_full: ReadFul
     return entries
 
 
+def balanced(sizes: list[int], n: int) -> list[list[int]]:
+    """Indices of `sizes` split into n sets of near-equal total (largest first, each to the least
+    loaded set), each set in index order."""
+    sets: list[list[int]] = [[] for _ in range(n)]
+    loads = [0] * n
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        k = loads.index(min(loads))
+        sets[k].append(i)
+        loads[k] += sizes[i]
+    return [sorted(s) for s in sets]
+
+
+def _write_distributed(source, out: Path, specs: dict[str, ParamSpec], max_file_bytes: int,
+                       workers: int) -> Path:
+    """`write` as one job of the process group (torchrun; gloo is enough): the files are planned as
+    `--workers N` plans them for N = max(workers, world size), so the output is byte for byte that
+    of the single-process `workers=N` conversion; each process writes and fsyncs a balanced set of
+    them into rank 0's staged directory (a filesystem every process sees), rank 0 writes the RNG
+    file and the manifest, checks and commits once; every rank returns or raises its outcome."""
+    import torch.distributed as dist
+
+    from megatron_ucp.storage import StagedDir, fsync_path, local_only
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = local_only(out, "a distributed conversion (its processes write one shared directory)")
+    staged = StagedDir(out)
+    problem: list = [None]
+    if rank == 0:
+        try:
+            staged.create()
+        except (UCPError, OSError) as e:
+            problem = [str(e)]
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0]:
+        raise UCPError(problem[0])
+    files = _plan_files(specs, max_file_bytes, max(workers, world))
+    sizes = [sum(4 * math.prod(specs[n].shape) * len(states_of(specs[n])) for n in names) for names in files]
+    entries: dict[str, dict[str, TensorEntry]] = {}
+    error = None
+    try:
+        for i in balanced(sizes, world)[rank]:
+            entries.update(_write_file(staged.partial, i, files[i], specs,
+                                       lambda n, s: _read_full(source, n, s, specs[n].shape)))
+            fsync_path(staged.partial / data_file_name(i))  # (the commit fsyncs rank 0's files only)
+    except Exception as e:  # reported by rank 0 for every rank, once
+        error = f"rank {rank}: {type(e).__name__}: {e}"
+    gathered: list | None = [None] * world if rank == 0 else None
+    dist.gather_object((entries, error, source.bytes_read), gathered, dst=0)
+    outcome: list = [None]
+    if rank == 0:
+        try:
+            failed = [g[1] for g in gathered if g[1]]
+            if failed:
+                raise UCPError(f"converting to {out} failed ({'; '.join(failed)}); nothing was committed")
+            for g in gathered:
+                entries.update(g[0])
+            ranks = source.rng_ranks()
+            if ranks:
+                write_rng(staged.partial, {r: source.rng(r) for r in ranks})
+            params = {n: ParamEntry(specs[n], source.step(n), tensors=entries[n])
+                      for n in source.manifest.params}
+            mf.write(staged.partial, Manifest.universal(source.manifest, params, source.origin))
+            check_written(staged.partial, specs, source)
+            staged.commit(fsync_files=False)
+            log.info("%d parameters, %.1f MiB read by %d processes, written to %s", len(params),
+                     sum(g[2] for g in gathered) / 2**20, world, out)
+        except (UCPError, OSError) as e:
+            staged.abort()
+            outcome = [str(e)]
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0]:
+        raise UCPError(outcome[0])
+    return out
+
+
 def write_rng(out_dir: Path, per_rank: dict[int, tuple[dict[str, torch.Tensor], dict]]) -> None:
     tensors = {f"{rng_prefix(r)}/{k}": v for r, (ts, _) in per_rank.items() for k, v in ts.items()}
     meta = {rng_prefix(r): json.dumps(m) for r, (_, m) in per_rank.items()}
@@ -177,18 +261,21 @@ def _read_full(source, name: str, state: str, shape: tuple[int, ...]) -> FullTen
 
 
 def write(source, out: str | Path, *, progress: Progress = True, max_file_bytes: int = 2**31,
-          workers: int = 1) -> Path:
+          workers: int = 1, distributed: bool = False) -> Path:
     """Consolidate any source (`formats.open_source`) into a new universal directory; returns it.
 
     Peak memory is about two parameter states per writer (one being written, the next read), not
-    the model.
+    the model. distributed: every process of the initialized process group calls this; each writes
+    a disjoint, balanced set of the data files (`_write_distributed`), rank 0 commits once.
     """
     t0 = time.perf_counter()
-    out = Path(out)
+    out = location(out)
     header: Manifest = source.manifest
     specs = {n: without_padding(p.spec, header.true_vocab) for n, p in header.params.items()}
     if hasattr(source, "read_order"):  # written in the order the source holds them: its files
         specs = {n: specs[n] for n in source.read_order(list(specs))}  # are read front to back
+    if distributed:
+        return _write_distributed(source, out, specs, max_file_bytes, workers)
     done = bar(progress, len(specs), f"{source.origin['kind']} -> universal", "param")
     with staged_dir(out, check=lambda d: check_written(d, specs, source)) as partial:
         try:

@@ -1,0 +1,90 @@
+"""Object-store benchmark: megatron-ucp's save and resharded load against raw obstore I/O of the
+same bytes, in one run against one local SeaweedFS server (megatron_ucp.testing.s3_server).
+
+    python bench/bench_object_store.py [--save-layout tp2] [--load-layout dp2] [--hidden-size 512]
+
+Save: every rank's synchronous `megatron_ucp.save` to s3:// (staging, crc32, multipart upload,
+index, manifest and `latest` commit) against a raw `obstore.put` multipart upload of a buffer of
+that rank's rank-file size (same part size and concurrency). Load: `megatron_ucp.load` at another
+layout (planned, merged ranged GETs, then the optimizer copy) against raw `get_ranges` of the same
+number of bytes per rank file, one contiguous range each. Throughput ratio = raw time / our time
+(1.0: as fast as the raw client). Requests: the GETs each rank issued per load (LoadResult.requests).
+The server and the ranks share this machine's cores: the figures say how much our layer costs over
+the client, not what a real store delivers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.chdir(ROOT)  # launch() runs `python -m megatron_ucp.testing.launch bench._s3_rank:fn` from the cwd
+
+from megatron_ucp.layout import Layout  # noqa: E402
+from megatron_ucp.object_store import download_tree  # noqa: E402
+from megatron_ucp.storage import location  # noqa: E402
+from megatron_ucp.testing.launch import launch  # noqa: E402
+from megatron_ucp.testing.s3_server import seaweedfs  # noqa: E402
+
+
+def _summary(per_rank: list[dict], nbytes: int) -> dict:
+    reps = len(per_rank[0]["ours"])
+    ours = min(max(r["ours"][i] for r in per_rank) for i in range(reps))  # best rep, slowest rank
+    raw = min(max(r["raw"][i] for r in per_rank) for i in range(reps))
+    return {"ours_s": ours, "raw_s": raw, "bytes": nbytes, "ours_MBps": nbytes / ours / 1e6,
+            "raw_MBps": nbytes / raw / 1e6, "ratio": raw / ours}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--save-layout", default="tp2")
+    p.add_argument("--load-layout", default="dp2")
+    p.add_argument("--hidden-size", type=int, default=512)
+    p.add_argument("--ffn-hidden-size", type=int, default=2048)
+    p.add_argument("--num-layers", type=int, default=8)
+    p.add_argument("--num-attention-heads", type=int, default=8)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--out", default=str(ROOT / "out" / "bench_object_store.json"))
+    args = p.parse_args(argv)
+    cfg = {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
+           "ffn_hidden_size": args.ffn_hidden_size, "num_attention_heads": args.num_attention_heads}
+    with tempfile.TemporaryDirectory(prefix="bench-s3-") as tmp, seaweedfs(Path(tmp)) as (_, bucket):
+        url = f"{bucket}/bench"
+        saves = launch(Layout.parse(args.save_layout).world_size, "bench._s3_rank:save_bench",
+                       {"layout": args.save_layout, "cfg": cfg, "url": url, "reps": args.reps}, timeout=1200)
+        local = Path(tmp) / "local"  # the same checkpoint on disk: the load's non-storage work
+        download_tree(location(f"{url}/ours0"), local)
+        loads = launch(Layout.parse(args.load_layout).world_size, "bench._s3_rank:load_bench",
+                       {"layout": args.load_layout, "cfg": cfg, "url": url, "reps": args.reps,
+                        "local": str(local)}, timeout=1200)
+    res = {"config": cfg, "save_layout": args.save_layout, "load_layout": args.load_layout,
+           "save": _summary(saves, sum(r["file_bytes"] for r in saves)),
+           "load": _summary(loads, sum(r["bytes_read"] for r in loads)),
+           "load_from_local_disk_s": min(max(r["local"][i] for r in loads) for i in range(args.reps)),
+           "load_planning_s": max(r["planning"] for r in loads),
+           "requests_per_rank_per_load": [r["requests"] for r in loads],
+           "files_opened_per_rank": [r["files_opened"] for r in loads]}
+    print(f"{'op':<28} {'ours s':>8} {'raw s':>8} {'MB':>8} {'ours MB/s':>10} {'raw MB/s':>9} "
+          f"{'raw/ours':>8}")
+    for op, what in (("save", f"save {args.save_layout}"),
+                     ("load", f"load {args.save_layout}->{args.load_layout}")):
+        s = res[op]
+        print(f"{what:<28} {s['ours_s']:>8.3f} {s['raw_s']:>8.3f} {s['bytes'] / 1e6:>8.1f} "
+              f"{s['ours_MBps']:>10.1f} {s['raw_MBps']:>9.1f} {s['ratio']:>8.2f}")
+    print(f"the same load from a local copy (page cache warm): {res['load_from_local_disk_s']:.3f} s; "
+          f"its planning pass in the store load: {res['load_planning_s']:.3f} s")
+    print(f"GET requests per rank per load: {res['requests_per_rank_per_load']} "
+          f"(rank files opened: {res['files_opened_per_rank']})")
+    Path(args.out).parent.mkdir(exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    return res
+
+
+if __name__ == "__main__":
+    main()

