@@ -26,6 +26,7 @@ from megatron.core.tensor_parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 from megatron.core.utils import unwrap_model
 
 from megatron_ucp.errors import UCPError
@@ -77,20 +78,29 @@ def universal_name(local_key: str, sharded_key: str, prepended: tuple[int, ...])
     goes before the suffix the two keys share: `...experts.experts.<global expert>.linear_fc1.weight`.
     Transformer Engine's grouped linear (TEGroupedMLP) names expert k's tensor `weight<k>` and
     declares it under the sharded key's `weight`: read as SequentialMLP's `local_experts.<k>`.
+    An index the sharded key already spells out is not stacked: when the layers of a block differ
+    (first-k-dense MoE, `moe_layer_freq` lists, heterogeneous specs) megatron-core writes the global
+    layer number into the key (`decoder.layers.3.mlp.experts.experts.linear_fc1.weight`), and only
+    the expert axis is prepended.
     """
     if not prepended:
         return sharded_key
     local = local_key.split(".")
-    positions = [i for i, part in enumerate(local) if part.isdigit() and i > 0]
+    out = sharded_key.split(".")
+    spelled = {word for word, nxt in zip(out, out[1:]) if nxt.isdigit()}  # words followed by an index
+
+    def stacked_positions() -> list[int]:
+        return [i for i, part in enumerate(local) if part.isdigit() and i > 0 and local[i - 1] not in spelled]
+
+    positions = stacked_positions()
     grouped = re.fullmatch(r"(weight|bias)(\d+)", local[-1])
     if (grouped and len(positions) + 1 == len(prepended) and len(local) > 2
             and sharded_key.split(".")[-1] == grouped.group(1)):
         local = [*local[:-2], "local_experts", grouped.group(2), local[-2], grouped.group(1)]
-        positions = [i for i, part in enumerate(local) if part.isdigit() and i > 0]
+        positions = stacked_positions()
     if len(positions) != len(prepended):
         raise UCPError(f"parameter {local_key!r}: {len(prepended)} stacked axes in its sharded key "
                        f"{sharded_key!r} but {len(positions)} indices in its name; no rule maps it")
-    out = sharded_key.split(".")
     at = 0  # insertion points move right as indices are placed
     for j, (pos, index) in enumerate(zip(positions, prepended)):
         anchor = local[pos - 1]
@@ -151,6 +161,10 @@ def _tp_axis(param: torch.Tensor, owner, sh: ShardedTensor, local_key: str,
         axis = 0
     elif isinstance(owner, RowParallelLinear) and param is owner.weight:
         axis = 1
+    elif getattr(owner, "softmax_offset", None) is param:
+        # learnable attention sinks (softmax_type="learnable"), one per head: megatron-core's local
+        # and Transformer Engine attention declare them split on dim 0 but mark no attribute
+        axis = 0
     else:
         axis = None
     split = [d for d, f in enumerate(sh.axis_fragmentations[first_dim:]) if f > 1]
@@ -245,6 +259,24 @@ def strided_pieces(local_key: str, param: torch.Tensor, subs: list[ShardedTensor
     return out
 
 
+def declared_state_dict(model) -> dict:
+    """The (unwrapped) model's `sharded_state_dict()`, with the metadata megatron-core's layers
+    read: the DP x CP group (GPTModel's MTP embedding copy and the learnable softmax offset index
+    it without a default; Megatron-LM's save passes it too)."""
+    try:
+        return model.sharded_state_dict(metadata=ensure_metadata_has_dp_cp_group(None))
+    except AssertionError as e:  # megatron-core cannot declare this model (nor save it in torch_dist)
+        hint = ""
+        tied = getattr(model, "share_embeddings_and_output_weights", False)
+        if getattr(model, "mtp_process", False) and tied:
+            hint = (" megatron-core 0.16.1 cannot declare MTP with tied embeddings on a pipeline "
+                    "stage after the first (LanguageModule.tie_embeddings_and_output_weights_state_dict "
+                    "asserts); train with untied embeddings or PP=1.")
+        raise UCPError(f"the model's own sharded_state_dict() (megatron-core) fails: "
+                       f"AssertionError {str(e)[:200]!r}; megatron-ucp derives every parameter's "
+                       f"split from it, so it can neither save nor load this model.{hint}") from e
+
+
 def local_params(model_chunks: list) -> list[LocalParam]:
     """Every trainable parameter of this rank's model chunks with its spec and pieces."""
     out: list[LocalParam] = []
@@ -259,7 +291,7 @@ def local_params(model_chunks: list) -> list[LocalParam]:
         if output_layer is not None and getattr(output_layer, "weight", None) is not None:
             vocab.add(id(output_layer.weight))
         seen: set[int] = set()
-        for local_key, entry in model.sharded_state_dict().items():
+        for local_key, entry in declared_state_dict(model).items():
             if isinstance(entry, ShardedObject):
                 if carries_extra_state(entry.data):
                     raise UCPError(f"{local_key!r} holds extra state ({type(entry.data).__name__}, "

@@ -16,7 +16,12 @@ import torch
 
 STATES = ("param", "exp_avg", "exp_avg_sq")
 COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias",
-          "word_embeddings.weight", "output_layer.weight")
+          "word_embeddings.weight", "output_layer.weight",
+          "softmax_offset",  # learnable attention sinks: one per head, heads split over TP
+          "eh_proj.weight",  # MTP's projection of [embedding, hidden]: column-parallel
+          # MLA's projections (local spec): all column-parallel, outputs gathered where needed
+          "linear_q_proj.weight", "linear_q_down_proj.weight", "linear_q_up_proj.weight",
+          "linear_kv_down_proj.weight", "linear_kv_up_proj.weight")
 ROW = ("linear_proj.weight", "linear_fc2.weight")
 
 
@@ -35,7 +40,14 @@ def blocks(name: str, swiglu: bool) -> int:
 GROUPED = re.compile(r"(.*\.mlp\.experts\.)weight([12])$")
 
 
+PIPELINE_COPY = "@pipeline-copy"
+
+
 def global_key(name: str, coords: dict, chunk: int) -> str:
+    if name.startswith("embedding.word_embeddings.") and (coords["pp"] > 0 or chunk > 0):
+        # the MTP stage's copy of the first stage's embedding (kept equal by megatron-core's
+        # embedding-group all-reduce): compared against the first stage's tensor
+        return name + PIPELINE_COPY
     if GROUPED.match(name):  # one fused tensor per EP rank: keep them apart
         name = f"{name}@ep{coords['ep']}"
     m = re.match(r"(.*\.local_experts\.)(\d+)(\..*)", name)
@@ -107,6 +119,8 @@ def assemble(dump_dir: Path, swiglu: bool = False) -> dict[str, dict]:
         c = dump["coords"]
         for e in dump["params"]:
             key = global_key(e["name"], c, e["chunk"])
+            if key.endswith(PIPELINE_COPY):
+                continue
             slot = by_key.setdefault(key, {}).setdefault(c["tp"], {"model": e["model"], "frags": [],
                                                                    "coords": c})
             assert torch.equal(slot["model"], e["model"]), f"{key}: DP replicas differ"
@@ -171,7 +185,7 @@ def compare_to_reference(dump_dir: Path, expected: dict[str, dict], swiglu: bool
     for dump in load_dumps(dump_dir):
         c = dump["coords"]
         for e in dump["params"]:
-            key = global_key(e["name"], c, e["chunk"])
+            key = global_key(e["name"], c, e["chunk"]).removesuffix(PIPELINE_COPY)
             if key == "output_layer.weight" and key not in expected:  # tied: same as the embedding
                 key = "embedding.word_embeddings.weight"
             if key.endswith(VOCAB):

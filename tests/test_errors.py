@@ -149,12 +149,14 @@ def test_model_config_mismatch_message(source):
 
 
 def test_missing_parameter_is_named(ckpt):
-    name = "decoder.layers.1.mlp.linear_fc2.bias"
-    edit_manifest(ckpt, lambda m: m["params"].pop(name))
-    log = failed_load(ckpt, {})
-    # the rank files still hold its fragments: refused before anything loads, naming file and parameter
-    assert f"rank_00000.safetensors: holds fragments of parameter {name}, which the manifest does not list" \
-        in log, log
+    # A model with QK-norm, a checkpoint without (the flag dropped from the saved config so that the
+    # parameter-set check, not the config check, decides). (A manifest that lost an entry whose
+    # fragments the rank files still hold is refused before: test_bad_input's manifest-lost-param.)
+    edit_manifest(ckpt, lambda m: m["model"].pop("qk_layernorm"))
+    log = failed_load(ckpt, {"qk_layernorm": True})
+    name = "decoder.layers.0.self_attention.q_layernorm.weight"
+    assert f"the model's parameter {name} (local name" in log, log
+    assert "is not in the checkpoint" in log
 
 
 def test_extra_parameters_are_named(ckpt):

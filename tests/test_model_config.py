@@ -12,7 +12,6 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 import megatron_ucp as ucp
 from megatron_ucp.formats import open_source
 from megatron_ucp.formats.hf import export
-from megatron_ucp.testing import cpu_shim  # noqa: F401  (before megatron-core builds anything)
 from megatron_ucp.testing.launch import launch
 from megatron_ucp.validation import NOT_RECORDED, config_record
 

@@ -339,7 +339,7 @@ class Manifest:
     iteration: int
     layout: Layout  # the saving run's layout
     layout_world_size: int  # ranks of the saving run (= rank files of a fragment checkpoint)
-    model: dict  # TransformerConfig scalars and GPT-level fields; `unpadded_vocab_size`
+    model: dict  # TransformerConfig fields (`validation.model_config`), GPT fields; `unpadded_vocab_size`
     params: dict[str, ParamEntry]
     optimizer: dict  # {"param_groups": [...], "grad_scaler": {...} | None}
     scheduler: dict | None  # OptimizerParamScheduler.state_dict()

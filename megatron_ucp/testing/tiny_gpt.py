@@ -25,13 +25,15 @@ from megatron.core.distributed import (
 )
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
+    get_gpt_mtp_block_spec,
 )
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -45,6 +47,7 @@ from megatron_ucp.layout import Layout
 from megatron_ucp.testing import cpu_shim  # noqa: F401  (must precede megatron.core)
 from megatron_ucp.testing.cp_attention import ContextParallelDotProductAttention, split_for_cp
 from megatron_ucp.testing.cpu_shim import REAL_CUDA
+from megatron_ucp.testing.mla_attention import MLACoreAttention
 
 
 class SequenceParallelTorchNorm:
@@ -67,6 +70,8 @@ def _replace_module(spec, old: type, new):
     """Copy of a layer spec with every `old` module class replaced by `new`."""
     if spec is old:
         return new
+    if isinstance(spec, list):  # a block spec's layer_specs
+        return [_replace_module(s, old, new) for s in spec]
     if isinstance(spec, ModuleSpec) or dataclasses.is_dataclass(spec) and not isinstance(spec, type):
         return dataclasses.replace(spec, **{f.name: _replace_module(getattr(spec, f.name), old, new)
                                             for f in dataclasses.fields(spec)})
@@ -140,7 +145,8 @@ def init_distributed(layout: Layout) -> None:
 def transformer_config(cfg: TinyGPTConfig, layout: Layout) -> TransformerConfig:
     bf16, fp16 = cfg.dtype == "bf16", cfg.dtype == "fp16"
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.dtype, torch.float32)
-    return TransformerConfig(**{**_config_fields(cfg, layout, bf16, fp16, dtype), **cfg.extra})
+    config_class = MLATransformerConfig if cfg.extra.get("multi_latent_attention") else TransformerConfig
+    return config_class(**{**_config_fields(cfg, layout, bf16, fp16, dtype), **cfg.extra})
 
 
 def _config_fields(cfg: TinyGPTConfig, layout: Layout, bf16: bool, fp16: bool, dtype) -> dict:
@@ -198,22 +204,44 @@ def build(cfg: TinyGPTConfig, layout: Layout) -> TrainState:
         layer_spec = get_gpt_layer_local_spec(
             num_experts=cfg.num_experts, moe_grouped_gemm=cfg.moe_grouped_gemm,
             qk_layernorm=cfg.qk_layernorm, normalization=cfg.normalization,
+            multi_latent_attention=tf_config.multi_latent_attention,
         )
-    if layout.cp > 1:  # megatron-core's CP attention needs TE: see cp_attention
-        layer_spec = _replace_module(layer_spec, DotProductAttention, ContextParallelDotProductAttention)
+
+    def stand_ins(spec):
+        if tf_config.multi_latent_attention and cfg.transformer_impl == "local":  # see mla_attention
+            spec = _replace_module(spec, DotProductAttention, MLACoreAttention)
+        if layout.cp > 1:  # megatron-core's CP attention needs TE: see cp_attention
+            spec = _replace_module(spec, DotProductAttention, ContextParallelDotProductAttention)
+        return spec
+
+    layer_spec = stand_ins(layer_spec)
+    # dense and MoE layers mixed (first-k-dense, moe_layer_freq): megatron-core's per-layer block
+    # spec, as Megatron-LM builds it
+    mixed = bool(tf_config.num_moe_experts) and tf_config.moe_layer_freq != 1
     chunks = []
     for vp_stage in range(layout.vpp or 1):
         vp = vp_stage if layout.vpp else None
         spec = layer_spec
-        if cfg.sequence_parallel:
+        if mixed:
+            spec = stand_ins(get_gpt_decoder_block_spec(tf_config, cfg.transformer_impl != "local",
+                                                        normalization=cfg.normalization, vp_stage=vp))
+            if cfg.sequence_parallel:
+                layers = _replace_module(spec.layer_specs, WrappedTorchNorm, SequenceParallelTorchNorm)
+                spec = dataclasses.replace(spec, layer_specs=layers, layer_norm=SequenceParallelTorchNorm)
+        elif cfg.sequence_parallel:
             n = get_num_layers_to_build(tf_config, vp_stage=vp)
             spec = TransformerBlockSubmodules(
                 layer_specs=[_replace_module(layer_spec, WrappedTorchNorm, SequenceParallelTorchNorm)] * n,
                 layer_norm=SequenceParallelTorchNorm,
             )
+        mtp_spec = None
+        if tf_config.mtp_num_layers:  # multi-token prediction layers (DeepSeek-V3) on the last stage
+            mtp_spec = get_gpt_mtp_block_spec(tf_config, spec, cfg.transformer_impl != "local",
+                                              vp_stage=vp)
         model = GPTModel(
             config=tf_config,
             transformer_layer_spec=spec,
+            mtp_block_spec=mtp_spec,
             vocab_size=cfg.vocab_size,
             max_sequence_length=cfg.seq_length,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),

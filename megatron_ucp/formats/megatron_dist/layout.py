@@ -29,7 +29,7 @@ from megatron_ucp.formats.megatron_rebuild import (
     source_rank,
     wrap_ddp,
 )
-from megatron_ucp.param_spec import local_params
+from megatron_ucp.param_spec import declared_state_dict, local_params
 
 COMMON_FILE = "common.pt"
 METADATA_FILE = ".metadata"
@@ -193,7 +193,7 @@ def storage_keys(model) -> dict[int, tuple[str, tuple[int, ...]]]:
     from megatron.core.utils import unwrap_model
 
     out = {}
-    for entry in unwrap_model(model).sharded_state_dict().values():
+    for entry in declared_state_dict(unwrap_model(model)).values():
         if isinstance(entry, ShardedTensorFactory):
             first = entry.build()
             while isinstance(first, (dict, list, tuple)):
@@ -243,7 +243,7 @@ def sharded_objects(model) -> dict[str, object]:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.utils import unwrap_model
 
-    return {v.unique_key: v.data for v in unwrap_model(model).sharded_state_dict().values()
+    return {v.unique_key: v.data for v in declared_state_dict(unwrap_model(model)).values()
             if isinstance(v, ShardedObject)}
 
 
