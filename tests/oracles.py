@@ -466,7 +466,7 @@ def split_qkv(t: torch.Tensor, heads: int, groups: int) -> tuple[torch.Tensor, t
 
 def hf_expected(master: dict[str, torch.Tensor], arch: str, heads: int, groups: int, vocab: int
                 ) -> dict[str, torch.Tensor]:
-    """The tensors a transformers `arch` (llama, qwen2, mixtral or gpt2) checkpoint of the
+    """The tensors a transformers `arch` (llama, qwen2, mixtral, qwen3, qwen3_moe or gpt2) checkpoint of the
     megatron-core GPT with full master weights `master` (universal names) holds, by the textbook
     correspondences:
     megatron's fused linear_qkv rows are per query group [q heads of the group; k; v] (head_dim
@@ -481,7 +481,7 @@ def hf_expected(master: dict[str, torch.Tensor], arch: str, heads: int, groups: 
     def have(name: str) -> bool:
         return name in master
 
-    if arch in ("llama", "qwen2", "mixtral"):
+    if arch in ("llama", "qwen2", "mixtral", "qwen3", "qwen3_moe"):
         out["model.embed_tokens.weight"] = master[WORD][:vocab]
         out["model.norm.weight"] = master["decoder.final_layernorm.weight"]
         if have("output_layer.weight"):
@@ -502,7 +502,18 @@ def hf_expected(master: dict[str, torch.Tensor], arch: str, heads: int, groups: 
                                      ("mlp.linear_fc2", "mlp.down_proj")):
                     if have(m + f"{mine}.{kind}"):
                         out[h + f"{theirs}.{kind}"] = master[m + f"{mine}.{kind}"]
-            if have(m + "mlp.router.weight"):  # Mixtral: w1 gate, w3 up, w2 down per expert
+            for mine, theirs in (("q_layernorm", "q_norm"), ("k_layernorm", "k_norm")):  # Qwen3
+                if have(m + f"self_attention.{mine}.weight"):
+                    out[h + f"self_attn.{theirs}.weight"] = master[m + f"self_attention.{mine}.weight"]
+            if have(m + "mlp.router.weight") and arch == "qwen3_moe":  # Hub layout: per expert
+                out[h + "mlp.gate.weight"] = master[m + "mlp.router.weight"]
+                experts = {int(n.split(".")[6]) for n in master if n.startswith(m + "mlp.experts.experts.")}
+                for e in sorted(experts):
+                    x, y = f"{m}mlp.experts.experts.{e}.", f"{h}mlp.experts.{e}."
+                    out[y + "gate_proj.weight"], out[y + "up_proj.weight"] = \
+                        master[x + "linear_fc1.weight"].chunk(2)
+                    out[y + "down_proj.weight"] = master[x + "linear_fc2.weight"]
+            elif have(m + "mlp.router.weight"):  # Mixtral: w1 gate, w3 up, w2 down per expert
                 out[h + "block_sparse_moe.gate.weight"] = master[m + "mlp.router.weight"]
                 experts = {int(n.split(".")[6]) for n in master if n.startswith(m + "mlp.experts.experts.")}
                 for e in sorted(experts):

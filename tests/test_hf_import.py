@@ -39,13 +39,19 @@ MODELS = {  # name -> (arch, config class, kwargs)
     "qwen2": ("qwen2", "Qwen2Config", {**ROTARY, "tie_word_embeddings": True}),
     "mixtral": ("mixtral", "MixtralConfig", {**ROTARY, "num_local_experts": 3,
                                              "num_experts_per_tok": 2}),
+    # QK-norm; Qwen3's head_dim defaults to 128, not hidden / heads
+    "qwen3": ("qwen3", "Qwen3Config", {**ROTARY, "head_dim": 8}),
+    "qwen3_moe": ("qwen3_moe", "Qwen3MoeConfig", {**ROTARY, "head_dim": 8, "num_experts": 3,
+                                                  "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+                                                  "norm_topk_prob": True}),
     "gpt2": ("gpt2", "GPT2Config", dict(vocab_size=100, n_embd=32, n_layer=2, n_head=4,
                                         n_positions=64, activation_function="gelu")),
     "gpt2_untied": ("gpt2", "GPT2Config", dict(vocab_size=100, n_embd=32, n_layer=2, n_head=4,
                                                n_positions=64, tie_word_embeddings=False)),
 }
 ARCH_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "mixtral": "MixtralForCausalLM", "gpt2": "GPT2LMHeadModel"}
+                "mixtral": "MixtralForCausalLM", "gpt2": "GPT2LMHeadModel",
+                "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 TOKENS = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(3))
 
 
@@ -113,13 +119,14 @@ def test_round_trip_is_bitwise(saved, tmp_path, name):
             "num_key_value_heads", "intermediate_size", "rms_norm_eps", "max_position_embeddings",
             "tie_word_embeddings", "rope_parameters", "attention_bias", "mlp_bias", "bos_token_id",
             "eos_token_id", "num_local_experts", "num_experts_per_tok", "n_embd", "n_layer",
-            "n_head", "n_positions", "n_inner", "layer_norm_epsilon", "dtype")
+            "n_head", "n_positions", "n_inner", "layer_norm_epsilon", "dtype", "head_dim",
+            "moe_intermediate_size", "norm_topk_prob")
     for k in same:
         if k in original and original[k] is not None:
             assert exported[k] == original[k], k
 
 
-@pytest.mark.parametrize("name", ["llama_bias", "mixtral", "gpt2_untied"])
+@pytest.mark.parametrize("name", ["llama_bias", "mixtral", "gpt2_untied", "qwen3", "qwen3_moe"])
 def test_exported_model_computes_the_same(saved, tmp_path, name):
     """The round trip through the universal form loads in transformers with the same logits."""
     import_hf(saved[name], tmp_path / "u", progress=False)

@@ -334,7 +334,9 @@ def hf_config(arch: str, cfg: dict, *, vocab: int, dtype: str, rope_theta: float
                    max_window_layers=cfg["num_layers"], layer_types=["full_attention"] * cfg["num_layers"])
     if arch == "qwen3_moe":
         # Hub config names; intermediate_size is the dense MLP's (mlp_only_layers, none here)
-        out.update(num_experts=cfg["num_moe_experts"], num_experts_per_tok=cfg["moe_router_topk"],
+        # num_experts as the Hub's configs and transformers 4 spell it; num_local_experts, transformers 5
+        out.update(num_experts=cfg["num_moe_experts"], num_local_experts=cfg["num_moe_experts"],
+                   num_experts_per_tok=cfg["moe_router_topk"],
                    moe_intermediate_size=cfg.get("moe_ffn_hidden_size") or cfg["ffn_hidden_size"],
                    intermediate_size=cfg["ffn_hidden_size"],
                    norm_topk_prob=not cfg.get("moe_router_pre_softmax", False),
