@@ -168,9 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     logger.setLevel(logging.INFO)
     progress = False if getattr(args, "no_progress", False) else tqdm
 
+    distributed = created_group = False
     try:
         # under torchrun a conversion is one job: each process converts a share, rank 0 commits
-        distributed = args.command in ("convert", "reshard") and _join_torchrun_job()
+        if args.command in ("convert", "reshard"):
+            distributed, created_group = _join_torchrun_job()
         if distributed:
             progress = False
         if args.command == "convert":
@@ -226,26 +228,42 @@ def main(argv: list[str] | None = None) -> int:
 
             import_deepspeed(args.ds_universal_dir, args.universal_dir, args.name_map,
                              trust_pickle=args.trust_pickle, progress=progress)
+        if distributed:  # every process is done before any tears the group down
+            import torch.distributed as dist
+
+            dist.barrier()
     except UCPError as e:
         print(f"megatron-ucp: error: {e}", file=sys.stderr)
         return 2
     finally:
         logger.removeHandler(handler)
+        if created_group:
+            _leave_torchrun_job()
     return 0
 
 
-def _join_torchrun_job() -> bool:
-    """True under torchrun with several processes (WORLD_SIZE > 1): the gloo process group is
-    initialized here (from torchrun's MASTER_ADDR / MASTER_PORT / RANK); gloo, no GPU needed."""
+def _join_torchrun_job() -> tuple[bool, bool]:
+    """(distributed, created): distributed under torchrun with several processes (WORLD_SIZE > 1),
+    where the gloo process group is initialized here unless it is already (from torchrun's
+    MASTER_ADDR / MASTER_PORT / RANK); gloo, no GPU needed."""
     import os
 
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return False
+        return False, False
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
-    return True
+    if dist.is_initialized():
+        return True, False
+    dist.init_process_group("gloo")
+    return True, True
+
+
+def _leave_torchrun_job() -> None:
+    """Destroy the process group `_join_torchrun_job` made: a gloo group left to the interpreter's
+    exit can abort the process (std::terminate in its threads) after the job's work is done."""
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
 
 
 def _plan_recompute(args) -> int:
