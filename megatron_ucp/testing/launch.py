@@ -43,6 +43,10 @@ def launch(nprocs: int, target: str, kwargs: dict, timeout: float = 600.0, env: 
             penv = dict(os.environ, **(env or {}))
             penv.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs),
                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+            # megatron-core's jit fusions run eagerly (cpu_shim sets this too, but a rank may import
+            # megatron.core, whose torch.compile decorators read it, before the shim): 0.19's
+            # compiled MoE router otherwise fails dynamo's device check under the shim
+            penv.setdefault("TORCHDYNAMO_DISABLE", "1")
             log = open(Path(tmp) / f"log{rank}.txt", "w+")
             logs.append(log)
             cmd = [python or sys.executable, "-m", "megatron_ucp.testing.launch", target,
