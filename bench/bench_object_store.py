@@ -8,9 +8,19 @@ index, manifest and `latest` commit) against a raw `obstore.put` multipart uploa
 that rank's rank-file size (same part size and concurrency). Load: `megatron_ucp.load` at another
 layout (planned, merged ranged GETs, then the optimizer copy) against raw `get_ranges` of the same
 number of bytes per rank file, one contiguous range each. Throughput ratio = raw time / our time
-(1.0: as fast as the raw client). Requests: the GETs each rank issued per load (LoadResult.requests).
+(1.0: as fast as the raw client): of the best rounds, and the median of the rounds' ratios (each
+round runs ours then raw back to back, after one untimed round of each). Requests: the GETs each
+rank issued per load (LoadResult.requests).
+
+Anchors, same server, same run: torch DCP's FsspecWriter / FsspecReader through s3fs (this rank's
+tensors of our checkpoint, at the saving layout: DCP reshards only through a model's sharded
+state), and megatron-core's torch_dist (`dist_checkpointing.save` / `load` of Megatron-LM's state
+dict, fully_reshardable optimizer, loaded at the other layout) through multi-storage-client
+(`msc://`, a profile written for this server). One that cannot run prints why.
+
 The server and the ranks share this machine's cores: the figures say how much our layer costs over
 the client, not what a real store delivers.
+(`pip install -e .[dev]` installs s3fs and multi-storage-client.)
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ os.chdir(ROOT)  # launch() runs `python -m megatron_ucp.testing.launch bench._s3
 from megatron_ucp.layout import Layout  # noqa: E402
 from megatron_ucp.object_store import download_tree  # noqa: E402
 from megatron_ucp.storage import location  # noqa: E402
-from megatron_ucp.testing.launch import launch  # noqa: E402
+from megatron_ucp.testing.launch import LaunchError, launch  # noqa: E402
 from megatron_ucp.testing.s3_server import seaweedfs  # noqa: E402
 
 
@@ -37,8 +47,72 @@ def _summary(per_rank: list[dict], nbytes: int) -> dict:
     reps = len(per_rank[0]["ours"])
     ours = min(max(r["ours"][i] for r in per_rank) for i in range(reps))  # best rep, slowest rank
     raw = min(max(r["raw"][i] for r in per_rank) for i in range(reps))
+    paired = sorted(max(r["raw"][i] for r in per_rank) / max(r["ours"][i] for r in per_rank)
+                    for i in range(reps))  # each round's raw and ours ran back to back
     return {"ours_s": ours, "raw_s": raw, "bytes": nbytes, "ours_MBps": nbytes / ours / 1e6,
-            "raw_MBps": nbytes / raw / 1e6, "ratio": raw / ours}
+            "raw_MBps": nbytes / raw / 1e6, "ratio": raw / ours, "paired_ratios": paired,
+            "paired_ratio_median": paired[len(paired) // 2]}
+
+
+def _best(per_rank: list[dict], key: str) -> float:
+    """The best rep of the slowest rank."""
+    return min(max(r[key][i] for r in per_rank) for i in range(len(per_rank[0][key])))
+
+
+def _failure(e: BaseException) -> str:
+    lines = [ln for ln in str(e).splitlines() if "Error" in ln or "error" in ln]
+    return (lines[-1] if lines else str(e).splitlines()[-1] if str(e) else type(e).__name__)[:400]
+
+
+def _dcp_anchor(args, cfg: dict, url: str, endpoint: str) -> dict:
+    """torch DCP (FsspecWriter / FsspecReader) through s3fs: this rank's tensors of our checkpoint,
+    saved and loaded at the saving layout (DCP reshards only through a model's sharded state)."""
+    try:
+        import s3fs  # noqa: F401
+    except ImportError:
+        return {"error": "s3fs is not installed (pip install -e .[dev] installs s3fs==2026.9.0)"}
+    try:
+        runs = launch(Layout.parse(args.save_layout).world_size, "bench._s3_rank:dcp_bench",
+                      {"layout": args.save_layout, "cfg": cfg, "url": url, "reps": args.reps,
+                       "endpoint": endpoint}, timeout=1200)
+    except LaunchError as e:
+        return {"error": _failure(e)}
+    if not all(r["bitwise"] for r in runs):
+        return {"error": "DCP read back other bytes than it wrote"}
+    return {"save_s": _best(runs, "save"), "load_s": _best(runs, "load"),
+            "note": f"at {args.save_layout}, no resharding"}
+
+
+def _msc_anchor(args, cfg: dict, tmp: Path, endpoint: str) -> dict:
+    """megatron-core's torch_dist (dist_checkpointing.save/load, Megatron-LM's state dict, the
+    fully_reshardable optimizer) through multi-storage-client (msc://), loaded at the other layout."""
+    try:
+        import multistorageclient  # noqa: F401
+    except ImportError:
+        return {"error": "multi-storage-client is not installed (pip install -e .[dev] installs "
+                         "multi-storage-client==1.3.1)"}
+    config = tmp / "msc.json"  # a profile for the same bucket and server
+    config.write_text(json.dumps({"profiles": {"bench": {
+        "storage_provider": {"type": "s3", "options": {"base_path": "ckpt", "endpoint_url": endpoint,
+                                                       "region_name": "us-east-1"}},
+        "credentials_provider": {"type": "S3Credentials", "options": {
+            "access_key": os.environ["AWS_ACCESS_KEY_ID"],
+            "secret_key": os.environ["AWS_SECRET_ACCESS_KEY"]}}}}}))
+    env = {"MSC_CONFIG": str(config)}
+    job = {"cfg": cfg, "url": "msc://bench/mcore", "reps": args.reps}
+    try:
+        saves = launch(Layout.parse(args.save_layout).world_size, "bench._s3_rank:msc_save_bench",
+                       {"layout": args.save_layout, **job}, timeout=1200, env=env)
+        out = {"save_s": _best(saves, "save")}
+    except LaunchError as e:
+        return {"error": f"save: {_failure(e)}"}
+    try:
+        loads = launch(Layout.parse(args.load_layout).world_size, "bench._s3_rank:msc_load_bench",
+                       {"layout": args.load_layout, **job}, timeout=1200, env=env)
+        out["load_s"] = _best(loads, "load")
+    except LaunchError as e:
+        out["error_load"] = _failure(e)
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -54,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     cfg = {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
            "ffn_hidden_size": args.ffn_hidden_size, "num_attention_heads": args.num_attention_heads}
-    with tempfile.TemporaryDirectory(prefix="bench-s3-") as tmp, seaweedfs(Path(tmp)) as (_, bucket):
+    with tempfile.TemporaryDirectory(prefix="bench-s3-") as tmp, seaweedfs(Path(tmp)) as (endpoint, bucket):
         url = f"{bucket}/bench"
         saves = launch(Layout.parse(args.save_layout).world_size, "bench._s3_rank:save_bench",
                        {"layout": args.save_layout, "cfg": cfg, "url": url, "reps": args.reps}, timeout=1200)
@@ -63,20 +137,33 @@ def main(argv: list[str] | None = None) -> dict:
         loads = launch(Layout.parse(args.load_layout).world_size, "bench._s3_rank:load_bench",
                        {"layout": args.load_layout, "cfg": cfg, "url": url, "reps": args.reps,
                         "local": str(local)}, timeout=1200)
+        anchors = {"dcp_s3fs": _dcp_anchor(args, cfg, url, endpoint),
+                   "mcore_torch_dist_msc": _msc_anchor(args, cfg, Path(tmp), endpoint)}
     res = {"config": cfg, "save_layout": args.save_layout, "load_layout": args.load_layout,
            "save": _summary(saves, sum(r["file_bytes"] for r in saves)),
            "load": _summary(loads, sum(r["bytes_read"] for r in loads)),
            "load_from_local_disk_s": min(max(r["local"][i] for r in loads) for i in range(args.reps)),
            "load_planning_s": max(r["planning"] for r in loads),
            "requests_per_rank_per_load": [r["requests"] for r in loads],
-           "files_opened_per_rank": [r["files_opened"] for r in loads]}
+           "files_opened_per_rank": [r["files_opened"] for r in loads], "anchors": anchors}
     print(f"{'op':<28} {'ours s':>8} {'raw s':>8} {'MB':>8} {'ours MB/s':>10} {'raw MB/s':>9} "
-          f"{'raw/ours':>8}")
+          f"{'raw/ours':>8} {'paired median':>13}")
     for op, what in (("save", f"save {args.save_layout}"),
                      ("load", f"load {args.save_layout}->{args.load_layout}")):
         s = res[op]
         print(f"{what:<28} {s['ours_s']:>8.3f} {s['raw_s']:>8.3f} {s['bytes'] / 1e6:>8.1f} "
-              f"{s['ours_MBps']:>10.1f} {s['raw_MBps']:>9.1f} {s['ratio']:>8.2f}")
+              f"{s['ours_MBps']:>10.1f} {s['raw_MBps']:>9.1f} {s['ratio']:>8.2f} "
+              f"{s['paired_ratio_median']:>13.2f}")
+    for name, a in anchors.items():
+        if "error" in a:
+            print(f"{name}: did not run: {a['error']}")
+            continue
+        for op in ("save", "load"):
+            if op in a:
+                mb, t = res[op]["bytes"] / 1e6, a[op + "_s"]
+                print(f"{name + ' ' + op:<28} {t:>8.3f} {'':>8} {mb:>8.1f} {mb / t:>10.1f}"
+                      f" {'':>9} anchor/ours {t / res[op]['ours_s']:.2f}"
+                      + (f" ({a['note']})" if a.get("note") and op == "load" else ""))
     print(f"the same load from a local copy (page cache warm): {res['load_from_local_disk_s']:.3f} s; "
           f"its planning pass in the store load: {res['load_planning_s']:.3f} s")
     print(f"GET requests per rank per load: {res['requests_per_rank_per_load']} "

@@ -45,7 +45,9 @@ PART_BYTES = 32 * 2**20  # multipart part size (and the writer's buffer): S3 nee
 UPLOAD_STREAMS = 8  # parts of one object uploaded concurrently
 WINDOW_BYTES = 64 * 2**20  # planned ranges fetched together per object: a load holds two windows
 PREFETCH_THREADS = 4  # windows of different objects fetched concurrently in the background
-COALESCE_BYTES = 2**20  # obstore's get_ranges merges ranges less than this apart into one GET
+COALESCE_BYTES = 2**20  # ranges less than this apart are fetched by one GET (obstore's rule too)
+STREAM_BYTES = 16 * 2**20  # a merged range longer than this is fetched as pieces of it, in parallel
+GET_STREAMS = 8  # ranged GETs of one process in flight at once (one stream each)
 HEADER_GUESS = 64 * 2**10  # bytes fetched for a safetensors header before knowing its length
 MAX_RETRIES = int(os.environ.get("MEGATRON_UCP_S3_MAX_RETRIES", "5"))
 RETRY_SECONDS = float(os.environ.get("MEGATRON_UCP_S3_RETRY_SECONDS", "60"))
@@ -243,16 +245,35 @@ def _prefetcher() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="megatron-ucp-prefetch")
 
 
-def merged_requests(ranges: Sequence[tuple[int, int]]) -> int:
-    """The GETs `get_ranges` issues for these ranges: nearby ones merged (obstore's rule)."""
-    n, end = 0, None
+@functools.cache
+def _streams() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(GET_STREAMS, thread_name_prefix="megatron-ucp-get")
+
+
+def request_ranges(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The GETs that fetch these ranges: ranges less than COALESCE_BYTES apart merged into one,
+    then each merged range cut into pieces of at most STREAM_BYTES (one stream each: a single
+    HTTP stream is slower than several against the same store)."""
+    merged: list[list[int]] = []
     for a, b in sorted(ranges):
-        if end is None or a - end > COALESCE_BYTES:
-            n += 1
-            end = b
+        if merged and a - merged[-1][1] <= COALESCE_BYTES:
+            merged[-1][1] = max(merged[-1][1], b)
         else:
-            end = max(end, b)
-    return n
+            merged.append([a, b])
+    return [(s, min(s + STREAM_BYTES, b)) for a, b in merged for s in range(a, b, STREAM_BYTES)]
+
+
+def merged_requests(ranges: Sequence[tuple[int, int]]) -> int:
+    """The GETs `fetch_ranges` issues for these ranges."""
+    return len(request_ranges(ranges))
+
+
+def fetch_ranges(path: ObjectPath, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int, memoryview]]:
+    """The bytes of `ranges` of one object as (start, end, bytes) pieces that cover them: the
+    GETs of `request_ranges`, GET_STREAMS of them in flight at once (obstore releases the GIL)."""
+    requests = request_ranges(ranges)
+    futures = [_streams().submit(get_ranges, path, [a], [b]) for a, b in requests]
+    return [(a, b, f.result()[0]) for (a, b), f in zip(requests, futures)]
 
 
 def get_ranges(path: ObjectPath, starts: Sequence[int], ends: Sequence[int]) -> list[memoryview]:
@@ -415,7 +436,7 @@ class SafetensorsObject:
                 raise self._bad(f"tensor {key!r} lies outside the object or has dtype {e['dtype']}")
             self.entries[key] = (_ST_DTYPES[e["dtype"]], tuple(e["shape"]), self.start + begin,
                                  self.start + end)
-        self._cache: list[tuple[int, int, memoryview]] = []  # fetched ranges (the current window)
+        self._cache: list[tuple[int, int, memoryview]] = []  # fetched pieces (the current window)
         self._planned: list[tuple[int, int]] = []  # ranges a planned load will read, in order
         self._next = 0  # the first planned range not fetched yet
         self._ahead: tuple[list[tuple[int, int]], Future] | None = None  # the next window, coming
@@ -430,15 +451,19 @@ class SafetensorsObject:
     def keys(self) -> list[str]:
         return list(self.entries)
 
-    def plan(self, ranges: Sequence[tuple[int, int]]) -> None:
+    def plan(self, ranges: Sequence[tuple[int, int]], start: bool = True) -> None:
         """The byte ranges (absolute, in the order they will be read) a load needs of this object:
         a read that misses fetches it together with the planned ranges after it, up to
         `WINDOW_BYTES`, in one `get_ranges` call (nearby ranges merged into one GET, the GETs in
         parallel), and the window after it is fetched in the background while this one is used.
-        Memory holds two windows per object, not the rank's share of the checkpoint."""
+        Memory holds two windows per object, not the rank's share of the checkpoint. start: fetch
+        the first window now, in the background (else at the first read)."""
         self._planned = [r for r in ranges if r[1] > r[0]]
         self._next = 0
         self._ahead = None
+        if start and self._planned:  # the first window comes while the load reads other objects
+            window, self._next = self._window_from(0)
+            self._ahead = (window, _prefetcher().submit(self._get, window))
 
     def _window_from(self, i: int, first: tuple[int, int] | None = None) -> tuple[list[tuple[int, int]], int]:
         """Planned ranges from index i (after `first`, the read that missed) up to WINDOW_BYTES;
@@ -454,14 +479,24 @@ class SafetensorsObject:
         return window, i
 
     def _get(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int, memoryview]]:
-        data = get_ranges(self.path, [a for a, _ in ranges], [b for _, b in ranges])
         self.requests += merged_requests(ranges)
-        return [(a, b, d) for (a, b), d in zip(ranges, data)]
+        return fetch_ranges(self.path, ranges)
 
-    def _bytes(self, begin: int, end: int) -> memoryview:
-        for a, b, data in self._cache:
-            if a <= begin and end <= b:
-                return data[begin - a:end - a]
+    def _cached(self, begin: int, end: int) -> list[memoryview] | None:
+        """The bytes begin..end from the fetched pieces (several when they span pieces), or None."""
+        out, at = [], begin
+        for a, b, data in self._cache:  # (pieces are sorted and do not overlap)
+            if a <= at < b:
+                out.append(data[at - a:min(end, b) - a])
+                at = min(end, b)
+                if at == end:
+                    return out
+        return None
+
+    def _bytes(self, begin: int, end: int) -> list[memoryview]:
+        found = self._cached(begin, end)
+        if found is not None:
+            return found
         ahead, self._ahead = self._ahead, None
         if ahead is not None and any(a <= begin and end <= b for a, b in ahead[0]):
             self._cache = ahead[1].result()  # fetched while the previous window was used
@@ -474,12 +509,19 @@ class SafetensorsObject:
         if self._next < len(self._planned):  # the next window comes while this one is used
             window, self._next = self._window_from(self._next)
             self._ahead = (window, _prefetcher().submit(self._get, window))
-        return next(d[begin - a:end - a] for a, b, d in self._cache if a <= begin and end <= b)
+        found = self._cached(begin, end)
+        if found is None:
+            raise self._bad(f"bytes {begin}-{end} did not come back")
+        return found
 
     def _tensor(self, dtype: torch.dtype, shape: tuple[int, ...], begin: int, end: int) -> torch.Tensor:
-        data = bytearray(self._bytes(begin, end)) if end > begin else bytearray()
-        if len(data) != end - begin:
-            raise self._bad(f"bytes {begin}-{end} came back as {len(data)} bytes")
+        data = bytearray(end - begin)  # the tensor's own memory: one copy out of the fetched pieces
+        at = 0
+        for piece in self._bytes(begin, end) if end > begin else []:
+            data[at:at + len(piece)] = piece
+            at += len(piece)
+        if at != end - begin:
+            raise self._bad(f"bytes {begin}-{end} came back as {at} bytes")
         return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(shape) if data else \
             torch.empty(shape, dtype=dtype)
 
@@ -623,12 +665,16 @@ class StagedPrefix:
         self.marker = marker
 
     def create(self, replace: bool = False) -> ObjectPath:
+        """The prefix, emptied of what an uncommitted write left (replace: also when it holds
+        such objects). A committed prefix is refused even with replace: a store has no atomic
+        replace, and taking its marker away first would leave `latest` naming an uncommitted
+        prefix (and no checkpoint at all if the new save failed) until the new marker lands."""
         if (self.final / self.marker).is_file():
-            if not replace:
-                raise UCPError(f"{self.final} holds a committed checkpoint; choose a new prefix")
-            # re-saving an iteration: it is uncommitted first (marker gone), then rewritten
-            delete([self.final / self.marker])
-        elif not replace and self.final.is_dir():
+            raise UCPError(f"{self.final} holds a committed checkpoint ({self.marker}); an object "
+                           "store cannot replace it atomically, so it is never overwritten: save "
+                           "at another iteration or under another prefix, or delete this prefix "
+                           "first if it is no longer wanted")
+        if not replace and self.final.is_dir():
             raise UCPError(f"{self.final} holds objects already; choose a new prefix")
         self.abort()  # a killed writer's objects and uploads
         return self.final

@@ -132,7 +132,7 @@ def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: 
                 log.warning("removing %d object(s) and aborting %d incomplete upload(s) under %s, left "
                             "by interrupted saves", len(stray), len(uploads), root)
                 object_store.remove(stray, uploads)
-            target.create(replace=True)  # re-saving an iteration uncommits it first
+            target.create(replace=True)  # (a committed iteration is refused: no atomic replace)
         except UCPError as e:
             prepare_error = [f"saving iteration {iteration} to {final} failed before any rank wrote: "
                              f"{e}; nothing was committed"]

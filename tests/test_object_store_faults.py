@@ -188,3 +188,28 @@ def test_truncated_object(committed, s3_server):
         verify(root)
     msg = str(ei.value)
     assert str(victim) in msg and "truncated" in msg, msg
+
+
+def test_resaving_a_committed_iteration_is_refused_and_latest_stays_loadable(committed, s3_server):
+    """A store has no atomic replace: re-saving iteration 1 over a committed iter_0000001 must not
+    take its manifest away first (for the whole save `latest` would name an uncommitted prefix, and
+    nothing loadable if that save failed). It is refused on every rank before any rank writes, and
+    the committed checkpoint is left byte for byte as it was."""
+    root = location(f"{s3_server[1]}/resave-{uuid.uuid4().hex[:8]}")
+    _copy(committed, root)
+    before = {obj.key: obj.read_bytes() for obj, _ in object_store.list_objects(root)}
+    with pytest.raises(LaunchError) as ei:
+        launch(2, "megatron_ucp.testing.scenarios:train_and_save",
+               {"layout": LAYOUT, "cfg": {}, "steps": 1, "save_dir": str(root)}, timeout=240)
+    msg = str(ei.value)
+    assert f"{root}/iter_0000001 holds a committed checkpoint" in msg and "another iteration" in msg, \
+        msg[-3000:]
+    after = {obj.key: obj.read_bytes() for obj, _ in object_store.list_objects(root)}
+    assert after == before
+    assert object_store.incomplete_uploads(root) == []
+    assert (root / mf.LATEST).read_text().strip() == "iter_0000001"
+    assert verify(root).startswith(f"OK {root}/iter_0000001")  # still committed and whole
+    # the protocol's unit: even with replace=True a committed prefix is never uncommitted
+    with pytest.raises(ucp.UCPError, match="cannot replace it atomically"):
+        object_store.StagedPrefix(root / "iter_0000001", mf.MANIFEST).create(replace=True)
+    assert (root / "iter_0000001" / mf.MANIFEST).is_file()
