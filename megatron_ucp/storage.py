@@ -30,6 +30,7 @@ from safetensors import safe_open
 
 from megatron_ucp.errors import UCPError
 from megatron_ucp.object_store import (
+    PREFETCH_THREADS,
     ObjectPath,
     ObjectWriter,
     SafetensorsObject,
@@ -211,6 +212,11 @@ class SafetensorsWriter:
         self.next = 0
         self.nbytes = 8 + len(raw) + offset
         self.written_back = 0  # bytes handed to the disk (`_start_writeback`)
+
+    @property
+    def complete(self) -> bool:
+        """Every tensor of the header written (`close` may follow)."""
+        return self.next == len(self.order)
 
     def _expect(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
         if self.next >= len(self.order) or name != self.order[self.next]:
@@ -404,7 +410,7 @@ class Reader:
 
 class _RecordingReader(Reader):
     """The reader of a planning pass: headers come from (and stay in) the real reader; each read
-    records the byte range it would fetch and returns zeros of the right shape."""
+    records the byte range it would fetch and returns an uninitialized tensor of the right shape."""
 
     def __init__(self, real: Reader):
         super().__init__()
@@ -421,7 +427,7 @@ class _RecordingReader(Reader):
         if index is not None:
             shape = tuple(torch.empty(shape, dtype=dtype, device="meta")[index].shape)
         self.ranges.setdefault(location(path), []).append(obj.row_range(key, index))
-        return torch.zeros(shape, dtype=dtype)
+        return torch.empty(shape, dtype=dtype)  # (placeholder values: no memset of the rank's share)
 
 
 def plan_reads(source: ReadsFiles, reads: Callable[[ReadsFiles], None]) -> None:
@@ -433,8 +439,10 @@ def plan_reads(source: ReadsFiles, reads: Callable[[ReadsFiles], None]) -> None:
         return
     planner = source.planning_copy(_RecordingReader(source.reader))
     reads(planner)
-    for path, ranges in planner.reader.ranges.items():
-        source.reader.open(path).plan(ranges)
+    # the first objects the load reads start coming at once (a window each, in the background);
+    # the others at their first read, so memory holds a few windows, not one per object
+    for i, (path, ranges) in enumerate(planner.reader.ranges.items()):
+        source.reader.open(path).plan(ranges, start=i < PREFETCH_THREADS)
 
 
 def fsync_path(path: Path) -> None:
