@@ -65,6 +65,11 @@ class ObjectPath:
     @classmethod
     def parse(cls, url: str) -> ObjectPath:
         parts = urllib.parse.urlsplit(url)
+        if parts.scheme == "msc":  # Megatron-LM's --ckpt-format torch_dist writes these
+            raise UCPError(f"{url}: msc:// (a multi-storage-client profile) is not read or written by "
+                           "megatron-ucp; use the store URL the profile points to (s3://BUCKET/PREFIX, "
+                           "gs://, az://) with its endpoint and credentials in the environment "
+                           "(AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...)")
         if parts.scheme not in SCHEMES:
             raise UCPError(f"{url}: unsupported URL scheme {parts.scheme!r}; megatron-ucp reads and "
                            f"writes local paths and {', '.join(s + '://' for s in SCHEMES)} URLs")
