@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     distributed = created_group = False
     try:
         # under torchrun a conversion is one job: each process converts a share, rank 0 commits
-        if args.command in ("convert", "reshard"):
+        if args.command in ("convert", "reshard", "export-hf"):
             distributed, created_group = _join_torchrun_job()
         if distributed:
             progress = False
@@ -218,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
             export_hf(args.src, args.out, args.arch, dtype=args.dtype,
                       max_shard_bytes=args.max_shard_bytes, progress=progress,
                       vocab_size=args.vocab_size, rope_theta=args.rope_theta,
-                      activation=args.activation, trust_pickle=args.trust_pickle)
+                      activation=args.activation, trust_pickle=args.trust_pickle,
+                      distributed=distributed)
         elif args.command == "import-hf":
             from megatron_ucp.formats.hf import import_hf
 

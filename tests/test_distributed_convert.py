@@ -58,3 +58,20 @@ def test_distributed_convert_refuses_a_used_output_on_every_rank(source_runs, tm
     codes = [int(c) for c in msg.split("exit codes [")[1].split("]")[0].split(",")]
     assert 0 not in codes and 2 in codes and "exists and is not empty" in msg, msg[-2000:]
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_distributed_export_hf_matches_single_process(source_runs, tmp_path):
+    """`export-hf` under torchrun: each of 2 processes writes a balanced share of the shards, rank
+    0 commits once; every file is byte for byte the single-process export's."""
+    from megatron_ucp.formats.hf import export_hf
+
+    ckpt = source_runs.get("tp2", {})["ckpt"]
+    single = export_hf(ckpt, tmp_path / "single", "gpt2", max_shard_bytes=100_000, progress=False)
+    launch(2, "megatron_ucp.testing.launch:cli",
+           {"argv": ["export-hf", str(ckpt), str(tmp_path / "dist"), "--arch", "gpt2",
+                     "--max-shard-bytes", "100000", "--no-progress"]}, timeout=300)
+    dist_files, single_files = _files(tmp_path / "dist"), _files(single)
+    assert len([f for f in single_files if f.endswith(".safetensors")]) >= 3
+    assert dist_files.keys() == single_files.keys()
+    for name in dist_files:
+        assert dist_files[name] == single_files[name], name

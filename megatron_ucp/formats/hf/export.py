@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,7 +175,7 @@ def check_written(out_dir: Path, planned: list[Planned], n_shards: int, dtype: t
 def export(source, out: str | Path, arch: str, *, dtype: str | None = None,
            max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress: Progress = True,
            vocab_size: int | None = None, rope_theta: float | None = None,
-           activation: str | None = None, hints: dict | None = None) -> Path:
+           activation: str | None = None, hints: dict | None = None, distributed: bool = False) -> Path:
     """Write the model of `source` (any `formats.open_source` source) as HF `arch` to the new
     directory `out`; returns it.
 
@@ -185,6 +186,8 @@ def export(source, out: str | Path, arch: str, *, dtype: str | None = None,
     "gelu", "openai_gelu"; megatron_ucp.save does not record it): default the Megatron-LM args',
     else import-hf's record, else megatron-core's default (gelu; swiglu for gated MLPs).
     hints: Megatron-LM args facts (`archs.hints_from_args`) the model config lacks.
+    distributed: every process of the initialized process group (torchrun) calls this; each writes
+    a balanced set of the shards, rank 0 commits once (`_export_distributed`): the same bytes.
     """
     t0 = time.perf_counter()
     archs.check_arch(arch)
@@ -209,6 +212,8 @@ def export(source, out: str | Path, arch: str, *, dtype: str | None = None,
     config = archs.hf_config(arch, model, vocab=vocab, dtype=DTYPE_NAMES[torch_dtype],
                              rope_theta=rope_base(manifest, hints, rope_theta), hints=hints,
                              tokens=_token_ids(manifest, arch))
+    if distributed:
+        return _export_distributed(source, out, planned, n_shards, torch_dtype, config)
     done = bar(progress, len(planned), f"{source.origin.get('kind', source.format)} -> hf {arch}",
                "tensor")
     with staged_dir(out, check=lambda d: check_written(d, planned, n_shards, torch_dtype)) as partial:
@@ -216,38 +221,106 @@ def export(source, out: str | Path, arch: str, *, dtype: str | None = None,
             total = write_shards(partial, source, planned, n_shards, torch_dtype, done)
         finally:
             done.close()
-        weight_map = {name: shard_name(s, n_shards)
-                      for p in planned for (name, _), s in zip(p.outputs, p.shards)}
-        _write_json(partial / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
-        _write_json(partial / CONFIG_FILE, config)
-        _write_json(partial / GENERATION_FILE, generation_config(config))
+        _write_metadata(partial, planned, n_shards, total, config)
     log.info("exported %d tensors (%.1f MiB, %d shard(s)) as HF %s to %s in %.2fs",
-             len(weight_map), total / 2**20, n_shards, arch, out, time.perf_counter() - t0)
+             sum(len(p.outputs) for p in planned), total / 2**20, n_shards, arch, out,
+             time.perf_counter() - t0)
+    return out
+
+
+def _write_metadata(out_dir: Path, planned: list[Planned], n_shards: int, total: int, config: dict) -> None:
+    weight_map = {name: shard_name(s, n_shards) for p in planned for (name, _), s in zip(p.outputs, p.shards)}
+    _write_json(out_dir / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    _write_json(out_dir / CONFIG_FILE, config)
+    _write_json(out_dir / GENERATION_FILE, generation_config(config))
+
+
+def _export_distributed(source, out: Path, planned: list[Planned], n_shards: int, dtype: torch.dtype,
+                        config: dict) -> Path:
+    """`export` as one job of the process group (torchrun; gloo is enough): the shards planned as
+    one process plans them, each process writes and fsyncs a balanced set of them into rank 0's
+    staged directory (a filesystem every process sees), reading only the universal tensors they
+    need; rank 0 writes the index and configs, checks and commits once; every rank returns or
+    raises its outcome. The output is byte for byte the single-process export."""
+    import torch.distributed as dist
+
+    from megatron_ucp.formats.universal.writer import balanced
+    from megatron_ucp.storage import StagedDir, fsync_path, local_only
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = local_only(out, "a distributed export (its processes write one shared directory)")
+    staged = StagedDir(out)
+    problem: list = [None]
+    if rank == 0:
+        try:
+            staged.create()
+        except (UCPError, OSError) as e:
+            problem = [str(e)]
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0]:
+        raise UCPError(problem[0])
+    size = torch.empty((), dtype=dtype).element_size()
+    shard_bytes = [0] * n_shards
+    for p in planned:
+        for (_, shape), shard in zip(p.outputs, p.shards):
+            shard_bytes[shard] += math.prod(shape) * size
+    mine = set(balanced(shard_bytes, world)[rank])
+    total, error = 0, None
+    try:
+        total = write_shards(staged.partial, source, planned, n_shards, dtype, None, shards=mine)
+        for shard in mine:  # (the commit fsyncs rank 0's files only)
+            fsync_path(staged.partial / shard_name(shard, n_shards))
+    except Exception as e:  # reported by rank 0 for every rank, once
+        error = f"rank {rank}: {type(e).__name__}: {e}"
+    gathered: list | None = [None] * world if rank == 0 else None
+    dist.gather_object((total, error), gathered, dst=0)
+    outcome: list = [None]
+    if rank == 0:
+        try:
+            failed = [g[1] for g in gathered if g[1]]
+            if failed:
+                raise UCPError(f"exporting to {out} failed ({'; '.join(failed)}); nothing was committed")
+            _write_metadata(staged.partial, planned, n_shards, sum(g[0] for g in gathered), config)
+            check_written(staged.partial, planned, n_shards, dtype)
+            staged.commit()
+        except (UCPError, OSError) as e:
+            staged.abort()
+            outcome = [str(e)]
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0]:
+        raise UCPError(outcome[0])
+    log.info("exported %d shard(s) as HF to %s from %d processes", n_shards, out, world)
     return out
 
 
 def write_shards(out_dir: Path, source, planned: list[Planned], n_shards: int,
-                 dtype: torch.dtype, done) -> int:
+                 dtype: torch.dtype, done, shards: set[int] | None = None) -> int:
     """Stream the planned tensors into their shard files: read one universal tensor, split it,
-    write its HF tensors, drop it. Returns the bytes written."""
+    write its HF tensors, drop it. shards: only these shard files (a distributed export's share;
+    a tensor none of whose outputs go there is not read). Returns the bytes written."""
     heads = transforms.Heads.of(source.manifest.model)
     size = torch.empty((), dtype=dtype).element_size()
-    writer, current, total = None, -1, 0
+    writers: dict[int, SafetensorsWriter] = {}  # (shards are planned in write order: at most two open)
+    total = 0
     for p in planned:
-        t = source.read(p.rule.megatron, "param", (0,) * len(p.shape), p.shape)
-        parts = transforms.split(p.rule.kind, t, heads, p.rule.megatron)
-        del t
-        for (name, _), shard, part in zip(p.outputs, p.shards, parts):
-            if shard != current:  # shards are planned in write order: the last one is complete
-                if writer is not None:
-                    writer.close()
-                current = shard
-                writer = _open_shard(out_dir, planned, current, n_shards, dtype)
-            writer.write(name, part.to(dtype).contiguous())
-            total += part.numel() * size
-        done.update(1)
-    if writer is not None:
-        writer.close()
+        if shards is None or any(s in shards for s in p.shards):
+            t = source.read(p.rule.megatron, "param", (0,) * len(p.shape), p.shape)
+            parts = transforms.split(p.rule.kind, t, heads, p.rule.megatron)
+            del t
+            for (name, _), shard, part in zip(p.outputs, p.shards, parts):
+                if shards is not None and shard not in shards:
+                    continue
+                if shard not in writers:
+                    writers[shard] = _open_shard(out_dir, planned, shard, n_shards, dtype)
+                writers[shard].write(name, part.to(dtype).contiguous())
+                total += part.numel() * size
+                if writers[shard].complete:
+                    writers.pop(shard).close()
+        if done is not None:
+            done.update(1)
+    if writers:
+        raise UCPError(f"{out_dir}: internal error, shard(s) {sorted(writers)} not complete; nothing "
+                       "was committed")
     return total
 
 
@@ -273,8 +346,9 @@ def _write_json(path: Path, obj: dict) -> None:
 def export_hf(src: str | Path, out: str | Path, arch: str, *, dtype: str | None = None,
               max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress: Progress = True,
               vocab_size: int | None = None, rope_theta: float | None = None,
-              activation: str | None = None, trust_pickle: bool = False) -> Path:
-    """`megatron-ucp export-hf`: open any supported checkpoint at `src` and `export` it."""
+              activation: str | None = None, trust_pickle: bool = False, distributed: bool = False) -> Path:
+    """`megatron-ucp export-hf`: open any supported checkpoint at `src` and `export` it
+    (distributed: under torchrun, every process a share of the shards)."""
     from megatron_ucp import formats
 
     archs.check_arch(arch)  # before opening (a Megatron-LM source rebuilds its model to open)
@@ -288,4 +362,4 @@ def export_hf(src: str | Path, out: str | Path, arch: str, *, dtype: str | None 
         vocab_size = null_tokenizer_vocab(args)
     return export(source, out, arch, dtype=dtype, max_shard_bytes=max_shard_bytes,
                   progress=progress, vocab_size=vocab_size, rope_theta=rope_theta,
-                  activation=activation, hints=hints)
+                  activation=activation, hints=hints, distributed=distributed)
