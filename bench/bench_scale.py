@@ -3,6 +3,8 @@
 
     .venv/bin/python bench/bench_scale.py --json out/bench_scale.json             # 130M,350M,700M
     .venv/bin/python bench/bench_scale.py --sizes 20M,50M --json out/scale_small.json
+    .venv/bin/python bench/bench_scale.py --sizes 50M --convert-nprocs 2 --no-load --no-deepspeed \
+        --json out/scale_convert.json    # the distributed conversion, 1 -> 2 processes
 
 Per size, one after another (never two at once: the 700M model alone holds ~12 GB):
 1. save (--layout, default PP2, 2 ranks): a real megatron-core GPT (untied embeddings; fp32 model
@@ -64,7 +66,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench._measure import dir_bytes, drop_page_cache, files_under  # noqa: E402
 from megatron_ucp.layout import Layout  # noqa: E402
-from megatron_ucp.testing.launch import LaunchError, launch  # noqa: E402
+from megatron_ucp.testing.launch import LaunchError, free_port, launch  # noqa: E402
 
 # name -> (num_layers, hidden_size, vocab_size); ffn = 4 h, heads = h / 64, untied embeddings
 SIZES = {"20M": (4, 512, 8192), "50M": (6, 640, 16384), "130M": (12, 768, 32768),
@@ -109,6 +111,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-load", action="store_true", help="skip the load")
     p.add_argument("--no-convert-cli", action="store_true",
                    help="skip timing `python -m megatron_ucp convert` (start-up and imports included)")
+    p.add_argument("--convert-nprocs", default="",
+                   help="also time `megatron-ucp convert` as a torchrun job of these process counts "
+                        "(comma-separated, e.g. 2,4): each process writes a share of the files; "
+                        "scaling = the 1-process CLI time / this time")
     p.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed anchor")
     p.add_argument("--ds-nprocs", type=int, default=2, help="ZeRO-1 data-parallel ranks")
     p.add_argument("--ds-pythonpath", default="/tmp/dsx:/tmp/mlmfix/extra",
@@ -447,11 +453,26 @@ def measure_size(size: str, args: argparse.Namespace, work: Path) -> dict:
                              "--no-progress"], work / f"convert{i}.log", sample_s, args.timeout,
                             fsync_dir=uni_dir)
 
+    def convert_torchrun_round(i: int, n: int) -> dict:
+        out = work / "universal_torchrun"
+        shutil.rmtree(out, ignore_errors=True)
+        cold(iter_dir, args)
+        r = run_measured([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}",
+                          f"--master-port={free_port()}", "-m", "megatron_ucp", "convert", str(iter_dir),
+                          str(out), "--no-progress"], work / f"convert_torchrun{n}_{i}.log", sample_s,
+                         args.timeout, fsync_dir=out)
+        shutil.rmtree(out, ignore_errors=True)
+        return r
+
+    nprocs_list = [int(n) for n in args.convert_nprocs.split(",") if n.strip()]
     copies, converts, clis = [], [], []
+    torchruns: dict[int, list] = {n: [] for n in nprocs_list}
     for i in range(args.reps):
         copies.append(copy_round(iter_dir, copy_dir, work / f"cp{i}.log", args, sample_s))
-        if not args.no_convert_cli:
+        if not args.no_convert_cli or nprocs_list:
             clis.append(convert_cli_round(i))
+        for n in nprocs_list:
+            torchruns[n].append(convert_torchrun_round(i, n))
         converts.append(convert_round(i))  # last: its output is what the load reads
     copy, convert = median_round(copies), median_round(converts)
     res["copy_s"], res["copy_rounds_s"] = copy["seconds"], copy["rounds_s"]
@@ -465,6 +486,13 @@ def measure_size(size: str, args: argparse.Namespace, work: Path) -> dict:
         res["convert_cli_s"], res["convert_cli_rounds_s"] = cli["seconds"], cli["rounds_s"]
         res["convert_cli_peak_rss_mib"] = cli["peak_rss_mib"]
         res["convert_cli_vs_copy"] = res["convert_cli_s"] / res["copy_s"]
+    for n, rounds in torchruns.items():  # the distributed conversion against the 1-process CLI
+        t = median_round(rounds)
+        res[f"convert_torchrun{n}_s"], res[f"convert_torchrun{n}_rounds_s"] = t["seconds"], t["rounds_s"]
+        res[f"convert_torchrun{n}_peak_rss_mib"] = t["peak_rss_mib"]
+        res[f"convert_torchrun{n}_scaling"] = res["convert_cli_s"] / t["seconds"]
+        log(size, f"convert as a torchrun job of {n} processes {t['seconds']:.1f}s "
+            f"({res[f'convert_torchrun{n}_scaling']:.2f}x the 1-process CLI)")
     res["universal_bytes"] = dir_bytes(uni_dir)
     log(size, f"cp -r + fsync {res['copy_s']:.1f}s, convert {res['convert_s']:.1f}s "
         f"({res['convert_vs_copy']:.2f}x)" + (f", CLI {res['convert_cli_s']:.1f}s" if clis else ""))

@@ -202,13 +202,30 @@ def test_hooks_delegate_to_megatron_lm_when_not_asked(monkeypatch):
 
 
 def test_save_hook_then_load_hook_at_another_layout(tmp_path):
+    (tmp_path / "empty").mkdir()
+    _save_hook_then_load_hook(str(tmp_path / "ckpt"), str(tmp_path / "empty"),
+                              "not a megatron-ucp checkpoint")
+
+
+def test_save_and_load_hooks_with_a_bucket(s3_prefix, tmp_path, monkeypatch):
+    """`--save s3://... --ckpt-format universal` (async save, committed by the finalize hook),
+    then `--load s3://...` at TP1xDP2 and an empty prefix as a fresh start, against the SeaweedFS
+    server; nothing is written locally (no `s3:` directory)."""
+    monkeypatch.chdir(tmp_path)
+    # (a store has no empty directories: an empty prefix is one that does not exist)
+    _save_hook_then_load_hook(f"{s3_prefix}/ckpt", f"{s3_prefix}/empty", f"{s3_prefix}/empty does not exist")
+    assert list(tmp_path.iterdir()) == []
+
+
+def _save_hook_then_load_hook(save_dir: str, empty: str, missing_error: str) -> None:
+    from megatron_ucp.storage import location
+
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)}
-    save_dir, empty = tmp_path / "ckpt", tmp_path / "empty"
-    empty.mkdir()
-    src = launch(2, f"{THIS}:rank_train_and_save", {"save_dir": str(save_dir)}, env=env)
+    src = launch(2, f"{THIS}:rank_train_and_save", {"save_dir": save_dir}, env=env)
     for r in src:  # --async-save: committed by the finalize hook, which also ran Megatron-LM's own
         assert r["pending_after_save"] == STEPS and r["pending_after_finalize"] is None
         assert r["original_calls"] == [[[], {"blocking": True, "terminate": True}]]
+    save_dir = location(save_dir)
     manifest = json.loads((save_dir / "iter_0000002" / "manifest.json").read_text())
     assert (save_dir / "latest").read_text().strip() == "iter_0000002"
     assert manifest["model"]["unpadded_vocab_size"] == 251
@@ -218,10 +235,10 @@ def test_save_hook_then_load_hook_at_another_layout(tmp_path):
     assert manifest["seed"] == 1234 and manifest["layout"]["tp"] == 2
 
     res = launch(2, f"{THIS}:rank_load_and_train",
-                 {"load_dir": str(save_dir), "empty_dir": str(empty)}, env=env)
+                 {"load_dir": str(save_dir), "empty_dir": empty}, env=env)
     for r in res:
         assert r["fresh"] == [0, 0]
-        assert r["missing_error"] and "not a megatron-ucp checkpoint" in r["missing_error"]
+        assert r["missing_error"] and missing_error in r["missing_error"], r["missing_error"]
         assert r["no_load_optim_error"] and "--no-load-optim" in r["no_load_optim_error"]
         assert (r["iteration"], r["flops"]) == (STEPS, FLOPS)
         assert r["counters"] == [16, 3, 5]
