@@ -93,10 +93,11 @@ def load_bench(layout: str, cfg: dict, url: str, reps: int, local: str) -> dict:
     for _ in range(reps):
         ours.append(_between_barriers(ours_load))
         raw.append(_between_barriers(raw_get))
+    store_planning = list(planning)  # (a local load plans nothing)
     from_disk = [_between_barriers(lambda: ucp.load(st.model, st.optimizer, st.scheduler, local))
                  for _ in range(reps)]
     tg.destroy()
-    return {"ours": ours, "raw": raw, "local": from_disk, "planning": min(planning),
+    return {"ours": ours, "raw": raw, "local": from_disk, "planning": min(store_planning),
             "bytes_read": r.bytes_read, "requests": r.requests, "files_opened": r.files_opened}
 
 
@@ -154,9 +155,11 @@ def msc_save_bench(layout: str, cfg: dict, url: str, reps: int) -> dict:
 def msc_load_bench(layout: str, cfg: dict, url: str, reps: int) -> dict:
     """megatron-core's torch_dist load of `url0` at `layout` (another layout than the save's)."""
     from bench._rank import mcore_load
+    from megatron_ucp.optimizer_state import OptimizerIndex
 
     _msc_enabled()
     st = setup(layout, cfg)
+    OptimizerIndex(st.optimizer).ensure_state()  # (a fresh optimizer has no Adam state to load into)
     times = [_between_barriers(lambda: mcore_load(st, f"{url}0")) for _ in range(reps)]
     tg.destroy()
     return {"load": times}

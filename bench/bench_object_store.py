@@ -159,7 +159,9 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{name}: did not run: {a['error']}")
             continue
         for op in ("save", "load"):
-            if op in a:
+            if "error_" + op in a:
+                print(f"{name} {op}: did not run: {a['error_' + op]}")
+            if op + "_s" in a:
                 mb, t = res[op]["bytes"] / 1e6, a[op + "_s"]
                 print(f"{name + ' ' + op:<28} {t:>8.3f} {'':>8} {mb:>8.1f} {mb / t:>10.1f}"
                       f" {'':>9} anchor/ours {t / res[op]['ours_s']:.2f}"
