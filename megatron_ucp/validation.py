@@ -14,6 +14,8 @@ ARCH_FIELDS = (
     # what the same weights compute: attention windows, softmax, RoPE-free layers
     "window_size", "window_attn_skip_freq", "softmax_type", "no_rope_freq", "attention_output_gate",
     "multi_latent_attention",
+    # hybrid models (MambaModel): which layer is what, and the Mamba mixer's sizes
+    "hybrid_override_pattern", "mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads",
 )
 
 # TransformerConfig (and MLATransformerConfig) fields the manifest does not record, and why: none
@@ -80,8 +82,10 @@ def model_config(model_chunks: list) -> dict:
 
     model = unwrap_model(model_chunks[0])
     cfg = config_record(model.config)
+    # (the hybrid_* fields are MambaModel's: its layer pattern, not in TransformerConfig)
     for k in ("vocab_size", "max_sequence_length", "share_embeddings_and_output_weights",
-              "position_embedding_type"):
+              "position_embedding_type", "hybrid_override_pattern", "hybrid_attention_ratio",
+              "hybrid_mlp_ratio"):
         if hasattr(model, k):
             cfg[k] = getattr(model, k)
     if cfg.get("num_query_groups") is None:

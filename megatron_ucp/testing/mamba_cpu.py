@@ -132,8 +132,9 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
     return causal_conv1d_ref(x, weight, bias, activation)
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, z: torch.Tensor | None = None,
-                 eps: float = 1e-6, group_size: int | None = None, norm_before_gate: bool = True) -> torch.Tensor:
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 z: torch.Tensor | None = None, eps: float = 1e-6, group_size: int | None = None,
+                 norm_before_gate: bool = True) -> torch.Tensor:
     """mamba_ssm.ops.triton.layernorm_gated.rms_norm_ref (upcast): RMSNorm per group of
     `group_size` channels, gated by SiLU(z) before or after the norm."""
     dtype = x.dtype
