@@ -23,7 +23,9 @@ COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_f
           "linear_q_proj.weight", "linear_q_down_proj.weight", "linear_q_up_proj.weight",
           "linear_kv_down_proj.weight", "linear_kv_up_proj.weight",
           # Mamba's mixer: in_proj column-parallel, its per-channel parameters split with the heads
-          "in_proj.weight", "conv1d.weight", "conv1d.bias", "mixer.dt_bias", "mixer.A_log", "mixer.D",
+          # (megatron-core 0.19 holds conv1d's as parameters conv1d_weight and conv1d_bias)
+          "in_proj.weight", "conv1d.weight", "conv1d.bias", "conv1d_weight", "conv1d_bias",
+          "mixer.dt_bias", "mixer.A_log", "mixer.D",
           "mixer.norm.weight")
 ROW = ("linear_proj.weight", "linear_fc2.weight", "out_proj.weight")
 
@@ -42,7 +44,8 @@ def sections(name: str, swiglu: bool, coords: dict) -> list[int]:
     m = coords.get("mamba")
     if m and name.endswith("mixer.in_proj.weight"):
         return [m["d_inner"], m["d_inner"], m["groups_x_state"], m["groups_x_state"], m["heads"]]
-    if m and name.endswith(("mixer.conv1d.weight", "mixer.conv1d.bias")):
+    if m and name.endswith(("mixer.conv1d.weight", "mixer.conv1d.bias", "mixer.conv1d_weight",
+                            "mixer.conv1d_bias")):
         return [m["d_inner"], m["groups_x_state"], m["groups_x_state"]]
     return [0, 0] if swiglu and name.endswith(("linear_fc1.weight", "linear_fc1.bias")) else [0]
 

@@ -50,14 +50,6 @@ MLA_NO_Q_LORA = {**ROPE, **MLA, "extra": {**MLA["extra"], "q_lora_rank": None}}
 # Qwen3-MoE: QK-norm, GQA, no shared expert
 QWEN3_MOE = {**ROPE, "qk_layernorm": True, "num_experts": 4}
 
-# A hybrid model (Nemotron-H, Jamba style; megatron-core's MambaModel): Mamba-2 layers among
-# attention, MLP and MoE layers. Mamba's in_proj (z, x, B, C, dt) and conv1d (x, B, C) are
-# declared in sections each split over TP on its own; A_log, D, dt_bias and the gated norm split
-# with the heads. On CPU the Mamba math is megatron_ucp.testing.mamba_cpu (the packages' reference).
-HYBRID = {"hybrid_pattern": "M*E-ME", "normalization": "RMSNorm", "add_bias_linear": False,
-          "untie_embeddings": True, "position_embedding_type": "none", "num_experts": 4,
-          "extra": {"mamba_state_dim": 8, "mamba_head_dim": 16, "mamba_num_groups": 2}}
-
 FAMILIES = [
     # id, source layout, target layout, source cfg, target cfg (None: same)
     ("first-k-dense", "ep2dp2", "pp2", FIRST_K_DENSE, None),
@@ -70,16 +62,12 @@ FAMILIES = [
     ("qwen3-moe", "tp2", "ep2dp2", {**QWEN3_MOE, **SP}, QWEN3_MOE),
     ("deepseek-v3", "tp2", "ep2dp2", {**DEEPSEEK_V3, **SP}, DEEPSEEK_V3),
     ("mla-no-q-lora", "dp2", "tp2", MLA_NO_Q_LORA, None),
-    ("hybrid-mamba", "pp2", "tp2", HYBRID, {**HYBRID, **SP}),
-    ("hybrid-mamba", "tp2", "dp2", {**HYBRID, **SP}, HYBRID),
-    ("hybrid-mamba", "dp2", "ep2dp2", HYBRID, None),
 ]
 
 
 # `make test` runs one transition per family (the suite's time budget: each is a save and a load of
 # 2 to 4 ranks, about a minute on 2 cores); UCP_FULL_MATRIX=1 runs these too
-FULL_ONLY = {("deepseek-moe-ungated", "tp2"), ("mtp", "tp1"), ("gpt-oss", "tp2"), ("hybrid-mamba", "tp2"),
-             ("hybrid-mamba", "dp2")}
+FULL_ONLY = {("deepseek-moe-ungated", "tp2"), ("mtp", "tp1"), ("gpt-oss", "tp2")}
 
 
 @pytest.mark.parametrize("family,src,dst,cfg,dst_cfg", [

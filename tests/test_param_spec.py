@@ -127,27 +127,3 @@ def test_empty_transformer_engine_extra_state_is_not_state():
     assert carries_extra_state(torch.tensor([1, 2], dtype=torch.uint8))
     assert carries_extra_state(io.BytesIO(b"fp8"))
 
-
-def test_mamba_sections_and_per_head_params():
-    """megatron-core's Mamba mixer declares in_proj as sections z, x, B, C, dt and conv1d as x, B,
-    C, each split over TP on its own (keys `in_proj.weight.z`, ...), and marks conv1d, A_log, D,
-    dt_bias and the gated norm `tensor_model_parallel` without a `partition_dim`. Each is one
-    universal tensor, the whole parameter as TP 1 holds it, with its sections recorded."""
-    cfg = {"hybrid_pattern": "M", "normalization": "RMSNorm", "add_bias_linear": False,
-           "position_embedding_type": "none",
-           "extra": {"mamba_state_dim": 8, "mamba_head_dim": 16, "mamba_num_groups": 2}}
-    res = launch(2, f"{SCENARIOS}:param_specs", {"layout": "tp2", "cfg": cfg})
-    specs = {s["name"]: s for s in res[0]}
-    assert {s["name"] for s in res[1]} == set(specs)
-    mixer = "decoder.layers.0.mixer."
-    # hidden 64, expand 2: d_inner 128 = 8 heads of 16; 2 groups of state 8
-    want = {"in_proj.weight": ([296, 64], 0, [128, 128, 16, 16, 8]),
-            "conv1d.weight": ([160, 1, 4], 0, [128, 16, 16]), "conv1d.bias": ([160], 0, [128, 16, 16]),
-            "A_log": ([8], 0, None), "D": ([8], 0, None), "dt_bias": ([8], 0, None),
-            "norm.weight": ([128], 0, None), "out_proj.weight": ([64, 128], 1, None),
-            # the layer's input norm under the TE spec's name (TELayerNormColumnParallelLinear)
-            "in_proj.layer_norm_weight": ([64], None, None)}
-    for k, (shape, axis, sections) in want.items():
-        s = specs[mixer + k]
-        assert (s["shape"], s["tp_axis"], s.get("tp_sections")) == (shape, axis, sections), k
-    assert not [n for n in specs if n.endswith((".z", ".x", ".B", ".C", ".dt"))]

@@ -227,8 +227,8 @@ if not HAVE_REAL_MAMBA_SSM:  # see above
     mamba_mixer.RMSNormGated = RMSNormGated
     mamba_mixer.ExtendedRMSNorm = ExtendedRMSNorm
     mamba_mixer.HAVE_MAMBA_SSM = True
-if not te_extensions.HAVE_TE:
-    mamba_block.TENorm = _final_norm
+if not te_extensions.HAVE_TE:  # (megatron-core 0.19 moved MambaStack to models/hybrid/hybrid_block)
+    sys.modules[mamba_block.MambaStack.__module__].TENorm = _final_norm
 
 
 def local_mamba_stack_spec(normalization: str, num_experts: int | None, moe_grouped_gemm: bool = False,
