@@ -265,14 +265,16 @@ def build(cfg: TinyGPTConfig, layout: Layout) -> TrainState:
 
 
 def _hybrid_chunks(cfg: TinyGPTConfig, layout: Layout, tf_config: TransformerConfig) -> list:
-    """The hybrid model (MambaModel) of `cfg.hybrid_pattern` with local layers (one chunk: megatron-
-    core's MambaStack has no virtual pipeline)."""
+    """The hybrid model (MambaModel) of `cfg.hybrid_pattern`, with local layers or megatron-core's
+    own Transformer Engine stack spec (one chunk: megatron-core's MambaStack has no virtual
+    pipeline)."""
     from megatron_ucp.testing.mamba_cpu import MambaModel, local_mamba_stack_spec
 
-    if cfg.transformer_impl != "local":
-        raise ValueError("tiny_gpt builds hybrid models with the local spec only")
-    spec = local_mamba_stack_spec(cfg.normalization, cfg.num_experts, cfg.moe_grouped_gemm,
-                                  norm=SequenceParallelTorchNorm if cfg.sequence_parallel else None)
+    if cfg.transformer_impl == "transformer_engine":
+        from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec as spec
+    else:
+        spec = local_mamba_stack_spec(cfg.normalization, cfg.num_experts, cfg.moe_grouped_gemm,
+                                      norm=SequenceParallelTorchNorm if cfg.sequence_parallel else None)
     model = MambaModel(
         config=tf_config,
         mamba_stack_spec=spec,
