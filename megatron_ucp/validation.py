@@ -15,7 +15,7 @@ ARCH_FIELDS = (
     "window_size", "window_attn_skip_freq", "softmax_type", "no_rope_freq", "attention_output_gate",
     "multi_latent_attention",
     # hybrid models (MambaModel): which layer is what, and the Mamba mixer's sizes
-    "hybrid_override_pattern", "hybrid_layer_pattern", "mamba_state_dim", "mamba_head_dim",
+    "hybrid_layer_pattern", "mamba_state_dim", "mamba_head_dim",
     "mamba_num_groups", "mamba_num_heads",
 )
 
@@ -81,15 +81,18 @@ def model_config(model_chunks: list) -> dict:
     # need not pay megatron-core's import (seconds, ~130 MB)
     from megatron.core.utils import unwrap_model
 
+    from megatron_ucp.mcore_compat import hybrid_layer_pattern
+
     model = unwrap_model(model_chunks[0])
     cfg = config_record(model.config)
-    # (the hybrid_* fields are MambaModel's: its layer pattern, not in TransformerConfig;
-    # megatron-core 0.19's HybridModel calls it hybrid_layer_pattern)
     for k in ("vocab_size", "max_sequence_length", "share_embeddings_and_output_weights",
-              "position_embedding_type", "hybrid_override_pattern", "hybrid_layer_pattern",
-              "hybrid_attention_ratio", "hybrid_mlp_ratio"):
+              "position_embedding_type"):
         if hasattr(model, k):
             cfg[k] = getattr(model, k)
+    # a hybrid model's layer pattern (MambaModel's, not in TransformerConfig), under one name on
+    # every release
+    if hybrid_layer_pattern(model):
+        cfg["hybrid_layer_pattern"] = hybrid_layer_pattern(model)
     if cfg.get("num_query_groups") is None:
         cfg["num_query_groups"] = cfg.get("num_attention_heads")
     # megatron gives linear_qkv a bias if either flag is set (Megatron-LM sets both)

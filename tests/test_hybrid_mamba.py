@@ -12,11 +12,16 @@ sharded keys.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from conftest import SCENARIOS
 from test_transitions import FULL_MARKS, RTOL, check_transition
 
+from megatron_ucp.errors import UCPError
 from megatron_ucp.testing.launch import launch
+from megatron_ucp.validation import check_model_config
 
 SP = {"sequence_parallel": True}  # megatron-core's MoE wants sequence parallelism with TP > 1
 MAMBA = {"mamba_state_dim": 8, "mamba_head_dim": 16, "mamba_num_groups": 2}
@@ -40,6 +45,16 @@ FULL_ONLY = {("tp2", "dp2"), ("dp2", "ep2dp2")}
 def test_hybrid_transition(src, dst, cfg, dst_cfg, source_runs, tmp_path):
     check_transition(source_runs, tmp_path, src, dst, cfg, dst_cfg, rtol=RTOL["fp32"],
                      name=f"hybrid-mamba:{src}->{dst}")
+    # the manifest records which layer is what and the Mamba sizes (a load checks them)
+    ckpt = Path(source_runs.get(src, cfg)["ckpt"])
+    model = json.loads(next(ckpt.glob("iter_*/manifest.json")).read_text())["model"]
+    assert model["hybrid_layer_pattern"] == cfg["hybrid_pattern"]
+    assert {k: model[k] for k in MAMBA} == MAMBA
+
+
+def test_another_hybrid_pattern_is_refused():
+    with pytest.raises(UCPError, match="hybrid_layer_pattern: checkpoint 'M\\*-E', model 'M-\\*E'"):
+        check_model_config({"hybrid_layer_pattern": "M*-E"}, {"hybrid_layer_pattern": "M-*E"}, "ckpt")
 
 
 def test_mamba_sections_and_per_head_params():
