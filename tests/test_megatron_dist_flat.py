@@ -75,6 +75,71 @@ def test_universal_loads_at_another_layout(converted, tmp_path):
     assert all(math.isfinite(x) and x < 6.0 for r in res for x in r["losses"]), res
 
 
+def load_torch_dist_rank(layout: str, cfg: dict, load_dir: str, dump_dir: str) -> dict:
+    """Rank function: build the tiny GPT at `layout` and load a torch_dist checkpoint as Megatron-LM's
+    load_checkpoint does (model and DistributedOptimizer sharded_state_dict with the checkpoint's
+    content_metadata, megatron.core.dist_checkpointing.load, model / optimizer / scheduler
+    load_state_dict), dump the local state, train one step."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.utils import unwrap_model
+    from test_megatron_legacy_out import patch_distopt_step_load
+
+    from megatron_ucp.layout import Layout
+    from megatron_ucp.testing import scenarios
+    from megatron_ucp.testing import tiny_gpt as tg
+
+    patch_distopt_step_load()  # torch AdamW's 'step' (megatron-core without Apex/TE; README)
+    lay = Layout.parse(layout)
+    tg.init_distributed(lay)
+    st = tg.build(tg.TinyGPTConfig(**cfg), lay)
+    root = Path(load_dir)
+    ckpt = root / f"iter_{int((root / 'latest_checkpointed_iteration.txt').read_text()):07d}"
+    common = torch.load(ckpt / "common.pt", map_location="cpu", weights_only=False)
+    metadata = common["content_metadata"]
+    # DistributedOptimizer.state_dict() needs torch AdamW's per-parameter state to exist (it asserts
+    # one step); one step creates it, and the load below overwrites every value it touched
+    tg.train_step(st)
+    module = unwrap_model(st.model[0])  # the GPTModel: its keys are the checkpoint's
+    model_sd = module.sharded_state_dict(metadata=metadata)
+    sd = {"model": model_sd,
+          "optimizer": st.optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=metadata)}
+    loaded = dist_checkpointing.load(sd, str(ckpt))
+    module.load_state_dict(loaded["model"], strict=True)
+    st.optimizer.load_state_dict(loaded["optimizer"])
+    st.scheduler.use_checkpoint_opt_param_scheduler = True
+    st.scheduler.num_steps = 0  # load_state_dict adds the saved count (a fresh run's scheduler is 0)
+    st.scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    st.iteration = loaded["iteration"]
+    scenarios.dump_local_state(st, dump_dir)
+    loss = tg.train_step(st)
+    lrs = [g["lr"] for g in st.optimizer.param_groups]
+    tg.destroy()
+    return {"loss": loss, "iteration": loaded["iteration"], "lr": lrs,
+            "num_steps": st.scheduler.num_steps}
+
+
+def test_torch_dist_written_for_target_loads_in_megatron_core(converted, tmp_path):
+    """0.15 TP2 DP2 (flattened form) -> universal -> torch_dist (our writer) at TP1 DP2 in the form
+    megatron-core >= 0.16 reads -> megatron-core's own dist_checkpointing load at TP1 DP2."""
+    from megatron_ucp.formats.megatron_dist import run_fields
+    from megatron_ucp.layout import Layout
+    from megatron_ucp.reshard import write_torch_dist
+
+    udir = converted["v015_tp2_dp2_flat"]
+    f = run_fields(FIXTURES / "v015_tp2_dp2_flat" / "ckpt")
+    out = write_torch_dist(udir, tmp_path / "out", Layout.parse("tp1dp2"), f["args"],
+                           rng_state=next(iter(f["rng_state"].values())), sharding="fully_reshardable",
+                           progress=False)
+    res = launch(2, "test_megatron_dist_flat:load_torch_dist_rank",
+                 {"layout": "tp1dp2", "cfg": CFG, "load_dir": str(out),
+                  "dump_dir": str(tmp_path / "dump")}, env={"PYTHONPATH": RANK_PATH})
+    assert all(r["iteration"] == 6 and r["num_steps"] == 28 for r in res), res  # 24 samples + 4
+    assert all(lr == 1e-3 for r in res for lr in r["lr"])
+    assert all(math.isfinite(r["loss"]) and r["loss"] < 6.0 for r in res), res
+    manifest, tensors = universal_tensors(udir)
+    assert_dumps_hold(tmp_path / "dump", manifest, tensors, None, ranks=2)
+
+
 def _damaged(tmp_path: Path) -> Path:
     src = tmp_path / "ckpt"
     shutil.copytree(FIXTURES / "v015_tp2_dp2_flat" / "ckpt", src)

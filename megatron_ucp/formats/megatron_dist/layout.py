@@ -37,7 +37,8 @@ from megatron_ucp.param_spec import declared_state_dict, local_params
 COMMON_FILE = "common.pt"
 METADATA_FILE = ".metadata"
 FLATTENED = "fully_sharded_model_space"  # the flattened_range form of megatron-core 0.13-0.15
-SHARDINGS = ("dp_reshardable", "fully_reshardable", FLATTENED)
+SHARDINGS = ("dp_reshardable", "fully_reshardable")  # the forms written (and read)
+READ_SHARDINGS = (*SHARDINGS, FLATTENED)  # read only: megatron-core >= 0.16 no longer loads it
 # common.pt['content_metadata'] of a `--dist-ckpt-optim-fully-reshardable` save (megatron-core 0.16)
 FULLY_RESHARDABLE_CONTENT = {"distrib_optim_sharding_type": "fully_reshardable",
                              "distrib_optim_fully_reshardable_mem_efficient": False,

@@ -44,7 +44,7 @@ from megatron_ucp.formats.megatron_common import (
 from megatron_ucp.formats.megatron_dist.layout import (
     COMMON_FILE,
     FLATTENED,
-    SHARDINGS,
+    READ_SHARDINGS,
     DistReader,
     Param,
     bucket_key,
@@ -91,9 +91,9 @@ class TorchDistSource:
         opt = common.get("optimizer") or {}
         sharding = opt.get("param_state_sharding_type") or (common.get("content_metadata") or {}).get(
             "distrib_optim_sharding_type")
-        if sharding not in SHARDINGS:
+        if sharding not in READ_SHARDINGS:
             raise UCPError(f"{ckpt}: optimizer sharding {sharding!r} is not supported (expected "
-                           f"one of {', '.join(SHARDINGS)} from --use-distributed-optimizer)")
+                           f"one of {', '.join(READ_SHARDINGS)} from --use-distributed-optimizer)")
         if getattr(args, "num_experts", None) and sharding != "fully_reshardable":
             raise UCPError(f"{ckpt}: a MoE run (num_experts={args.num_experts}) saved with the "
                            f"{sharding} optimizer; its expert state is not mapped: save the "
