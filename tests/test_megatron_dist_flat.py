@@ -130,8 +130,10 @@ def test_torch_dist_written_for_target_loads_in_megatron_core(converted, tmp_pat
     out = write_torch_dist(udir, tmp_path / "out", Layout.parse("tp1dp2"), f["args"],
                            rng_state=next(iter(f["rng_state"].values())), sharding="fully_reshardable",
                            progress=False)
+    # megatron-core 0.19 pairs saved and current param groups by their settings (min_lr among
+    # them): the run's min_lr is Megatron-LM's default 0, not the tiny GPT's
     res = launch(2, "test_megatron_dist_flat:load_torch_dist_rank",
-                 {"layout": "tp1dp2", "cfg": CFG, "load_dir": str(out),
+                 {"layout": "tp1dp2", "cfg": {**CFG, "min_lr": 0.0}, "load_dir": str(out),
                   "dump_dir": str(tmp_path / "dump")}, env={"PYTHONPATH": RANK_PATH})
     assert all(r["iteration"] == 6 and r["num_steps"] == 28 for r in res), res  # 24 samples + 4
     assert all(lr == 1e-3 for r in res for lr in r["lr"])
