@@ -1,6 +1,11 @@
 """Checkpoint benchmark: megatron_ucp.save/load/convert vs megatron-core dist_checkpointing.
 
 Run from the repository root:   .venv/bin/python bench/bench_checkpoint.py [--json out.json]
+On megatron-core 0.19:          PYTHONPATH=$PWD .venv312/bin/python bench/bench_checkpoint.py ...
+(the same ops against that release's own dist_checkpointing: its default torch_dist save and load
+strategies, the strategy Megatron-LM core_v0.19 builds without --ckpt-fully-parallel-save).
+--reuse-saves with the --workdir of an earlier --keep run times convert and load only, on the same
+files (e.g. two versions of megatron-ucp, or both releases, against one checkpoint).
 
 Three launches, all real megatron-core (GPT + DDP + DistributedOptimizer) on CPU with gloo:
 1. save at --layout (default TP2xPP2, 4 ranks): train --train-steps so Adam state exists, then
@@ -123,6 +128,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="evict checkpoint files from the page cache (fadvise) before each load/convert")
     g.add_argument("--mem-sample-ms", type=float, default=20.0,
                    help="sampling period for child processes' USS and anonymous RSS (0: off)")
+    g.add_argument("--launch-timeout", type=float, default=900.0,
+                   help="seconds each launch (save, convert, load) may take before its ranks are killed")
     g.add_argument("--workdir", default=None, help="where checkpoints go (default: a new temp dir)")
     g.add_argument("--keep", action="store_true", help="keep the checkpoints")
     g.add_argument("--json", default=None, help="write all results here")
@@ -324,7 +331,7 @@ def run_save(args: argparse.Namespace, cfg: dict, workdir: Path, sample_s: float
                  {"layout": layout, "cfg": cfg, "train_steps": args.train_steps,
                   "workdir": str(workdir), "reps": args.reps, "warmup": args.warmup, "ops": ops,
                   "sample_s": sample_s, "mcore_fully_parallel": args.mcore_fully_parallel},
-                 timeout=900)
+                 timeout=args.launch_timeout)
     return {"layout": layout, "nprocs": nprocs, "per_rank": out,
             "launch_seconds": time.perf_counter() - t0,
             "summary": {op: summarize(out, op) for op in ops}}
@@ -351,7 +358,7 @@ def run_convert(args: argparse.Namespace, src: Path, workdir: Path, sample_s: fl
     t0 = time.perf_counter()
     out = launch(1, "bench._rank:convert_bench",
                  {"src": str(src), "workdir": str(workdir), "reps": args.convert_reps,
-                  "sample_s": sample_s, "cold": args.page_cache == "drop"}, timeout=900)[0]
+                  "sample_s": sample_s, "cold": args.page_cache == "drop"}, timeout=args.launch_timeout)[0]
     summary = {op: summarize([out], op) for op in CONVERT_LABELS}
     for op in CONVERT_LABELS:
         summary[op]["out_bytes"] = next(r["out_bytes"] for r in out["records"] if r["op"] == op)
@@ -364,7 +371,7 @@ def run_load(args: argparse.Namespace, cfg: dict, sources: dict[str, str], sampl
     t0 = time.perf_counter()
     out = launch(nprocs, "bench._rank:load_bench",
                  {"layout": layout, "cfg": cfg, "sources": sources, "reps": args.load_reps,
-                  "sample_s": sample_s, "cold": args.page_cache == "drop"}, timeout=900)
+                  "sample_s": sample_s, "cold": args.page_cache == "drop"}, timeout=args.launch_timeout)
     return {"layout": layout, "nprocs": nprocs, "per_rank": out,
             "summary": {op: summarize(out, op) for op in sources if op not in out[0]["failed"]},
             "source_bytes": {op: dir_bytes(src) for op, src in sources.items()},
