@@ -161,7 +161,9 @@ def mcore_save(st: tg.TrainState, ckpt_dir: Path, sharding_type: str,
 
 
 def _patch_fully_reshardable_step() -> None:
-    """Work around a megatron-core 0.16.1 KeyError on the torch-Adam path (no TE/Apex, as here).
+    """Work around a megatron-core KeyError on the torch-Adam path (no TE/Apex, as here), present
+    in 0.16.1 and still in 0.19.2 (whose `_set_main_param_and_optimizer_states` indexes the given
+    tensors by every tensor key of the existing state, `step` included).
 
     `DistributedOptimizer.load_state_dict` gives every param's Adam state a `step` tensor (taken
     from param_groups), then `load_parameter_state_from_fully_reshardable` skips `step` and calls

@@ -1,6 +1,11 @@
 """Checkpoint benchmark: megatron_ucp.save/load/convert vs megatron-core dist_checkpointing.
 
 Run from the repository root:   .venv/bin/python bench/bench_checkpoint.py [--json out.json]
+On megatron-core 0.19:          PYTHONPATH=$PWD .venv312/bin/python bench/bench_checkpoint.py ...
+(the same ops against that release's own dist_checkpointing: its default torch_dist save and load
+strategies, the strategy Megatron-LM core_v0.19 builds without --ckpt-fully-parallel-save).
+--reuse-saves with the --workdir of an earlier --keep run times convert and load only, on the same
+files (e.g. two versions of megatron-ucp, or both releases, against one checkpoint).
 
 Three launches, all real megatron-core (GPT + DDP + DistributedOptimizer) on CPU with gloo:
 1. save at --layout (default TP2xPP2, 4 ranks): train --train-steps so Adam state exists, then
@@ -107,6 +112,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--convert-reps", type=int, default=2)
     g.add_argument("--no-convert", action="store_true", help="skip convert (and the universal load)")
     g.add_argument("--no-load", action="store_true", help="skip the load launch")
+    g.add_argument("--reuse-saves", action="store_true",
+                   help="skip the save launch: convert and load the saves an earlier run with the "
+                        "same --workdir and model left there (--keep)")
     g.add_argument("--async-save", action="store_true",
                    help="also time megatron_ucp.save(async_save=True) and its anchors (a bare copy "
                         "of the same bytes to pinned host memory, a raw write of them)")
@@ -120,6 +128,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="evict checkpoint files from the page cache (fadvise) before each load/convert")
     g.add_argument("--mem-sample-ms", type=float, default=20.0,
                    help="sampling period for child processes' USS and anonymous RSS (0: off)")
+    g.add_argument("--launch-timeout", type=float, default=900.0,
+                   help="seconds each launch (save, convert, load) may take before its ranks are killed")
     g.add_argument("--workdir", default=None, help="where checkpoints go (default: a new temp dir)")
     g.add_argument("--keep", action="store_true", help="keep the checkpoints")
     g.add_argument("--json", default=None, help="write all results here")
@@ -196,21 +206,25 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
 def render(res: dict) -> str:
     s = res["save"]["summary"]
     dp, full = s.get(MCORE_DP, {}).get("seconds_median"), s.get(MCORE_FULL, {}).get("seconds_median")
-    lines = [f"== save at {res['save']['layout']} ({res['save']['nprocs']} ranks), "
-             f"{res['model']['params'] / 1e6:.1f}M params, {res['args']['dtype']} model, "
-             f"{res['args']['reps']} rounds ==",
-             table(["operation", "median s", "rounds s", "1st call s", "vs mcore dp_resh",
-                    "vs mcore fully_resh", "on disk", "peak RSS d", "anon d",
-                    "child procs USS: +op / before"],
-                   [[SAVE_LABELS[op], f"{v['seconds_median']:.3f}",
-                     " ".join(f"{x:.2f}" for x in v["seconds_per_rep"]),
-                     "-" if v["first_call_seconds"] is None else f"{v['first_call_seconds']:.3f}",
-                     _ratio(v["seconds_median"], dp), _ratio(v["seconds_median"], full),
-                     _fmt_bytes(v.get("disk_bytes")), _fmt_bytes(v["rss_peak_delta_max"]),
-                     _fmt_bytes(v["anon_peak_delta_max"]),
-                     f"+{v['children_uss_added_max'] / MiB:,.1f} / "
-                     f"{v['children_uss_before_max'] / MiB:,.0f} MiB"]
-                    for op, v in s.items()])]
+    if not s:  # --reuse-saves
+        lines = [f"== saves at {res['save']['layout']} reused from {res['save']['reused']}, "
+                 f"{res['model']['params'] / 1e6:.1f}M params, {res['args']['dtype']} model =="]
+    else:
+        lines = [f"== save at {res['save']['layout']} ({res['save']['nprocs']} ranks), "
+                 f"{res['model']['params'] / 1e6:.1f}M params, {res['args']['dtype']} model, "
+                 f"{res['args']['reps']} rounds ==",
+                 table(["operation", "median s", "rounds s", "1st call s", "vs mcore dp_resh",
+                        "vs mcore fully_resh", "on disk", "peak RSS d", "anon d",
+                        "child procs USS: +op / before"],
+                       [[SAVE_LABELS[op], f"{v['seconds_median']:.3f}",
+                         " ".join(f"{x:.2f}" for x in v["seconds_per_rep"]),
+                         "-" if v["first_call_seconds"] is None else f"{v['first_call_seconds']:.3f}",
+                         _ratio(v["seconds_median"], dp), _ratio(v["seconds_median"], full),
+                         _fmt_bytes(v.get("disk_bytes")), _fmt_bytes(v["rss_peak_delta_max"]),
+                         _fmt_bytes(v["anon_peak_delta_max"]),
+                         f"+{v['children_uss_added_max'] / MiB:,.1f} / "
+                         f"{v['children_uss_before_max'] / MiB:,.0f} MiB"]
+                        for op, v in s.items()])]
     for op, v in s.items():
         if "breakdown_median_of_rank_max" in v:
             parts = ", ".join(f"{k} {x:.3f}s" for k, x in v["breakdown_median_of_rank_max"].items())
@@ -233,11 +247,16 @@ def render(res: dict) -> str:
     if "load" in res:
         ld = res["load"]["summary"]
         anchor = ld.get("mcore_load", {}).get("seconds_median")
+        # the plain read of the fragment save's files (convert launch, 1 process, same page cache
+        # policy): what a load that reads every byte once costs at least
+        plain = res["convert"]["summary"]["read_all"]["seconds_median"] if "convert" in res else None
         rows = []
         for op, v in ld.items():
             src = res["load"]["source_bytes"][op]
             br = v.get("bytes_read_per_rank")
-            rows.append([LOAD_LABELS[op], f"{v['seconds_median']:.3f}", _ratio(v["seconds_median"], anchor),
+            rows.append([LOAD_LABELS[op], f"{v['seconds_median']:.3f}",
+                         " ".join(f"{x:.2f}" for x in v["seconds_per_rep"]),
+                         _ratio(v["seconds_median"], anchor), _ratio(v["seconds_median"], plain),
                          _fmt_bytes(src),
                          " / ".join(f"{b / MiB:.1f}" for b in br) if br else "-",
                          f"{sum(br) / src:.2f}" if br else "-",
@@ -245,7 +264,8 @@ def render(res: dict) -> str:
                          _fmt_bytes(v["rss_peak_delta_max"]), _fmt_bytes(v["anon_peak_delta_max"])])
         lines += ["", f"== load at {res['load']['layout']} ({res['load']['nprocs']} ranks) from the "
                   f"{res['save']['layout']} saves, page cache {res['args']['page_cache']} ==",
-                  table(["operation", "median s", "vs mcore load", "ckpt on disk", "bytes_read/rank MiB",
+                  table(["operation", "median s", "rounds s", "vs mcore load", "vs plain read",
+                         "ckpt on disk", "bytes_read/rank MiB",
                          "sum/disk", "OS read_bytes, all ranks", "peak RSS d", "anon d"], rows)]
         for pair, c in res["load"]["checks"].items():
             lines.append(f"  cross-check {pair}: max |diff| over ranks " +
@@ -277,6 +297,8 @@ def render(res: dict) -> str:
               "- bytes_read/rank: LoadResult.bytes_read (tensor bytes megatron_ucp read); sum/disk > 1 "
               "when ranks hold replicas (tied embeddings on both PP ends). OS read_bytes: /proc/self/io "
               "of the rank processes, last round (storage reads; ~0 when the page cache is kept).",
+              "- vs plain read: load time over the plain read of all the fragment save's files "
+              "(consolidation table, one process, same page-cache policy).",
               "- load: the load run allocates Adam state before timing and overwrites all model and "
               "optimizer state with a sentinel before every load, so the cross-checks see only what "
               "each loader wrote."]
@@ -309,7 +331,7 @@ def run_save(args: argparse.Namespace, cfg: dict, workdir: Path, sample_s: float
                  {"layout": layout, "cfg": cfg, "train_steps": args.train_steps,
                   "workdir": str(workdir), "reps": args.reps, "warmup": args.warmup, "ops": ops,
                   "sample_s": sample_s, "mcore_fully_parallel": args.mcore_fully_parallel},
-                 timeout=900)
+                 timeout=args.launch_timeout)
     return {"layout": layout, "nprocs": nprocs, "per_rank": out,
             "launch_seconds": time.perf_counter() - t0,
             "summary": {op: summarize(out, op) for op in ops}}
@@ -336,7 +358,7 @@ def run_convert(args: argparse.Namespace, src: Path, workdir: Path, sample_s: fl
     t0 = time.perf_counter()
     out = launch(1, "bench._rank:convert_bench",
                  {"src": str(src), "workdir": str(workdir), "reps": args.convert_reps,
-                  "sample_s": sample_s, "cold": args.page_cache == "drop"}, timeout=900)[0]
+                  "sample_s": sample_s, "cold": args.page_cache == "drop"}, timeout=args.launch_timeout)[0]
     summary = {op: summarize([out], op) for op in CONVERT_LABELS}
     for op in CONVERT_LABELS:
         summary[op]["out_bytes"] = next(r["out_bytes"] for r in out["records"] if r["op"] == op)
@@ -349,7 +371,7 @@ def run_load(args: argparse.Namespace, cfg: dict, sources: dict[str, str], sampl
     t0 = time.perf_counter()
     out = launch(nprocs, "bench._rank:load_bench",
                  {"layout": layout, "cfg": cfg, "sources": sources, "reps": args.load_reps,
-                  "sample_s": sample_s, "cold": args.page_cache == "drop"}, timeout=900)
+                  "sample_s": sample_s, "cold": args.page_cache == "drop"}, timeout=args.launch_timeout)
     return {"layout": layout, "nprocs": nprocs, "per_rank": out,
             "summary": {op: summarize(out, op) for op in sources if op not in out[0]["failed"]},
             "source_bytes": {op: dir_bytes(src) for op, src in sources.items()},
@@ -362,6 +384,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     resolve_layout(args.layout, args.nprocs)  # fail fast on bad layouts
     resolve_layout(args.load_layout, args.load_nprocs)
+    if args.reuse_saves and not (args.workdir and (Path(args.workdir) / "save" / UCP).is_dir()):
+        raise SystemExit("--reuse-saves needs --workdir of an earlier run with --keep (its save/ucp)")
+    if args.reuse_saves and args.async_save:
+        raise SystemExit("--reuse-saves skips the saves: drop --async-save")
     cfg = {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
            "ffn_hidden_size": args.ffn_hidden_size, "num_attention_heads": args.num_attention_heads,
            "vocab_size": args.vocab_size, "seq_length": args.seq_length, "dtype": args.dtype,
@@ -382,8 +408,13 @@ def main(argv: list[str] | None = None) -> dict:
     res["loadavg_before"] = os.getloadavg()[0]
     try:
         print(f"[bench] save: {args.layout}, ~{params / 1e6:.1f}M params, workdir {workdir}", flush=True)
-        res["save"] = run_save(args, cfg, workdir / "save", sample_s)
-        print(f"[bench] save launch done in {res['save']['launch_seconds']:.1f}s", flush=True)
+        if args.reuse_saves:
+            layout, nprocs = resolve_layout(args.layout, args.nprocs)
+            res["save"] = {"layout": layout, "nprocs": nprocs, "summary": {},
+                           "reused": str(workdir / "save")}
+        else:
+            res["save"] = run_save(args, cfg, workdir / "save", sample_s)
+            print(f"[bench] save launch done in {res['save']['launch_seconds']:.1f}s", flush=True)
         if args.async_save:
             res["async"] = async_figures(res["save"]["summary"])
         sources = {"ucp_load": str(workdir / "save" / UCP)}

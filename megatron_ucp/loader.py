@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -27,7 +28,7 @@ from megatron_ucp.object_store import ObjectPath
 from megatron_ucp.optimizer_state import OptimizerIndex
 from megatron_ucp.param_spec import LocalParam, local_params
 from megatron_ucp.spec import STATES
-from megatron_ucp.staging import collective_device
+from megatron_ucp.staging import collective_device, fill
 from megatron_ucp.storage import Location, location, plan_reads
 from megatron_ucp.validation import check_layout, check_model_config, model_config
 
@@ -99,17 +100,16 @@ def _check_files(source) -> None:
         raise UCPError(next(p for p in problems if p))
 
 
-def _set_shard(index: OptimizerIndex, source, param, shard: tuple[int, int], states: dict,
-               steps: dict) -> None:
+def _set_step(index: OptimizerIndex, source, param, shard: tuple[int, int], steps: dict) -> None:
     """Check that the regions read tile the parameter's optimizer shard at one Adam step, then
-    copy the shard into the optimizer."""
+    set that step."""
     if sum(n for _, n in steps.values()) != shard[1] - shard[0]:
         raise UCPError(f"internal: the regions of {sorted(steps)} do not tile their parameter's "
                        "optimizer shard")
     if len({st for st, _ in steps.values()}) != 1:
         raise UCPError(f"{source.dir}: {sorted(steps)} share one local parameter but the "
                        f"checkpoint gives them different Adam steps ({steps}); it mixes iterations")
-    index.set(param, states, next(iter(steps.values()))[0])
+    index.set_step(param, next(iter(steps.values()))[0])
 
 
 def _resolve_once(path: str | Path) -> Location:
@@ -160,27 +160,27 @@ def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: 
                 read_local(src, lp, s, region[1] - lp.base, region[2] - lp.base)
 
     plan_reads(source, reads)
-    # id(param) -> (param, shard range, states, steps) while its regions are being read; handed to
-    # the optimizer as soon as they tile the shard, so host memory holds one parameter's shard at
-    # a time, not the rank's whole optimizer state
+    # id(param) -> (param, shard range, steps) while its regions are being read; its Adam step is
+    # set once they tile the shard. The regions are read straight into the optimizer's own shard
+    # tensors (on a device: through one host tensor of one region and state at a time), so a load
+    # allocates no copy of the rank's optimizer state.
     shards: dict[int, tuple] = {}
-    for lp, region in regions:  # (region: this universal tensor's part of the shard)
-        if region is None:  # a buffer: every holder reads its whole local slice; no optimizer state
-            with torch.no_grad():
+    with torch.no_grad():
+        for lp, region in regions:  # (region: this universal tensor's part of the shard)
+            if region is None:  # a buffer: every holder reads its whole local slice; no optimizer state
                 lp.region(lp.param).copy_(read_local(source, lp, "param", 0, lp.numel))
-            continue
-        shard, a, b = region
-        if id(lp.param) not in shards:
-            shards[id(lp.param)] = (lp.param, shard, {s: torch.empty(shard[1] - shard[0]) for s in STATES},
-                                    {})
-        _, _, states, steps = shards[id(lp.param)]
-        for s in STATES:
-            states[s][a - shard[0]:b - shard[0]] = read_local(source, lp, s, a - lp.base, b - lp.base)
-        steps[lp.spec.name] = (source.step(lp.spec.name), b - a)
-        if sum(n for _, n in steps.values()) == shard[1] - shard[0]:
-            _set_shard(index, source, *shards.pop(id(lp.param)))
-    for param, shard, states, steps in shards.values():  # regions that do not tile their shard
-        _set_shard(index, source, param, shard, states, steps)
+                continue
+            shard, a, b = region
+            live = index.states(lp.param)
+            for s in STATES:
+                fill(live[s][a - shard[0]:b - shard[0]],
+                     partial(read_local, source, lp, s, a - lp.base, b - lp.base))
+            steps = shards.setdefault(id(lp.param), (lp.param, shard, {}))[2]
+            steps[lp.spec.name] = (source.step(lp.spec.name), b - a)
+            if sum(n for _, n in steps.values()) == shard[1] - shard[0]:
+                _set_step(index, source, *shards.pop(id(lp.param)))
+    for param, shard, steps in shards.values():  # regions that do not tile their shard
+        _set_step(index, source, param, shard, steps)
     index.copy_main_to_model(model_chunks)
     if not manifest.extra.get(RUN_HYPERPARAMETERS):  # imports without them keep the run's
         index.load_param_groups(manifest.optimizer["param_groups"])

@@ -79,27 +79,32 @@ class OptimizerIndex:
                    for g in o.optimizer.param_groups for p in g["params"]):
                 o._init_optimizer_states_with_dummy_values()
 
+    def states(self, param: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+        """This rank's shard of `param`'s fp32 master weight and Adam moments: the optimizer's own
+        tensors (on its device), which a load fills in place (`set_step` then sets the step)."""
+        tensors = self.owner[param]._get_main_param_and_optimizer_states(param)
+        missing = [k for k in STATES if k not in tensors]
+        if missing:
+            raise UCPError(f"the optimizer has no {missing} state for a parameter; call ensure_state()")
+        return {k: tensors[k] for k in STATES}
+
     @torch.no_grad()
-    def set(self, param: torch.nn.Parameter, tensors: dict[str, torch.Tensor], step: float) -> None:
-        """Copy host tensors (one shard: master weight and moments) into the optimizer, one copy to
-        the device per state, and set the Adam step where this optimizer keeps it."""
+    def set_step(self, param: torch.nn.Parameter, step: float) -> None:
+        """Set the Adam step of `param` where this optimizer keeps it (torch Adam: per parameter;
+        FusedAdam: per param group)."""
         o = self.owner[param]
         gi, go = o.model_param_group_index_map[param]
         group = o.optimizer.param_groups[gi]
-        state = o.optimizer.state[group["params"][go]]
         if not isinstance(o.optimizer, (torch.optim.Adam, torch.optim.AdamW)):  # FusedAdam: per group
             old = group.get("step")
             group["step"] = (torch.full_like(old, int(step)) if torch.is_tensor(old) else int(step))
-            o._set_main_param_and_optimizer_states(param, tensors)
             return
+        state = o.optimizer.state[group["params"][go]]
         # Each parameter gets its own step tensor: a shared one would be incremented once per
         # parameter per iteration (megatron-core 0.16.1's own legacy load path does that).
         old = state.get("step")
-        state["step"] = (torch.zeros_like(old) if torch.is_tensor(old)
-                         else torch.zeros((), dtype=torch.float32))
-        # the accessor copies every state key, step included (it raises KeyError without it);
-        # its copy_ moves each host tensor to the device in one transfer
-        o._set_main_param_and_optimizer_states(param, {**tensors, "step": torch.tensor(step)})
+        state["step"] = (torch.full_like(old, step) if torch.is_tensor(old)
+                         else torch.tensor(step, dtype=torch.float32))
 
     def param_groups(self) -> list[dict]:
         """JSON-able hyper-parameters of every param group, in order (no tensors, no params)."""

@@ -3,13 +3,13 @@
 Checksums and file writes only ever see host tensors (`storage.tensor_bytes` refuses others). On a
 GPU, `HostStager.stage` copies a save's fragment tensors into one pinned host buffer, allocated on
 the first save and reused (grown when needed) by later ones, with non-blocking copies on the current
-stream and a single synchronize. Loads assemble each optimizer shard in host memory and copy it to
-the device once per state (`OptimizerIndex.set`).
+stream and a single synchronize. Loads read into the optimizer's own shard tensors: in place on
+the host; on a device through one host tensor of one region and state at a time (`loader.load`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -91,6 +91,16 @@ class HostStager:
         for i, d in zip(todo, dsts):
             out[i] = d
         return out
+
+
+def fill(dst: torch.Tensor, read: Callable[[torch.Tensor | None], torch.Tensor]) -> None:
+    """Fill `dst` (a shard of an optimizer state, on the host or a device) with what `read(out)`
+    produces: written by `read` straight into `dst` when it is a contiguous fp32 host tensor; else
+    `read(None)` returns a new host tensor, copied to `dst` in one transfer."""
+    if not _is_device(dst) and dst.dtype == torch.float32 and dst.is_contiguous():
+        read(dst)
+    else:
+        dst.copy_(read(None))
 
 
 def steps_to_floats(steps: Sequence[float | int | torch.Tensor]) -> list[float]:

@@ -453,3 +453,38 @@ def test_paused_gc_collects_young_cycles_first_and_leaves_no_young_objects():
     assert gc.isenabled() and gc.get_freeze_count() == 0
     assert gc.get_count()[0] < 1000  # the lists are not waiting for a young collection to walk them
     assert len(kept) == 50_000
+
+
+def test_read_local_writes_a_range_of_column_split_slices_in_place(tmp_path):
+    # w [6, 4] saved at TP2 split along dim 1 (each rank a [6, 2] slice: a row-parallel weight),
+    # read at TP1 into ranges of a destination that stands for the optimizer's shard: every range
+    # bitwise, written in place (the tensor returned is the destination), nothing outside it
+    # touched. With a vocabulary padded to 8 rows, the rows the checkpoint lacks come back zero.
+    from megatron_ucp.local_slice import read_local
+    from megatron_ucp.param_spec import LocalParam
+
+    g = torch.Generator().manual_seed(3)
+    full = {s: torch.randn(6, 4, generator=g) for s in STATES}
+    ranks = [[Fragment("w", (6, 2), [Piece(0, (0, 2 * r), (6, 2), (2, 1))], 0, 12, 5.0,
+                       {s: full[s][:, 2 * r:2 * r + 2].reshape(-1).clone() for s in STATES})]
+             for r in range(2)]
+    for rank, held in enumerate(ranks):
+        write_rank_file(tmp_path / f"rank_{rank:05d}.safetensors", held, {}, {}, {"tp": rank})
+    m = Manifest.fragments(iteration=5, layout=Layout(tp=2), world_size=2, model={}, optimizer={
+        "param_groups": []}, scheduler=None, extra={}, seed=1)
+    m.params = build_index({"w": ParamSpec("w", (6, 4), "float32", 1, vocab_rows=True).to_json()},
+                           [[f.record() for f in held] for held in ranks])
+    source = FragmentSource(tmp_path, Manifest.from_json(json.loads(mf.encode(m)), "m"))
+    for rows in (6, 8):
+        spec = ParamSpec("w", (rows, 4), "float32", None, vocab_rows=True)
+        lp = LocalParam(spec, torch.nn.Parameter(torch.empty(rows, 4)), 0, "w",
+                        [Piece.rows(0, (0, 0), (rows, 4))], True)
+        want = {s: torch.cat([full[s], torch.zeros(rows - 6, 4)]).reshape(-1) for s in STATES}
+        for a, b in ((0, rows * 4), (3, 17), (5, 6), (8, 12), (13, rows * 4)):
+            for s in STATES:
+                dest = torch.full((rows * 4 + 2,), -7.0)
+                got = read_local(source, lp, s, a, b, out=dest[1:1 + b - a])
+                assert got.data_ptr() == dest[1:].data_ptr()
+                assert torch.equal(dest[1:1 + b - a], want[s][a:b]), (rows, a, b, s)
+                assert torch.equal(read_local(source, lp, s, a, b), want[s][a:b])
+                assert (dest[0] == -7.0) and (dest[1 + b - a:] == -7.0).all()

@@ -295,6 +295,16 @@ class FragmentSource(ReadsFiles):
     def read(self, name: str, state: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
         """Box [offset, offset + shape) of universal tensor `name`, state `state`, as fp32 (a new
         tensor: it shares memory with no file and no cache)."""
+        out = torch.empty(shape, dtype=torch.float32)
+        self.read_into(name, state, offset, shape, out)
+        return out
+
+    def read_into(self, name: str, state: str, offset: tuple[int, ...], shape: tuple[int, ...],
+                  out: torch.Tensor) -> None:
+        """`read` into `out` (a contiguous fp32 tensor of `shape`, e.g. a view of the optimizer's
+        own state): each fragment's bytes are copied once, from the mapped file into `out`."""
+        if tuple(out.shape) != tuple(shape) or out.dtype != torch.float32 or not out.is_contiguous():
+            raise ValueError(f"read_into: out must be a contiguous float32 tensor of shape {list(shape)}")
         slices = self.slices[name]  # (checked against the tensor's shape before allocating it)
         hits = []  # (the part of the box a piece holds: lo, hi; its slice; the piece)
         for sl in slices:
@@ -307,7 +317,6 @@ class FragmentSource(ReadsFiles):
         # every element of the box in exactly one piece, or the index is wrong (the first use
         # checks only the volume of a tensor's slices, this read checks where they fall)
         self._check_cover(name, shape, [(lo, hi) for lo, hi, _, _ in hits])
-        out = torch.empty(shape, dtype=torch.float32)
         for lo, hi, sl, pc in hits:
             first, last = pc.span(tuple(a - p for a, p in zip(lo, pc.offset)),
                                   tuple(b - p for b, p in zip(hi, pc.offset)))
@@ -323,7 +332,6 @@ class FragmentSource(ReadsFiles):
                     name, state, sl, 0, math.prod(sl.local_shape)))[first:]
             box = tuple(slice(lo_ - o, h - o) for lo_, h, o in zip(lo, hi, offset))
             out[box] = flat.as_strided([h - lo_ for lo_, h in zip(lo, hi)], pc.strides)
-        return out
 
     def read_order(self, names: list[str]) -> list[str]:
         """`names` in the order their first bytes lie in the rank files (file, then offset): a
