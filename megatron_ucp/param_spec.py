@@ -155,16 +155,17 @@ def _tp_axis(param: torch.Tensor, owner, sh: ShardedTensor, local_key: str,
     sharded tensor's fragmentation (visible when TP > 1) must agree either way."""
     if is_legacy_grouped_mlp(owner):
         axis = 0 if param is owner.weight1 else 1
+    elif getattr(owner, "softmax_offset", None) is param:
+        # learnable attention sinks (softmax_type="learnable"), one per head: megatron-core's local
+        # and Transformer Engine attention declare them split on dim 0 but mark no attribute (a
+        # rebuild's set_defaults_if_not_set_tensor_model_parallel_attributes marks them unsplit)
+        axis = 0
     elif hasattr(param, "tensor_model_parallel"):
         axis = param.partition_dim if param.tensor_model_parallel else None
     elif isinstance(owner, (ColumnParallelLinear, VocabParallelEmbedding)) and param is owner.weight:
         axis = 0
     elif isinstance(owner, RowParallelLinear) and param is owner.weight:
         axis = 1
-    elif getattr(owner, "softmax_offset", None) is param:
-        # learnable attention sinks (softmax_type="learnable"), one per head: megatron-core's local
-        # and Transformer Engine attention declare them split on dim 0 but mark no attribute
-        axis = 0
     else:
         axis = None
     split = [d for d, f in enumerate(sh.axis_fragmentations[first_dim:]) if f > 1]

@@ -97,9 +97,14 @@ def plan(arch: str, manifest: Manifest, vocab: int, dtype: torch.dtype,
     for r in rules:
         spec = manifest.params[r.megatron].spec
         shape = (vocab, *spec.shape[1:]) if spec.vocab_rows else spec.shape
-        shapes = transforms.hf_shapes(r.kind, shape, heads)
+        shapes = transforms.hf_shapes(r.kind, shape, heads, len(r.hf))
         if r.kind in ("qkv", "qkv_cat", "qkv_conv1d"):
             transforms.check_qkv_rows(shape[0], heads, f"parameter {r.megatron}")
+        if r.slot:  # experts stacked in one HF tensor: written with the last expert's rule
+            if r.slot[0] != r.slot[1] - 1:
+                out.append(Planned(r, shape, [], []))
+                continue
+            shapes = [(r.slot[1], *s) for s in shapes]
         shards = []
         for s in shapes:
             nbytes = size * int(torch.Size(s).numel())
@@ -233,10 +238,18 @@ def write_shards(out_dir: Path, source, planned: list[Planned], n_shards: int,
     heads = transforms.Heads.of(source.manifest.model)
     size = torch.empty((), dtype=dtype).element_size()
     writer, current, total = None, -1, 0
+    experts: list[list[torch.Tensor]] = []  # the slices of a stacked HF tensor read so far
     for p in planned:
         t = source.read(p.rule.megatron, "param", (0,) * len(p.shape), p.shape)
-        parts = transforms.split(p.rule.kind, t, heads, p.rule.megatron)
+        parts = transforms.split(p.rule.kind, t, heads, p.rule.megatron, len(p.rule.hf))
         del t
+        if p.rule.slot:
+            experts.append([part.to(dtype) for part in parts])
+            if not p.outputs:
+                done.update(1)
+                continue
+            parts = [torch.stack(slices) for slices in zip(*experts)]
+            experts = []
         for (name, _), shard, part in zip(p.outputs, p.shards, parts):
             if shard != current:  # shards are planned in write order: the last one is complete
                 if writer is not None:
