@@ -125,26 +125,31 @@ _GPT2_LAYER: list[Entry] = [
 # key], q_b_proj / kv_b_proj are per head [no-rope; rope] / [k; v], as megatron-core's. The rope
 # rows are in DeepSeek's interleaved-pair order in both (megatron-core's MLA de-interleaves them
 # before rotating, as transformers does with rope_interleave=True).
+# Norms carry Transformer Engine's fused names (param_spec.TE_FUSED_NORMS): the q / kv latent
+# norms are the up-projections' layer_norm_weight, a dense MLP's norm linear_fc1's.
 # (universal, transform, HF, "" | "q_lora" | "no_q_lora")
 _DSV3_ATTENTION: list[Entry] = [
     ("{m}input_layernorm.weight", "copy", ("{h}input_layernorm.weight",), ""),
     ("{m}self_attention.linear_q_down_proj.weight", "copy", ("{h}self_attn.q_a_proj.weight",), "q_lora"),
-    ("{m}self_attention.q_layernorm.weight", "copy", ("{h}self_attn.q_a_layernorm.weight",), "q_lora"),
+    ("{m}self_attention.linear_q_up_proj.layer_norm_weight", "copy", ("{h}self_attn.q_a_layernorm.weight",),
+     "q_lora"),
     ("{m}self_attention.linear_q_up_proj.weight", "copy", ("{h}self_attn.q_b_proj.weight",), "q_lora"),
     ("{m}self_attention.linear_q_proj.weight", "copy", ("{h}self_attn.q_proj.weight",), "no_q_lora"),
     ("{m}self_attention.linear_kv_down_proj.weight", "copy", ("{h}self_attn.kv_a_proj_with_mqa.weight",), ""),
-    ("{m}self_attention.kv_layernorm.weight", "copy", ("{h}self_attn.kv_a_layernorm.weight",), ""),
+    ("{m}self_attention.linear_kv_up_proj.layer_norm_weight", "copy",
+     ("{h}self_attn.kv_a_layernorm.weight",), ""),
     ("{m}self_attention.linear_kv_up_proj.weight", "copy", ("{h}self_attn.kv_b_proj.weight",), ""),
     ("{m}self_attention.linear_proj.weight", "copy", ("{h}self_attn.o_proj.weight",), ""),
-    ("{m}pre_mlp_layernorm.weight", "copy", ("{h}post_attention_layernorm.weight",), ""),
 ]
 _DSV3_DENSE: list[Entry] = [
+    ("{m}mlp.linear_fc1.layer_norm_weight", "copy", ("{h}post_attention_layernorm.weight",), ""),
     ("{m}mlp.linear_fc1.weight", "gate_up", ("{h}mlp.gate_proj.weight", "{h}mlp.up_proj.weight"), ""),
     ("{m}mlp.linear_fc2.weight", "copy", ("{h}mlp.down_proj.weight",), ""),
 ]
 # the router's aux-loss-free expert bias (a buffer in megatron-core) is DeepSeek's
 # e_score_correction_bias; experts in the Hub layout (transformers 5 fuses them when it loads)
 _DSV3_MOE: list[Entry] = [
+    ("{m}pre_mlp_layernorm.weight", "copy", ("{h}post_attention_layernorm.weight",), ""),
     ("{m}mlp.router.weight", "copy", ("{h}mlp.gate.weight",), ""),
     ("{m}mlp.router.expert_bias", "copy", ("{h}mlp.gate.e_score_correction_bias",), ""),
     ("{m}mlp.shared_experts.linear_fc1.weight", "gate_up",
