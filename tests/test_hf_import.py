@@ -435,3 +435,13 @@ def test_new_arch_export_refuses_by_field(saved, tmp_path, name, arch, change, f
     with pytest.raises(UCPError, match=f"cannot export as HF {arch}: model config {field}="):
         export(src, tmp_path / "hf", arch, progress=False)
     assert not (tmp_path / "hf").exists()
+
+
+def test_deepseek_v3_expert_bias_stays_fp32(saved, tmp_path):
+    """A bf16 export keeps the router's expert bias in fp32, as megatron-core and transformers
+    both keep it (routing adds it to sigmoid scores)."""
+    out = export(HFSource(saved["deepseek_v3"]), tmp_path / "hf", "deepseek_v3", dtype="bf16", progress=False)
+    a, b = tensors(saved["deepseek_v3"]), tensors(out)
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert b[name].dtype == torch.float32 and torch.equal(a[name], b[name])
+    assert b["model.norm.weight"].dtype == torch.bfloat16

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -196,6 +197,16 @@ IGNORED_HF = {
     "qwen3": (r"\.rotary_emb\.inv_freq$",), "qwen3_moe": (r"\.rotary_emb\.inv_freq$",),
     "deepseek_v3": (r"\.rotary_emb\.inv_freq$",), "gpt_oss": (r"\.rotary_emb\.inv_freq$",),
 }
+
+
+# universal tensors exported in fp32 whatever the export dtype: megatron-core keeps the router's
+# expert bias in fp32, and transformers keeps DeepSeek-V3's e_score_correction_bias in fp32
+# (_keep_in_fp32_modules_strict): routing compares sums of it with sigmoid scores
+KEEP_FP32 = (r"\.mlp\.router\.expert_bias$",)
+
+
+def keeps_fp32(name: str) -> bool:
+    return any(re.search(p, name) for p in KEEP_FP32)
 
 
 @dataclass(frozen=True)

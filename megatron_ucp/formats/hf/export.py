@@ -53,6 +53,7 @@ class Planned:
     shape: tuple[int, ...]
     outputs: list[tuple[str, tuple[int, ...]]]
     shards: list[int]  # the shard file of each output
+    dtype: torch.dtype  # of its HF tensors: the export's, fp32 for `archs.KEEP_FP32`
 
 
 def shard_name(i: int, n: int) -> str:
@@ -92,9 +93,10 @@ def plan(arch: str, manifest: Manifest, vocab: int, dtype: torch.dtype,
         raise UCPError(f"parameter(s) {extra[:3]}{' ...' if len(extra) > 3 else ''} have no place in "
                        f"HF {arch}; refusing to drop them (export a model {arch} can represent)")
     heads = transforms.Heads.of(manifest.model)
-    size = torch.empty((), dtype=dtype).element_size()
     out, shard, used = [], 0, 0
     for r in rules:
+        tensor_dtype = torch.float32 if archs.keeps_fp32(r.megatron) else dtype
+        size = torch.empty((), dtype=tensor_dtype).element_size()
         spec = manifest.params[r.megatron].spec
         shape = (vocab, *spec.shape[1:]) if spec.vocab_rows else spec.shape
         shapes = transforms.hf_shapes(r.kind, shape, heads, len(r.hf))
@@ -102,7 +104,7 @@ def plan(arch: str, manifest: Manifest, vocab: int, dtype: torch.dtype,
             transforms.check_qkv_rows(shape[0], heads, f"parameter {r.megatron}")
         if r.slot:  # experts stacked in one HF tensor: written with the last expert's rule
             if r.slot[0] != r.slot[1] - 1:
-                out.append(Planned(r, shape, [], []))
+                out.append(Planned(r, shape, [], [], tensor_dtype))
                 continue
             shapes = [(r.slot[1], *s) for s in shapes]
         shards = []
@@ -112,7 +114,7 @@ def plan(arch: str, manifest: Manifest, vocab: int, dtype: torch.dtype,
                 shard, used = shard + 1, 0
             used += nbytes
             shards.append(shard)
-        out.append(Planned(r, shape, list(zip(r.hf, shapes)), shards))
+        out.append(Planned(r, shape, list(zip(r.hf, shapes)), shards, tensor_dtype))
     return out, shard + 1
 
 
@@ -158,17 +160,17 @@ def check_written(out_dir: Path, planned: list[Planned], n_shards: int, dtype: t
     """Before the directory is committed: the index names exactly the planned tensors, and each
     shard's header holds exactly its tensors at the planned dtype and shape."""
     index = json.loads((out_dir / INDEX_FILE).read_text())["weight_map"]
-    expected = {name: (shard_name(s, n_shards), shape)
+    expected = {name: (shard_name(s, n_shards), shape, p.dtype)
                 for p in planned for (name, shape), s in zip(p.outputs, p.shards)}
     if set(index) != set(expected):
         raise UCPError(f"{out_dir}: internal error, the index names other tensors than planned; "
                        "nothing was committed")
     reader, by_file = Reader(), {}
-    for name, (file, shape) in expected.items():
+    for name, (file, shape, tensor_dtype) in expected.items():
         if index[name] != file:
             raise UCPError(f"{out_dir}: internal error, the index puts {name} in {index[name]}, "
                            f"it was written to {file}; nothing was committed")
-        reader.check(out_dir / file, name, DTYPE_TO_ST[dtype], shape)
+        reader.check(out_dir / file, name, DTYPE_TO_ST[tensor_dtype], shape)
         by_file.setdefault(file, set()).add(name)
     for file, names in by_file.items():
         stray = set(reader.open(out_dir / file).keys()) - names
@@ -236,7 +238,6 @@ def write_shards(out_dir: Path, source, planned: list[Planned], n_shards: int,
     """Stream the planned tensors into their shard files: read one universal tensor, split it,
     write its HF tensors, drop it. Returns the bytes written."""
     heads = transforms.Heads.of(source.manifest.model)
-    size = torch.empty((), dtype=dtype).element_size()
     writer, current, total = None, -1, 0
     experts: list[list[torch.Tensor]] = []  # the slices of a stacked HF tensor read so far
     for p in planned:
@@ -244,7 +245,7 @@ def write_shards(out_dir: Path, source, planned: list[Planned], n_shards: int,
         parts = transforms.split(p.rule.kind, t, heads, p.rule.megatron, len(p.rule.hf))
         del t
         if p.rule.slot:
-            experts.append([part.to(dtype) for part in parts])
+            experts.append([part.to(p.dtype) for part in parts])
             if not p.outputs:
                 done.update(1)
                 continue
@@ -255,9 +256,9 @@ def write_shards(out_dir: Path, source, planned: list[Planned], n_shards: int,
                 if writer is not None:
                     writer.close()
                 current = shard
-                writer = _open_shard(out_dir, planned, current, n_shards, dtype)
-            writer.write(name, part.to(dtype).contiguous())
-            total += part.numel() * size
+                writer = _open_shard(out_dir, planned, current, n_shards)
+            writer.write(name, part.to(p.dtype).contiguous())
+            total += part.numel() * p.dtype.itemsize
         done.update(1)
     if writer is not None:
         writer.close()
@@ -271,9 +272,8 @@ def generation_config(config: dict) -> dict:
                if config.get(k) is not None}}
 
 
-def _open_shard(out_dir: Path, planned: list[Planned], shard: int, n_shards: int,
-                dtype: torch.dtype) -> SafetensorsWriter:
-    entries = [(name, dtype, shape) for p in planned
+def _open_shard(out_dir: Path, planned: list[Planned], shard: int, n_shards: int) -> SafetensorsWriter:
+    entries = [(name, p.dtype, shape) for p in planned
                for (name, shape), s in zip(p.outputs, p.shards) if s == shard]
     # transformers refuses safetensors files whose metadata names another framework
     return SafetensorsWriter(out_dir / shard_name(shard, n_shards), entries, {"format": "pt"})
