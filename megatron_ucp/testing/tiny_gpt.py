@@ -229,6 +229,8 @@ def build(cfg: TinyGPTConfig, layout: Layout) -> TrainState:
         if tf_config.mtp_num_layers:  # multi-token prediction layers (DeepSeek-V3) on the last stage
             mtp_spec = get_gpt_mtp_block_spec(tf_config, spec, cfg.transformer_impl != "local",
                                               vp_stage=vp)
+            if cfg.sequence_parallel:  # its enorm / hnorm / final norm too
+                mtp_spec = replace_module(mtp_spec, WrappedTorchNorm, SequenceParallelTorchNorm)
         model = GPTModel(
             config=tf_config,
             transformer_layer_spec=spec,
