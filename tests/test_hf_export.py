@@ -282,7 +282,8 @@ def test_transformers_deepseek_v3_and_gpt_oss_in_megatron(runs, reloaded, arch, 
     megatron = torch.load(runs / f"native_{arch}_megatron.pt")[..., :100]
     diff = max_diff(megatron, want)
     print(f"{arch} (transformers-made): import-hf -> megatron TP1xDP2 logits max abs diff {diff:.3g}")
-    REPORT[f"hf-import:{arch}"] = {"max_abs_logit_diff": diff, "max_rel_logit_diff": rel_diff(megatron, want)}
+    REPORT[f"hf-import:{arch}-native"] = {"max_abs_logit_diff": diff,
+                                         "max_rel_logit_diff": rel_diff(megatron, want)}
     assert rel_diff(megatron, want) <= REL_TOL
     out = export(open_source(runs / f"native_{arch}_resaved"), tmp_path / "hf", arch, progress=False)
     original = {k: v for f in (runs / f"native_{arch}").glob("*.safetensors")
