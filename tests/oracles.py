@@ -16,6 +16,7 @@ tensors it was given (`universal_tensors`). Reader tests: the same functions on 
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import math
 import re
@@ -306,6 +307,77 @@ def fully_reshardable_full(ckpt: Path, names: list[str]) -> dict[str, dict]:
     t = load_keys(ckpt, wanted)
     return {n: {"model": t[k][i], **{s: t[f"optimizer.state.{s}.{k}"][i] for s in STATES}}
             for n, (k, i) in keyed.items()}
+
+
+def raw_chunks(ckpt: Path) -> dict[str, list[tuple[tuple[int, ...], torch.Tensor]]]:
+    """Tensor key -> [(chunk offsets, chunk)] of a torch_dist directory, read by hand: `.metadata`
+    unpickled, each chunk's bytes (file, offset, length from its storage_data) torch.load'ed on
+    their own; no torch.distributed.checkpoint reader or planner, no resharding."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    ckpt = dist_iteration(ckpt)
+    with open(ckpt / ".metadata", "rb") as f:
+        meta = pickle.load(f)
+    out: dict[str, list] = {}
+    for index, info in meta.storage_data.items():
+        if not isinstance(meta.state_dict_metadata[index.fqn], TensorStorageMetadata):
+            continue
+        assert not getattr(info, "transform_descriptors", None), index  # plain torch.save chunks
+        with open(ckpt / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.length)
+        out.setdefault(index.fqn, []).append(
+            (tuple(index.offset), torch.load(io.BytesIO(data), weights_only=True)))
+    return out
+
+
+def flattened_full(ckpt: Path, names: list[str]) -> dict[str, dict]:
+    """Universal name -> {"model", state...} from a megatron-core 0.13-0.15 torch_dist checkpoint
+    whose optimizer is `fully_sharded_model_space` (ShardedTensors with a flattened_range).
+
+    Rule (megatron-core 0.15 dist_checkpointing/strategies/torch.py): the state of model tensor
+    `<key>` ([layers..., *shape]) is `optimizer.state.<fp32_param|exp_avg|exp_avg_sq>.<key>` of shape
+    [layers..., *chunks per axis, chunk numel], where the chunk is the TP-local tensor (split on
+    the COLUMN/ROW dim, `tp_local`); each DP rank saved a contiguous range of that flattened chunk
+    at offset [layer..., chunk index..., range start]. Here the ranges are read one by one
+    (`raw_chunks`), must tile each chunk exactly, and are put at the chunk's TP place."""
+    args = load(dist_iteration(ckpt) / "common.pt")["args"]
+    tp = args.tensor_model_parallel_size
+    keyed = {n: model_key(n) for n in names}
+    model_keys = sorted({k for k, _ in keyed.values()})
+    opt_keys = {(s, k): f"optimizer.state.{'fp32_param' if s == 'param' else s}.{k}"
+                for k in model_keys for s in STATES}
+    stored = tensor_keys(ckpt)
+    assert set(stored) == set(model_keys) | set(opt_keys.values()), \
+        sorted(set(stored) ^ (set(model_keys) | set(opt_keys.values())))
+    chunks = raw_chunks(ckpt)
+    model = load_keys(ckpt, model_keys)
+    out = {}
+    for n, (k, index) in keyed.items():
+        shape = stored[k][len(index):]
+        local = tp_local(n, shape, tp)
+        grid = tuple(s // c for s, c in zip(shape, local))
+        entry = {"model": model[k][index]}
+        for s in STATES:
+            key = opt_keys[(s, k)]
+            assert stored[key] == (*stored[k][:len(index)], *grid, math.prod(local)), (key, stored[key])
+            ranges: dict[tuple, list] = {}
+            for offset, t in chunks[key]:
+                if offset[:len(index)] == index:
+                    ranges.setdefault(offset[len(index):-1], []).append((offset[-1], t.reshape(-1)))
+            full = torch.empty(shape, dtype=torch.float32)
+            for at in itertools.product(*(range(g) for g in grid)):
+                parts = sorted(ranges.pop(at), key=lambda p: p[0])
+                starts = [0] + list(itertools.accumulate(t.numel() for _, t in parts))
+                assert [o for o, _ in parts] == starts[:-1] and starts[-1] == math.prod(local), (key, at)
+                box = tuple(slice(i * c, (i + 1) * c) for i, c in zip(at, local))
+                full[box] = torch.cat([t for _, t in parts]).view(local)
+            assert not ranges, (key, sorted(ranges))
+            entry[s] = full
+        out[n] = entry
+    return out
 
 
 # one dense GPT layer's parameters in the legacy state-dict order (linear_proj is registered

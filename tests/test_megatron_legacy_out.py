@@ -188,20 +188,13 @@ def test_uneven_target_needs_split(universal, tmp_path):
 RANK_PATH = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
 
 
-def load_legacy_rank(layout: str, cfg: dict, load_dir: str, dump_dir: str) -> dict:
-    """Rank function: build the tiny GPT at `layout`, load a legacy checkpoint as Megatron-LM's
-    load_checkpoint does for `--ckpt-format torch` (model load_state_dict on each chunk's module,
-    optimizer.load_state_dict(state['optimizer']), optimizer.load_parameter_state(distrib_optim.pt),
-    scheduler), dump the local state, train one step."""
-    from megatron.core import parallel_state as ps
+def patch_distopt_step_load() -> None:
+    """In a launched rank: the opt-in load-only workaround of the fixture harness (README
+    "Resuming"): megatron-core 0.16.1 with torch AdamW raises KeyError: 'step' when the optimizer
+    state it loads has no step (keep the one load_state_dict restored) and shares one step tensor
+    among all params."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as DO
 
-    from megatron_ucp.testing import scenarios
-    from megatron_ucp.testing import tiny_gpt as tg
-
-    # The opt-in load-only workaround of the fixture harness (README "Resuming"): megatron-core
-    # 0.16.1 with torch AdamW raises KeyError: 'step' in load_parameter_state (the legacy file has
-    # no step; keep the one load_state_dict restored) and shares one step tensor among all params.
     orig_set, orig_load = DO._set_main_param_and_optimizer_states, DO.load_state_dict
 
     def set_keep_step(self, model_param, tensors):
@@ -220,6 +213,19 @@ def load_legacy_rank(layout: str, cfg: dict, load_dir: str, dump_dir: str) -> di
         return r
 
     DO._set_main_param_and_optimizer_states, DO.load_state_dict = set_keep_step, load_unshare_step
+
+
+def load_legacy_rank(layout: str, cfg: dict, load_dir: str, dump_dir: str) -> dict:
+    """Rank function: build the tiny GPT at `layout`, load a legacy checkpoint as Megatron-LM's
+    load_checkpoint does for `--ckpt-format torch` (model load_state_dict on each chunk's module,
+    optimizer.load_state_dict(state['optimizer']), optimizer.load_parameter_state(distrib_optim.pt),
+    scheduler), dump the local state, train one step."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_ucp.testing import scenarios
+    from megatron_ucp.testing import tiny_gpt as tg
+
+    patch_distopt_step_load()
 
     lay = Layout.parse(layout)
     tg.init_distributed(lay)

@@ -108,7 +108,12 @@ def allowed_globals() -> list:
              if isinstance(v, type) and issubclass(v, enum.Enum) and v.__module__ == m.__name__]
     dtypes = [type(np.dtype(t)) for t in ("bool", "uint8", "int8", "uint16", "int16", "uint32",
                                           "int32", "uint64", "int64", "float16", "float32", "float64")]
-    return [argparse.Namespace, signal.Signals, _reconstruct, np.ndarray, np.dtype, *dtypes, *enums]
+    # an array pickled under numpy 1.x names numpy.core.multiarray, under 2.x numpy._core.multiarray
+    # (Megatron-LM 0.13-0.15 runs often had numpy 1.x): both names load with either numpy
+    renamed = [(_reconstruct, f"{m}.multiarray._reconstruct") for m in ("numpy.core", "numpy._core")
+               if f"{m}.multiarray" != _reconstruct.__module__]
+    return [argparse.Namespace, signal.Signals, _reconstruct, *renamed, np.ndarray, np.dtype, *dtypes,
+            *enums]
 
 
 MEGATRON_HOLDS = ("a Megatron-LM checkpoint holds (tensors, argparse.Namespace, Megatron enums, "

@@ -22,10 +22,18 @@ import sys
 
 import torch
 
-src = os.environ["MLM_SRC"]  # Megatron-LM core_v0.16.1 tree whose megatron/core was moved away
+src = os.environ["MLM_SRC"]  # Megatron-LM tree whose megatron/core was moved away
 sys.path.insert(0, src)
-sys.path.insert(0, os.environ["MLM_HARNESS"])
-import cpushim_mlm  # noqa: E402,F401  (patches torch.cuda before any megatron import)
+if os.environ.get("MLM_HARNESS"):  # the core_v0.14-0.16 fixtures' shim
+    sys.path.insert(0, os.environ["MLM_HARNESS"])
+    import cpushim_mlm  # noqa: E402,F401  (patches torch.cuda before any megatron import)
+else:  # Megatron-LM trees without megatron/legacy (core_v0.19): megatron-ucp's own CUDA shim
+    import importlib
+
+    import megatron_ucp.testing.cpu_shim  # noqa: E402,F401
+    # the wheel ships the dataset helper prebuilt, not its Makefile (initialize.py runs make)
+    importlib.import_module("megatron.core.datasets.helpers_cpp")
+    importlib.import_module("megatron.core.datasets.utils").compile_helpers = lambda: None
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer  # noqa: E402
 
 _sharded_state_dict = DistributedOptimizer.sharded_state_dict
@@ -50,9 +58,28 @@ if os.environ.get("MLM_RESUME_KEEP_STEP") == "1":
     _set_states = DistributedOptimizer._set_main_param_and_optimizer_states
 
     def set_states_without_template_step(self, model_param, tensors):
-        return _set_states(self, model_param, {k: v for k, v in tensors.items() if k != "step"})
+        tensors = {k: v for k, v in tensors.items() if k != "step"}
+        if not os.environ.get("MLM_HARNESS"):  # no harness shim to keep the restored step: here
+            gi, go = self.model_param_group_index_map[model_param]
+            state = self.optimizer.state[self.optimizer.param_groups[gi]["params"][go]]
+            if "step" in state:
+                tensors["step"] = state["step"].clone()
+        return _set_states(self, model_param, tensors)
 
     DistributedOptimizer._set_main_param_and_optimizer_states = set_states_without_template_step
+    if not os.environ.get("MLM_HARNESS"):  # the harness shim's MLM_SHIM_DISTOPT_UNSHARE_STEP
+        _load_state_dict = DistributedOptimizer.load_state_dict
+
+        def load_state_dict_unshared_step(self, state_dict):
+            # load_state_dict gives every parameter the same step tensor (torch AdamW then bumps
+            # it once per parameter): one copy each, as a fresh run has
+            result = _load_state_dict(self, state_dict)
+            for state in self.optimizer.state.values():
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].detach().clone()
+            return result
+
+        DistributedOptimizer.load_state_dict = load_state_dict_unshared_step
     print("> [resume] dp_reshardable step fix active (load-only)")
 script = os.path.join(src, "pretrain_gpt.py")
 sys.argv = [script] + sys.argv[1:]

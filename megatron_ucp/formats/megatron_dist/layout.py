@@ -4,8 +4,10 @@ An iteration directory holds torch.distributed.checkpoint files (`.metadata`, `_
 `common.pt` (args, iteration, optimizer param groups, scheduler, content metadata) and
 `metadata.json` (backend names). Model tensors are stored at global shape with layers stacked
 (`decoder.layers.self_attention.linear_qkv.weight` is [layers, ...]); the optimizer state is either
-`fully_reshardable` (`optimizer.state.<state>.<model key>`, global shape) or `dp_reshardable` (each
-model-parallel rank's flat DistributedOptimizer buckets, `optimizer.distributed.dp_group_idx_<k>.*`).
+`fully_reshardable` (`optimizer.state.<state>.<model key>`, global shape), `dp_reshardable` (each
+model-parallel rank's flat DistributedOptimizer buckets, `optimizer.distributed.dp_group_idx_<k>.*`)
+or, from megatron-core 0.13-0.15, `fully_sharded_model_space` (the `flattened_range` form,
+`optimizer.state.<fp32_param|exp_avg|exp_avg_sq>.<model key>`, see `flattened_shape`).
 Which stacked index holds which universal parameter is read off the model rebuilt from `args`.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,7 +36,9 @@ from megatron_ucp.param_spec import declared_state_dict, local_params
 
 COMMON_FILE = "common.pt"
 METADATA_FILE = ".metadata"
-SHARDINGS = ("dp_reshardable", "fully_reshardable")
+FLATTENED = "fully_sharded_model_space"  # the flattened_range form of megatron-core 0.13-0.15
+SHARDINGS = ("dp_reshardable", "fully_reshardable")  # the forms written (and read)
+READ_SHARDINGS = (*SHARDINGS, FLATTENED)  # read only: megatron-core >= 0.16 no longer loads it
 # common.pt['content_metadata'] of a `--dist-ckpt-optim-fully-reshardable` save (megatron-core 0.16)
 FULLY_RESHARDABLE_CONTENT = {"distrib_optim_sharding_type": "fully_reshardable",
                              "distrib_optim_fully_reshardable_mem_efficient": False,
@@ -49,6 +54,28 @@ def is_iteration(path: Path) -> bool:
 def state_key(state: str, model_key: str) -> str:
     """fully_reshardable: the key of one optimizer state of a model tensor."""
     return f"optimizer.state.{state}.{model_key}"
+
+
+def flattened_state_key(state: str, model_key: str) -> str:
+    """fully_sharded_model_space: the key of one optimizer state of a model tensor (the master
+    weight is called `fp32_param` there)."""
+    return f"optimizer.state.{'fp32_param' if state == 'param' else state}.{model_key}"
+
+
+def flattened_shape(model_shape: tuple[int, ...], stored_shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The local chunk shape of a `flattened_range` optimizer tensor, None if the shapes disagree.
+
+    megatron-core <= 0.15 stores an optimizer state whose ShardedTensors carry a flattened_range
+    (each DP rank a contiguous range of its TP-local chunk, flattened) with the global shape
+    reformulated as [X // x, Y // y, Z // z, x * y * z] for a model tensor [X, Y, Z] whose TP-local
+    chunk is [x, y, z] (dist_checkpointing/strategies/resharding.py,
+    nd_flattened_tensor_reformulated_global_shape): one row per chunk of the model tensor, the
+    chunk flattened in C order on the last axis. Stacked layer axes have chunk size 1."""
+    grid = stored_shape[:-1]
+    if len(grid) != len(model_shape) or any(g == 0 or n % g for n, g in zip(model_shape, grid)):
+        return None
+    local = tuple(n // g for n, g in zip(model_shape, grid))
+    return local if math.prod(local) == stored_shape[-1] else None
 
 
 def bucket_key(mp_rank: int, buffer: int, dtypes: tuple, bucket: int) -> str:
@@ -128,6 +155,7 @@ class DistReader:
         if key not in self.meta:
             raise UCPError(f"{self.dir}: tensor {key!r} is not in the checkpoint")
         m = self.meta[key]
+        self._check_covered(key, m)
         t = torch.empty(tuple(m.size), dtype=m.properties.dtype)
         self._load({key: t})
         self.bytes_read += t.numel() * t.element_size()
@@ -135,6 +163,30 @@ class DistReader:
         while len(self.cache) > self.cache_entries:
             self.cache.popitem(last=False)
         return t
+
+    def files(self, key: str) -> str:
+        """The data files holding a key's chunks (for error messages)."""
+        return ", ".join(sorted({str(self.dir / v.relative_path)
+                                 for k, v in self.metadata.storage_data.items() if k.fqn == key}))
+
+    def _check_covered(self, key: str, m) -> None:
+        """A stored tensor's chunks must fill it: DCP loads a hole as whatever torch.empty held,
+        which would be a silently wrong tensor (e.g. a flattened_range optimizer state whose
+        DP ranges do not add up to the chunk)."""
+        size = tuple(m.size)
+        covered = 0
+        for c in m.chunks:
+            if any(o < 0 or o + n > s for o, n, s in zip(c.offsets, c.sizes, size)):
+                raise UCPError(f"{self.dir / METADATA_FILE}: tensor {key!r} {list(size)} has a chunk at "
+                               f"{list(c.offsets)} of {list(c.sizes)} outside the tensor; the "
+                               "metadata is damaged: restore it or convert another iteration")
+            covered += math.prod(c.sizes)
+        if covered != math.prod(size):
+            raise UCPError(f"{self.dir / METADATA_FILE} ({self.files(key) or 'no data file'}): tensor "
+                           f"{key!r} {list(size)}: its chunks cover {covered} of {math.prod(size)} "
+                           "elements, so part of it was never written (a rank's save missing or "
+                           "the files mixed from two saves); restore them or convert another "
+                           "iteration")
 
     def obj(self, key: str):
         if key not in self.meta:

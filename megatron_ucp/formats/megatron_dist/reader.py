@@ -11,7 +11,11 @@ We therefore ask megatron-core itself rather than re-implementing its rules:
   `DistributedDataParallel` (`buffer.param_index_map`) built at the *source* layout for the source
   model-parallel rank (fake process group of the source world size), and the TP-local slices are
   put back together with that rank's `local_params` pieces;
-* `fully_reshardable` stores `optimizer.state.<state>.<model key>` at global shape: no layout math.
+* `fully_reshardable` stores `optimizer.state.<state>.<model key>` at global shape: no layout math;
+* `fully_sharded_model_space` (megatron-core 0.13/0.14 default, 0.15 with
+  `--dist-ckpt-save-pre-mcore-014`; later releases no longer load it) stores each state of a model
+  tensor as one row per TP-local chunk, the chunk flattened (`layout.flattened_shape`); the rows
+  are put back at the chunks' places. The run's DP ranges only cut those rows, so no DDP rebuild.
 
 Every master weight is checked against the stored model weight (bf16(master) == model tensor, bit
 for bit), so a wrong offset can never produce a silently wrong universal checkpoint. Only tensors
@@ -23,6 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from itertools import product
 from pathlib import Path
 
 import torch
@@ -38,10 +43,13 @@ from megatron_ucp.formats.megatron_common import (
 )
 from megatron_ucp.formats.megatron_dist.layout import (
     COMMON_FILE,
-    SHARDINGS,
+    FLATTENED,
+    READ_SHARDINGS,
     DistReader,
     Param,
     bucket_key,
+    flattened_shape,
+    flattened_state_key,
     is_iteration,
     model_parallel_ranks,
     param_groups_key,
@@ -83,12 +91,12 @@ class TorchDistSource:
         opt = common.get("optimizer") or {}
         sharding = opt.get("param_state_sharding_type") or (common.get("content_metadata") or {}).get(
             "distrib_optim_sharding_type")
-        if sharding not in SHARDINGS:
+        if sharding not in READ_SHARDINGS:
             raise UCPError(f"{ckpt}: optimizer sharding {sharding!r} is not supported (expected "
-                           "dp_reshardable or fully_reshardable from --use-distributed-optimizer)")
-        if getattr(args, "num_experts", None) and sharding == "dp_reshardable":
+                           f"one of {', '.join(READ_SHARDINGS)} from --use-distributed-optimizer)")
+        if getattr(args, "num_experts", None) and sharding != "fully_reshardable":
             raise UCPError(f"{ckpt}: a MoE run (num_experts={args.num_experts}) saved with the "
-                           "dp_reshardable optimizer; its expert buffers are not mapped: save the "
+                           f"{sharding} optimizer; its expert state is not mapped: save the "
                            "run with --dist-ckpt-optim-fully-reshardable or --ckpt-format torch and "
                            "convert that")
         self.sharding = sharding
@@ -96,7 +104,9 @@ class TorchDistSource:
         check_names(reader, self.plan, sharding)
         lay = layout(args)
         replica_buckets: set[str] = set()
-        if sharding == "fully_reshardable":  # MoE: {0: dense, 1: expert} (a ChainedOptimizer)
+        # both keep the param groups in common.pt (megatron-core's "fully reshardable formats");
+        # fully_reshardable MoE: {0: dense, 1: expert} (a ChainedOptimizer)
+        if sharding in ("fully_reshardable", FLATTENED):
             chained = [opt[i] for i in sorted(k for k in opt if isinstance(k, int))] or [opt]
             groups = [(i, g) for i, o in enumerate(chained)
                       for g in (o.get("optimizer") or {}).get("param_groups") or []]
@@ -111,7 +121,8 @@ class TorchDistSource:
                     raise UCPError(f"{ckpt}: model-parallel rank {k} is at Adam step {s}, rank 0 "
                                    f"at {step}")
                 groups, step = groups or [(0, x) for x in g], step if groups else s
-            replica_buckets = _plan_dp_reshardable(args, reader, self.plan)
+            if sharding == "dp_reshardable":
+                replica_buckets = _plan_dp_reshardable(args, reader, self.plan)
         _check_optimizer_keys(reader, self.plan, sharding, replica_buckets)
         if not groups:
             raise UCPError(f"{ckpt}: no optimizer param groups found (was it saved without optimizer?)")
@@ -190,6 +201,18 @@ def check_names(reader: DistReader, plan: dict[str, Param], sharding: str) -> No
                 if k not in reader.meta:
                     raise UCPError(f"{reader.dir}: optimizer state {k!r} for parameter {name!r} "
                                    "is missing")
+        elif sharding == FLATTENED:
+            for s in STATES:
+                k = flattened_state_key(s, p.key)
+                if k not in reader.meta:
+                    raise UCPError(f"{reader.dir}: optimizer state {k!r} for parameter {name!r} "
+                                   "is missing (was the run saved without its optimizer?)")
+                if flattened_shape(tuple(have), reader.shape(k)) is None:
+                    raise UCPError(f"{reader.dir}: flattened optimizer state {k!r} has shape "
+                                   f"{list(reader.shape(k))}, which is no chunk grid of the model "
+                                   f"tensor {p.key!r} {list(have)} (expected [chunks per axis..., "
+                                   "chunk elements]); the file is not megatron-core's "
+                                   "fully_sharded_model_space form")
     for key, shape in stored.items():
         if key not in used:
             raise UCPError(f"{reader.dir}: checkpoint tensor {key!r} {list(shape)} is not a parameter "
@@ -208,6 +231,8 @@ def _check_optimizer_keys(reader: DistReader, plan: dict[str, Param], sharding: 
     layer's copy of the embedding sits in a bucket of its own on the last stage)."""
     if sharding == "fully_reshardable":
         wanted = {state_key(s, p.key) for p in plan.values() for s in STATES}
+    elif sharding == FLATTENED:
+        wanted = {flattened_state_key(s, p.key) for p in plan.values() for s in STATES}
     else:
         buckets = {slab[0] for p in plan.values() for slab in p.slabs} | replica_buckets
         wanted = {f"{b}.{s}" for b in buckets for s in STATES}
@@ -265,6 +290,8 @@ def _read_full(reader: DistReader, p: Param, state: str, sharding: str) -> torch
     """One full fp32 universal tensor; master weights are verified against the stored bf16 model."""
     if sharding == "fully_reshardable":
         t = reader.tensor(state_key(state, p.key))[p.index].clone()
+    elif sharding == FLATTENED:
+        t = _read_flattened(reader, p, state)
     else:
         t = torch.empty(p.spec["shape"], dtype=torch.float32)
         for bucket, start, numel, pieces in p.slabs:
@@ -280,3 +307,17 @@ def _read_full(reader: DistReader, p: Param, state: str, sharding: str) -> torch
                            f"differs from the stored model tensor {p.key!r}{list(p.index)}; the "
                            "optimizer layout was not understood (refusing to write wrong state)")
     return t.contiguous()
+
+
+def _read_flattened(reader: DistReader, p: Param, state: str) -> torch.Tensor:
+    """One parameter's state from the flattened_range form: its rows (one per TP-local chunk,
+    `layout.flattened_shape`) reshaped to the chunk and put at the chunk's place."""
+    key = flattened_state_key(state, p.key)
+    local = flattened_shape(reader.shape(p.key), reader.shape(key))  # checked in check_names
+    stacked = len(p.index)
+    rows = reader.tensor(key)[p.index]  # [chunks per unstacked axis..., chunk elements]
+    chunk = local[stacked:]
+    t = torch.empty(p.spec["shape"], dtype=rows.dtype)
+    for at in product(*(range(n) for n in rows.shape[:-1])):
+        t[tuple(slice(i * n, (i + 1) * n) for i, n in zip(at, chunk))] = rows[at].view(chunk)
+    return t
