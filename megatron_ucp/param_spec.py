@@ -187,6 +187,11 @@ def _tp_axis(param: torch.Tensor, owner, sh: ShardedTensor, local_key: str,
     sharded tensor's fragmentation (visible when TP > 1) must agree either way."""
     if is_legacy_grouped_mlp(owner):
         axis = 0 if param is owner.weight1 else 1
+    elif getattr(owner, "softmax_offset", None) is param:
+        # learnable attention sinks (softmax_type="learnable"), one per head: megatron-core's local
+        # and Transformer Engine attention declare them split on dim 0 but mark no attribute (a
+        # rebuild's set_defaults_if_not_set_tensor_model_parallel_attributes marks them unsplit)
+        axis = 0
     elif hasattr(param, "tensor_model_parallel"):
         # megatron-core's Mamba mixer marks its per-channel parameters (conv1d, dt_bias, A_log, D,
         # the gated norm) `tensor_model_parallel` without a `partition_dim` and declares them
@@ -196,10 +201,6 @@ def _tp_axis(param: torch.Tensor, owner, sh: ShardedTensor, local_key: str,
         axis = 0
     elif isinstance(owner, RowParallelLinear) and param is owner.weight:
         axis = 1
-    elif getattr(owner, "softmax_offset", None) is param:
-        # learnable attention sinks (softmax_type="learnable"), one per head: megatron-core's local
-        # and Transformer Engine attention declare them split on dim 0 but mark no attribute
-        axis = 0
     else:
         axis = None
     split = [d for d, f in enumerate(sh.axis_fragmentations[first_dim:]) if f > 1]

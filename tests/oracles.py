@@ -538,7 +538,8 @@ def split_qkv(t: torch.Tensor, heads: int, groups: int) -> tuple[torch.Tensor, t
 
 def hf_expected(master: dict[str, torch.Tensor], arch: str, heads: int, groups: int, vocab: int
                 ) -> dict[str, torch.Tensor]:
-    """The tensors a transformers `arch` (llama, qwen2, mixtral, qwen3, qwen3_moe or gpt2) checkpoint of the
+    """The tensors a transformers `arch` (llama, qwen2, mixtral, qwen3, qwen3_moe, gpt2, deepseek_v3 or
+    gpt_oss) checkpoint of the
     megatron-core GPT with full master weights `master` (universal names) holds, by the textbook
     correspondences:
     megatron's fused linear_qkv rows are per query group [q heads of the group; k; v] (head_dim
@@ -610,6 +611,97 @@ def hf_expected(master: dict[str, torch.Tensor], arch: str, heads: int, groups: 
                                  ("mlp.linear_fc1", "mlp.c_fc"), ("mlp.linear_fc2", "mlp.c_proj")):
                 out[h + f"{theirs}.weight"] = master[m + f"{mine}.weight"].t()
                 out[h + f"{theirs}.bias"] = master[m + f"{mine}.bias"]
+    elif arch == "deepseek_v3":
+        out.update(_deepseek_v3_expected(master, vocab, len(layers)))
+    elif arch == "gpt_oss":
+        out.update(_gpt_oss_expected(master, heads, groups, vocab, layers))
     else:
         raise ValueError(arch)
     return {k: v.contiguous() for k, v in out.items()}
+
+
+# DeepSeek-V3: megatron-core's MLA / MoE names and DeepSeek's, one for one
+_DSV3_NAMES = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attn.q_a_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
+    "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
+    "self_attention.linear_q_proj.weight": "self_attn.q_proj.weight",
+    "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attn.kv_a_layernorm.weight",
+    "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    "mlp.router.weight": "mlp.gate.weight",
+    "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
+    "mlp.shared_experts.linear_fc2.weight": "mlp.shared_experts.down_proj.weight",
+    "enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+    "final_layernorm.weight": "shared_head.norm.weight",
+}
+
+
+def _deepseek_v3_expected(master: dict[str, torch.Tensor], vocab: int, layers: int) -> dict:
+    """DeepSeek-V3's tensors: MTP layer k is decoder layer `layers + k` and repeats the embedding
+    and output layer; SwiGLU fc1 rows are [gate; up]."""
+    out = {"model.embed_tokens.weight": master[WORD][:vocab],
+           "model.norm.weight": master["decoder.final_layernorm.weight"]}
+    head = master.get("output_layer.weight", master[WORD])[:vocab]
+    if "output_layer.weight" in master:
+        out["lm_head.weight"] = head
+    for name, t in master.items():
+        parts = name.split(".")
+        if parts[0] == "decoder" and parts[1] == "layers":
+            h, rest = f"model.layers.{parts[2]}.", parts[3:]
+        elif parts[0] == "mtp":
+            h = f"model.layers.{layers + int(parts[2])}."
+            rest = parts[4:] if parts[3] == "transformer_layer" else parts[3:]
+            out[h + "embed_tokens.weight"] = master[WORD][:vocab]
+            out[h + "shared_head.head.weight"] = head
+        else:
+            continue
+        suffix = ".".join(rest)
+        if suffix.endswith("linear_fc1.weight"):
+            gate, up = t.chunk(2)
+            stem = suffix.removesuffix("linear_fc1.weight").replace("experts.experts.", "experts.")
+            out[h + stem + "gate_proj.weight"], out[h + stem + "up_proj.weight"] = gate, up
+        elif rest[:3] == ["mlp", "experts", "experts"]:  # an expert's fc2
+            out[h + f"mlp.experts.{rest[3]}.down_proj.weight"] = t
+        else:
+            out[h + _DSV3_NAMES[suffix]] = t
+    return out
+
+
+def _gpt_oss_expected(master: dict[str, torch.Tensor], heads: int, groups: int, vocab: int,
+                      layers: list[int]) -> dict:
+    """GPT-OSS's tensors: the experts of a layer stacked (expert first), gate_up_proj `[hidden,
+    2 * ffn]` with gate and up columns alternating, down_proj `[ffn, hidden]`; sinks per head."""
+    out = {"model.embed_tokens.weight": master[WORD][:vocab],
+           "model.norm.weight": master["decoder.final_layernorm.weight"]}
+    if "output_layer.weight" in master:
+        out["lm_head.weight"] = master["output_layer.weight"][:vocab]
+    for i in layers:
+        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        out[h + "input_layernorm.weight"] = master[m + "self_attention.linear_qkv.layer_norm_weight"]
+        out[h + "post_attention_layernorm.weight"] = master[m + "mlp.linear_fc1.layer_norm_weight"]
+        for kind in ("weight", "bias"):
+            q, k, v = split_qkv(master[m + f"self_attention.linear_qkv.{kind}"], heads, groups)
+            out.update({h + f"self_attn.q_proj.{kind}": q, h + f"self_attn.k_proj.{kind}": k,
+                        h + f"self_attn.v_proj.{kind}": v})
+            out[h + f"self_attn.o_proj.{kind}"] = master[m + f"self_attention.linear_proj.{kind}"]
+            out[h + f"mlp.router.{kind}"] = master[m + f"mlp.router.{kind}"]
+        out[h + "self_attn.sinks"] = master[m + "self_attention.core_attention.softmax_offset"]
+        experts = sorted({int(n.split(".")[6]) for n in master if n.startswith(m + "mlp.experts.experts.")})
+        fc = [(master[f"{m}mlp.experts.experts.{e}.linear_fc1.weight"],
+               master[f"{m}mlp.experts.experts.{e}.linear_fc1.bias"],
+               master[f"{m}mlp.experts.experts.{e}.linear_fc2.weight"],
+               master[f"{m}mlp.experts.experts.{e}.linear_fc2.bias"]) for e in experts]
+        # rows [gate; up] -> pairs (gate_j, up_j) -> columns gate_0, up_0, gate_1, up_1, ...
+        out[h + "mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.stack(w1.chunk(2), dim=1).reshape(w1.shape).t() for w1, _, _, _ in fc])
+        out[h + "mlp.experts.gate_up_proj_bias"] = torch.stack(
+            [torch.stack(b1.chunk(2), dim=1).reshape(-1) for _, b1, _, _ in fc])
+        out[h + "mlp.experts.down_proj"] = torch.stack([w2.t() for _, _, w2, _ in fc])
+        out[h + "mlp.experts.down_proj_bias"] = torch.stack([b2 for _, _, _, b2 in fc])
+    return out

@@ -23,14 +23,22 @@ from megatron_ucp.formats.hf import export, import_hf  # noqa: E402
 from megatron_ucp.testing.launch import launch  # noqa: E402
 
 HF_SCENARIOS = "megatron_ucp.testing.hf_scenarios"
-ARCHS = ("llama", "qwen2", "gpt2", "mixtral", "qwen3", "qwen3_moe")
+ARCHS = ("llama", "qwen2", "gpt2", "mixtral", "qwen3", "qwen3_moe", "deepseek_v3")
 TOL = 1e-4  # fp32 logits, max abs difference
+REL_TOL = 1e-5  # DeepSeek-V3, GPT-OSS: max abs difference / max abs logit
 TRUE_VOCAB = 250  # the model pads it to 256 (vocab rows 250..255 must not be exported)
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
             vocab_size=256, unpadded_vocab_size=TRUE_VOCAB, seq_length=32, micro_batch_size=2,
             global_batch_size=4)
 ROTARY = dict(swiglu=True, normalization="RMSNorm", position_embedding_type="rope",
               add_bias_linear=False, num_query_groups=2)
+DEEPSEEK_V3_MEGATRON = {"num_experts": 4, "qk_layernorm": True, "num_query_groups": None, "extra": {
+    "moe_layer_freq": [0, 1], "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+    "moe_router_topk_scaling_factor": 2.5, "moe_shared_expert_intermediate_size": 64,
+    "moe_ffn_hidden_size": 32, "multi_latent_attention": True, "q_lora_rank": 32, "kv_lora_rank": 16,
+    "qk_head_dim": 16, "qk_pos_emb_head_dim": 8, "v_head_dim": 16, "rope_type": "yarn",
+    "rotary_scaling_factor": 4.0, "original_max_position_embeddings": 16, "mscale": 1.0,
+    "mscale_all_dim": 1.0, "layernorm_epsilon": 1e-6}}
 CFGS = {
     "llama": {**BASE, **ROTARY, "untie_embeddings": True},  # GQA, untied, no biases
     "qwen2": {**BASE, **ROTARY, "extra": {"add_qkv_bias": True}},  # q/k/v biases, tied
@@ -42,6 +50,11 @@ CFGS = {
     # QK-norm, top-2 of 4 experts, no shared expert; expert FFN narrower than the dense one
     "qwen3_moe": {**BASE, **ROTARY, "qk_layernorm": True, "untie_embeddings": True, "num_experts": 4,
                   "sequence_parallel": True, "extra": {"moe_ffn_hidden_size": 96}},
+    # MLA with a query LoRA rank and YaRN, the first layer dense, sigmoid routing with expert bias,
+    # shared experts, scaled top-2 of 4, one MTP layer (exported as model.layers.2)
+    "deepseek_v3": {**BASE, **ROTARY, **DEEPSEEK_V3_MEGATRON, "untie_embeddings": True,
+                    "sequence_parallel": True,
+                    "extra": {**DEEPSEEK_V3_MEGATRON["extra"], "mtp_num_layers": 1}},
 }
 # a transformers Llama built here (biases everywhere, tied, head_dim != hidden / heads) and the
 # megatron-core model of the same architecture (vocabulary 100 padded to 128)
@@ -51,6 +64,30 @@ NATIVE_HF = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidd
                  rms_norm_eps=1e-5)
 NATIVE_CFG = {**BASE, **ROTARY, "add_bias_linear": True, "vocab_size": 128,
               "unpadded_vocab_size": 100, "extra": {"kv_channels": 32}}
+# transformers-made DeepSeek-V3 and GPT-OSS (every tensor random, the expert bias included) and
+# the megatron-core models they import as (vocabulary 100 padded to 128). GPT-OSS: not trained in
+# megatron-core, whose 0.16.1 cannot backpropagate through experts with biases (upstream)
+NATIVE_NEW = {
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        vocab_size=100, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=2, n_routed_experts=4,
+        kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, n_group=1,
+        topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        max_position_embeddings=32, rms_norm_eps=1e-6, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+            "mscale": 1.0, "mscale_all_dim": 1.0}),
+        {**BASE, **ROTARY, **DEEPSEEK_V3_MEGATRON, "untie_embeddings": True, "vocab_size": 128,
+         "unpadded_vocab_size": 100}),
+    "gpt_oss": ("GptOssConfig", dict(
+        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
+        max_position_embeddings=32, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        {**BASE, **ROTARY, "add_bias_linear": True, "untie_embeddings": True, "activation": "quick_gelu",
+         "num_experts": 4, "vocab_size": 128, "unpadded_vocab_size": 100, "extra": {
+             "add_qkv_bias": True, "softmax_type": "learnable", "window_size": [4, 0],
+             "window_attn_skip_freq": 2, "glu_linear_offset": 1.0, "activation_func_clamp_value": 7.0,
+             "kv_channels": 16}}),
+}
 NATIVE_TOKENS = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(8)).tolist()
 TOKENS = torch.randint(0, TRUE_VOCAB, (2, 16), generator=torch.Generator().manual_seed(7)).tolist()
 SHARD_BYTES = 200_000  # several shards per tiny model
@@ -93,6 +130,22 @@ def reloaded(runs) -> list[list[dict]]:
     todo.append({"cfg": NATIVE_CFG, "load_dir": str(runs / "native_imported"),
                  "logits": str(runs / "native_megatron.pt"), "tokens": NATIVE_TOKENS,
                  "resave_dir": str(runs / "native_resaved")})
+    for a, (config_class, kwargs, cfg) in NATIVE_NEW.items():
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_class)(**kwargs))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, 0.2)
+            for n, b in model.named_buffers():  # DeepSeek-V3's expert bias is a saved buffer
+                if n.endswith("e_score_correction_bias"):
+                    b.normal_(0, 0.2)
+            torch.save(model.eval()(torch.tensor(NATIVE_TOKENS)).logits, runs / f"native_{a}.pt")
+        model.save_pretrained(runs / f"native_{a}")
+        import_hf(runs / f"native_{a}", runs / f"native_{a}_imported", progress=False)
+        todo.append({"cfg": cfg, "load_dir": str(runs / f"native_{a}_imported"),
+                     "logits": str(runs / f"native_{a}_megatron.pt"), "tokens": NATIVE_TOKENS,
+                     "resave_dir": str(runs / f"native_{a}_resaved"),
+                     "train_steps": 0 if a == "gpt_oss" else 1})
     return launch(2, f"{HF_SCENARIOS}:load_logits", {"layout": "tp1dp2", "runs": todo,
                                                      "tokens": TOKENS})
 
@@ -121,7 +174,7 @@ def test_export_gives_megatron_logits(runs, arch):
     print(f"{arch}: megatron TP2 vs transformers logits max abs diff {diff:.3g}")
     REPORT[f"hf-export:{arch}"] = {"max_abs_logit_diff": diff,
                                    "max_rel_logit_diff": rel_diff(hf, megatron[..., :TRUE_VOCAB])}
-    assert diff <= TOL
+    assert diff <= TOL and (arch != "deepseek_v3" or rel_diff(hf, megatron[..., :TRUE_VOCAB]) <= REL_TOL)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -136,8 +189,13 @@ def test_exported_directory(runs, arch):
     assert cfg["tie_word_embeddings"] == (not CFGS[arch].get("untie_embeddings", False))
     assert ("lm_head.weight" in index["weight_map"]) == CFGS[arch].get("untie_embeddings", False)
     assert (out / "generation_config.json").is_file()
-    if arch != "gpt2":
-        assert cfg["num_key_value_heads"] == 2 and cfg["rope_parameters"]["rope_theta"] == 10000.0
+    if arch != "gpt2":  # (multi-latent attention has a key and value per head)
+        assert cfg["num_key_value_heads"] == (4 if arch == "deepseek_v3" else 2)
+        assert cfg["rope_parameters"]["rope_theta"] == 10000.0
+    if arch == "deepseek_v3":  # the MTP layer as DeepSeek's extra decoder layer
+        assert cfg["num_nextn_predict_layers"] == 1 and cfg["first_k_dense_replace"] == 1
+        assert {"model.layers.2.eh_proj.weight", "model.layers.2.shared_head.head.weight",
+                "model.layers.1.mlp.gate.e_score_correction_bias"} <= set(index["weight_map"])
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -148,8 +206,9 @@ def test_import_loads_at_another_layout(runs, reloaded, arch):
     megatron = torch.load(runs / arch / "megatron.pt")
     diff = max_diff(torch.load(runs / arch / "reloaded.pt")[..., :TRUE_VOCAB], megatron[..., :TRUE_VOCAB])
     print(f"{arch}: megatron TP2 vs export -> import-hf -> load at TP1xDP2 logits max abs diff {diff:.3g}")
-    REPORT[f"hf-import:{arch}"] = {"max_abs_logit_diff": diff}
-    assert diff <= TOL
+    rel = rel_diff(torch.load(runs / arch / "reloaded.pt")[..., :TRUE_VOCAB], megatron[..., :TRUE_VOCAB])
+    REPORT[f"hf-import:{arch}"] = {"max_abs_logit_diff": diff, "max_rel_logit_diff": rel}
+    assert diff <= TOL and (arch != "deepseek_v3" or rel <= REL_TOL)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -207,3 +266,33 @@ def test_round_trip_through_tp2pp2(runs, reloaded, tmp_path):
     want = {k: v for f in (runs / "native_hf").glob("*.safetensors") for k, v in load_file(f).items()}
     got = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
     assert sorted(want) == sorted(got) and all(torch.equal(want[k], got[k]) for k in want)
+
+
+@pytest.mark.parametrize("arch", NATIVE_NEW)
+def test_transformers_deepseek_v3_and_gpt_oss_in_megatron(runs, reloaded, arch, tmp_path):
+    """A transformers-made DeepSeek-V3 / GPT-OSS (every tensor random: expert bias, sinks, router
+    and expert biases) computes the same in megatron-core after import-hf and megatron_ucp.load at
+    TP1xDP2; megatron_ucp.save of it exports back to the same safetensors bit for bit, which
+    transformers runs to the megatron logits."""
+    from safetensors.torch import load_file
+
+    result = [rank[len(ARCHS) + 1 + list(NATIVE_NEW).index(arch)] for rank in reloaded]
+    assert all(r["fresh_adam"] and r["finite"] for r in result)
+    want = torch.load(runs / f"native_{arch}.pt")
+    megatron = torch.load(runs / f"native_{arch}_megatron.pt")[..., :100]
+    diff = max_diff(megatron, want)
+    print(f"{arch} (transformers-made): import-hf -> megatron TP1xDP2 logits max abs diff {diff:.3g}")
+    REPORT[f"hf-import:{arch}-native"] = {"max_abs_logit_diff": diff,
+                                         "max_rel_logit_diff": rel_diff(megatron, want)}
+    assert rel_diff(megatron, want) <= REL_TOL
+    out = export(open_source(runs / f"native_{arch}_resaved"), tmp_path / "hf", arch, progress=False)
+    original = {k: v for f in (runs / f"native_{arch}").glob("*.safetensors")
+                for k, v in load_file(f).items()}
+    got = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
+    assert sorted(original) == sorted(got) and all(torch.equal(original[k], got[k]) for k in original)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hf = model(torch.tensor(NATIVE_TOKENS)).logits
+    REPORT[f"hf-export:{arch}-native"] = {"max_abs_logit_diff": max_diff(hf, megatron),
+                                          "max_rel_logit_diff": rel_diff(hf, megatron)}
+    assert rel_diff(hf, megatron) <= REL_TOL

@@ -44,6 +44,19 @@ MODELS = {  # name -> (arch, config class, kwargs)
     "qwen3_moe": ("qwen3_moe", "Qwen3MoeConfig", {**ROTARY, "head_dim": 8, "num_experts": 3,
                                                   "num_experts_per_tok": 2, "moe_intermediate_size": 24,
                                                   "norm_topk_prob": True}),
+    # MLA with a query LoRA rank, YaRN, first layer dense, sigmoid routing with
+    # e_score_correction_bias, 2 shared experts, top-2 of 4 scaled by 2.5
+    "deepseek_v3": ("deepseek_v3", "DeepseekV3Config", {
+        **ROTARY, "num_key_value_heads": 4, "moe_intermediate_size": 16, "n_shared_experts": 2,
+        "n_routed_experts": 4, "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8,
+        "v_head_dim": 16, "qk_nope_head_dim": 16, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1, "rms_norm_eps": 1e-6, "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+            "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}}),
+    # sinks, a sliding window on every other layer, fused experts with biases, clamped SwiGLU
+    "gpt_oss": ("gpt_oss", "GptOssConfig", {
+        **ROTARY, "intermediate_size": 24, "head_dim": 8, "num_local_experts": 3, "num_experts_per_tok": 2,
+        "sliding_window": 4, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
     "gpt2": ("gpt2", "GPT2Config", dict(vocab_size=100, n_embd=32, n_layer=2, n_head=4,
                                         n_positions=64, activation_function="gelu")),
     "gpt2_untied": ("gpt2", "GPT2Config", dict(vocab_size=100, n_embd=32, n_layer=2, n_head=4,
@@ -51,7 +64,8 @@ MODELS = {  # name -> (arch, config class, kwargs)
 }
 ARCH_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                 "mixtral": "MixtralForCausalLM", "gpt2": "GPT2LMHeadModel",
-                "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 TOKENS = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(3))
 
 
@@ -63,6 +77,9 @@ def build(name: str, dtype: torch.dtype = torch.float32):
     with torch.no_grad():  # nothing left at its init value (zero biases, unit norms)
         for p in model.parameters():
             p.normal_(0, 0.2)
+        for n, b in model.named_buffers():  # DeepSeek-V3's expert bias is a (saved) buffer
+            if n.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.2)
     return model.to(dtype).eval()
 
 
@@ -87,9 +104,29 @@ def saved(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-@pytest.mark.parametrize("name", [*MODELS, "llama_bf16"])
+def with_mtp(src: Path, dst: Path, differ: bool = False) -> Path:
+    """DeepSeek-V3 `src` with one MTP layer as DeepSeek's checkpoints store it: decoder layer
+    num_hidden_layers (a MoE layer like the last), enorm, hnorm, eh_proj, shared_head and copies
+    of the embedding and the output layer (`differ`: a shared_head.head that is not lm_head)."""
+    t = tensors(src)
+    g = torch.Generator().manual_seed(5)
+    mtp = {k.replace("model.layers.1.", "model.layers.2."): torch.randn(v.shape, generator=g)
+           for k, v in t.items() if k.startswith("model.layers.1.")}
+    hidden = t["model.norm.weight"].shape[0]
+    mtp.update({"model.layers.2.enorm.weight": torch.randn(hidden, generator=g),
+                "model.layers.2.hnorm.weight": torch.randn(hidden, generator=g),
+                "model.layers.2.eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=g),
+                "model.layers.2.shared_head.norm.weight": torch.randn(hidden, generator=g),
+                "model.layers.2.embed_tokens.weight": t["model.embed_tokens.weight"].clone(),
+                "model.layers.2.shared_head.head.weight": t["lm_head.weight"] + differ})
+    return copy_with(src, dst, add=mtp)
+
+
+@pytest.mark.parametrize("name", [*MODELS, "llama_bf16", "deepseek_v3_mtp"])
 def test_round_trip_is_bitwise(saved, tmp_path, name):
-    arch = MODELS[name.removesuffix("_bf16")][0]
+    if name == "deepseek_v3_mtp":
+        saved = {name: with_mtp(saved["deepseek_v3"], tmp_path / "mtp")}
+    arch = MODELS[name.removesuffix("_bf16").removesuffix("_mtp")][0]
     universal = import_hf(saved[name], tmp_path / "universal", progress=False)
     u = open_source(universal)
     assert u.manifest.extra["fresh_optimizer"] is True and u.manifest.iteration == 0
@@ -120,13 +157,17 @@ def test_round_trip_is_bitwise(saved, tmp_path, name):
             "tie_word_embeddings", "rope_parameters", "attention_bias", "mlp_bias", "bos_token_id",
             "eos_token_id", "num_local_experts", "num_experts_per_tok", "n_embd", "n_layer",
             "n_head", "n_positions", "n_inner", "layer_norm_epsilon", "dtype", "head_dim",
-            "moe_intermediate_size", "norm_topk_prob")
+            "moe_intermediate_size", "norm_topk_prob", "n_routed_experts", "n_shared_experts",
+            "routed_scaling_factor", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim",
+            "qk_nope_head_dim", "first_k_dense_replace", "rope_interleave", "sliding_window",
+            "layer_types", "swiglu_limit", "swiglu_alpha")
     for k in same:
         if k in original and original[k] is not None:
             assert exported[k] == original[k], k
 
 
-@pytest.mark.parametrize("name", ["llama_bias", "mixtral", "gpt2_untied", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["llama_bias", "mixtral", "gpt2_untied", "qwen3", "qwen3_moe",
+                                  "deepseek_v3", "gpt_oss"])
 def test_exported_model_computes_the_same(saved, tmp_path, name):
     """The round trip through the universal form loads in transformers with the same logits."""
     import_hf(saved[name], tmp_path / "u", progress=False)
@@ -339,3 +380,68 @@ def test_export_streams_one_tensor_at_a_time(saved, tmp_path):
     export(src, tmp_path / "hf", "mixtral", progress=Bar)
     assert sorted(reads) == sorted((n, "param") for n in src.manifest.params)
     assert len(bars) == 1 and bars[0].total == bars[0].done == len(src.manifest.params)
+
+
+@pytest.mark.parametrize("name, change, message", [
+    ("deepseek_v3", dict(config={"rope_interleave": False}), "config.json rope_interleave=False"),
+    ("deepseek_v3", dict(config={"rms_norm_eps": 1e-5}), "config.json rms_norm_eps=1e-05"),
+    ("deepseek_v3", dict(config={"norm_topk_prob": False}), "config.json norm_topk_prob=False"),
+    ("deepseek_v3", dict(config={"n_group": 2, "topk_group": 2}), "config.json topk_group=2"),
+    ("deepseek_v3", dict(config={"attention_bias": True}), "config.json attention_bias=True"),
+    ("gpt_oss", dict(config={"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 32.0,
+                                                 "original_max_position_embeddings": 16}}),
+     "rope_parameters.rope_type.*YaRN without its attention factor"),
+    ("gpt_oss", dict(config={"swiglu_alpha": 1.5}), "config.json swiglu_alpha=1.5"),
+    ("gpt_oss", dict(config={"attention_bias": False}), "config.json attention_bias=False"),
+])
+def test_import_refuses_what_megatron_core_cannot_run(saved, tmp_path, name, change, message):
+    bad = copy_with(saved[name], tmp_path / "bad", **change)
+    with pytest.raises(UCPError, match=message):
+        import_hf(bad, tmp_path / "u", progress=False)
+    assert not (tmp_path / "u").exists()
+
+
+def test_import_refuses_mtp_copies_that_differ(saved, tmp_path):
+    """DeepSeek-V3's MTP layer repeats the output layer: a copy that is not lm_head is refused,
+    never one of the two silently kept."""
+    bad = with_mtp(saved["deepseek_v3"], tmp_path / "bad", differ=True)
+    with pytest.raises(UCPError, match="output_layer.weight: the HF checkpoint's copies of this "
+                       "tensor differ"):
+        import_hf(bad, tmp_path / "u", progress=False)
+
+
+@pytest.mark.parametrize("name, arch, change, field", [
+    ("llama", "deepseek_v3", {}, "num_moe_experts"),
+    ("mixtral", "deepseek_v3", {}, "multi_latent_attention"),
+    ("deepseek_v3", "mixtral", {}, "multi_latent_attention"),  # the older archs refuse MLA
+    ("deepseek_v3", "deepseek_v3", {"moe_shared_expert_gate": True}, "moe_shared_expert_gate"),
+    ("deepseek_v3", "deepseek_v3", {"layernorm_epsilon": 1e-5}, "layernorm_epsilon"),
+    ("deepseek_v3", "deepseek_v3", {"moe_router_enable_expert_bias": False}, "moe_router_enable_expert_bias"),
+    ("deepseek_v3", "deepseek_v3", {"moe_layer_freq": [1, 0]}, "moe_layer_freq"),
+    ("deepseek_v3", "deepseek_v3", {"moe_router_score_function": "softmax"}, "moe_router_score_function"),
+    ("deepseek_v3", "deepseek_v3", {"moe_shared_expert_intermediate_size": 24},
+     "moe_shared_expert_intermediate_size"),
+    ("mixtral", "gpt_oss", {}, "softmax_type"),
+    ("gpt_oss", "mixtral", {}, "window_size"),
+    ("gpt_oss", "gpt_oss", {"activation_func": "torch.nn.functional.silu"}, "activation_func"),
+    ("gpt_oss", "gpt_oss", {"activation_func_clamp_value": None}, "activation_func_clamp_value"),
+    ("gpt_oss", "gpt_oss", {"glu_linear_offset": 0.0}, "glu_linear_offset"),
+    ("gpt_oss", "gpt_oss", {"window_size": [4, 2]}, "window_size"),
+    ("gpt_oss", "gpt_oss", {"moe_router_pre_softmax": True}, "moe_router_pre_softmax"),
+])
+def test_new_arch_export_refuses_by_field(saved, tmp_path, name, arch, change, field):
+    src = HFSource(saved[name])
+    src.manifest.model.update(change)
+    with pytest.raises(UCPError, match=f"cannot export as HF {arch}: model config {field}="):
+        export(src, tmp_path / "hf", arch, progress=False)
+    assert not (tmp_path / "hf").exists()
+
+
+def test_deepseek_v3_expert_bias_stays_fp32(saved, tmp_path):
+    """A bf16 export keeps the router's expert bias in fp32, as megatron-core and transformers
+    both keep it (routing adds it to sigmoid scores)."""
+    out = export(HFSource(saved["deepseek_v3"]), tmp_path / "hf", "deepseek_v3", dtype="bf16", progress=False)
+    a, b = tensors(saved["deepseek_v3"]), tensors(out)
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert b[name].dtype == torch.float32 and torch.equal(a[name], b[name])
+    assert b["model.norm.weight"].dtype == torch.bfloat16

@@ -165,6 +165,50 @@ def transformer_config(args):
                        f"({type(e).__name__}: {e})") from e
 
 
+def replace_module(spec, old: type, new):
+    """Copy of a layer or block spec with every `old` module class replaced by `new`."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if spec is old:
+        return new
+    if isinstance(spec, list):  # a block spec's layer_specs
+        return [replace_module(s, old, new) for s in spec]
+    if isinstance(spec, ModuleSpec) or dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        return dataclasses.replace(spec, **{f.name: replace_module(getattr(spec, f.name), old, new)
+                                            for f in dataclasses.fields(spec)})
+    return spec
+
+
+class _MLACoreAttentionSpecOnly(torch.nn.Module):
+    """MLA's core attention in a rebuild (structure only, never run). Why: megatron-core's MLA
+    passes k_channels / v_channels, which only Transformer Engine's core attention accepts, not the
+    local spec's DotProductAttention; the vanilla-softmax core attention has no parameters."""
+
+    def __init__(self, *_: object, **__: object):
+        super().__init__()
+
+    def forward(self, *_: object, **__: object):
+        raise UCPError("a model rebuilt by megatron-ucp from checkpoint args has no forward")
+
+
+@contextlib.contextmanager
+def _mla_without_te(config) -> Iterator[None]:
+    """megatron-core's MLA tests isinstance(linear_proj, TELinear) when HAVE_TE, which its TE
+    extension module sets without Transformer Engine (TELinear then is a stand-in, not a class):
+    while building, HAVE_TE says what it means."""
+    if not getattr(config, "multi_latent_attention", False):
+        yield
+        return
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    saved = mla.HAVE_TE
+    mla.HAVE_TE = saved and isinstance(mla.TELinear, type)
+    try:
+        yield
+    finally:
+        mla.HAVE_TE = saved
+
+
 def build_chunks(args) -> list:
     """This rank's model chunks (one per VPP stage) as Megatron-LM's get_model builds them
     (gpt_builders, local spec; MoE through the decoder block spec), Float16Module-wrapped when the
@@ -173,7 +217,7 @@ def build_chunks(args) -> list:
 
     config = transformer_config(args)
     vpp = layout(args).vpp
-    with _grouped_gemm_importable(getattr(args, "moe_grouped_gemm", False)):
+    with _grouped_gemm_importable(getattr(args, "moe_grouped_gemm", False)), _mla_without_te(config):
         chunks = [_build_chunk(args, config, i if vpp else None) for i in range(vpp or 1)]
     if args.fp16 or args.bf16:
         chunks = [Float16Module(config, c) for c in chunks]
@@ -199,8 +243,18 @@ def _build_chunk(args, config, vp: int | None):
             num_experts=None, qk_layernorm=getattr(args, "qk_layernorm", False),
             multi_latent_attention=getattr(args, "multi_latent_attention", False),
             normalization=args.normalization, qk_l2_norm=getattr(args, "qk_l2_norm", False))
+    if getattr(args, "multi_latent_attention", False):
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        spec = replace_module(spec, DotProductAttention, _MLACoreAttentionSpecOnly)
+    mtp_spec = None
+    if getattr(args, "mtp_num_layers", None):  # as Megatron-LM's gpt_builders: on the last stage
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp)
     model = GPTModel(
-        config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+        config=config, transformer_layer_spec=spec, mtp_block_spec=mtp_spec,
+        vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
         post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),

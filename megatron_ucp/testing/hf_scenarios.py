@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
+from megatron.core.utils import unwrap_model
 
 import megatron_ucp as ucp
 from megatron_ucp.optimizer_state import OptimizerIndex
@@ -35,7 +36,15 @@ def logits(st: tg.TrainState, tokens: torch.Tensor) -> torch.Tensor:
     seq = tokens.shape[1]
     mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1)[None, None]
     positions = torch.arange(seq).expand(tokens.shape[0], -1)
-    out = model(tokens.cuda(), positions.cuda(), mask.cuda()).float().cpu()
+    # MTP layers do not change the main logits, but megatron-core 0.16.1's GPTModel.forward runs
+    # them and then needs labels (upstream: `labels.clone()` on None): off for this forward
+    gpt = unwrap_model(model)
+    mtp = getattr(gpt, "mtp_process", False), gpt.config.mtp_num_layers
+    gpt.mtp_process, gpt.config.mtp_num_layers = False, None
+    try:
+        out = model(tokens.cuda(), positions.cuda(), mask.cuda()).float().cpu()
+    finally:
+        gpt.mtp_process, gpt.config.mtp_num_layers = mtp
     model.train()
     tp = ps.get_tensor_model_parallel_world_size()
     if tp > 1:  # the output layer is vocab-parallel: each TP rank holds a block of the vocabulary
@@ -52,12 +61,13 @@ def _write(t: torch.Tensor, path: str) -> None:
 
 
 def train_save_logits(layout: str, runs: list[dict], steps: int, tokens: list) -> list[dict]:
-    """For each run {cfg, save_dir, logits}: train `steps`, save with megatron_ucp.save (the true
-    vocabulary recorded), write the trained model's logits for `tokens`."""
+    """For each run {cfg, save_dir, logits[, steps]}: train `steps` (the run's own if given), save
+    with megatron_ucp.save (the true vocabulary recorded), write the trained model's logits for
+    `tokens`."""
     out = []
     for run in runs:
         st = setup(layout, run["cfg"])
-        losses = [tg.train_step(st) for _ in range(steps)]
+        losses = [tg.train_step(st) for _ in range(run.get("steps", steps))]
         ucp.save(st.model, st.optimizer, st.scheduler, run["save_dir"], st.iteration,
                  seed=st.config.seed, vocab_size=st.config.unpadded_vocab_size)
         _write(logits(st, torch.tensor(tokens)), run["logits"])
@@ -79,9 +89,10 @@ def _fresh_adam(st: tg.TrainState) -> bool:
 
 
 def load_logits(layout: str, runs: list[dict], tokens: list, train_steps: int = 1) -> list[dict]:
-    """For each run {cfg, load_dir[, logits][, tokens][, resave_dir]}: build at `layout`,
-    megatron_ucp.load, write the logits for the run's tokens (default `tokens`; PP1), save the loaded
-    state again (resave_dir), then train `train_steps` from it (a fresh optimizer for imports)."""
+    """For each run {cfg, load_dir[, logits][, tokens][, resave_dir][, train_steps]}: build at
+    `layout`, megatron_ucp.load, write the logits for the run's tokens (default `tokens`; PP1), save
+    the loaded state again (resave_dir), then train `train_steps` (the run's own if given) from it
+    (a fresh optimizer for imports)."""
     out = []
     for run in runs:
         st = setup(layout, run["cfg"])
@@ -93,7 +104,7 @@ def load_logits(layout: str, runs: list[dict], tokens: list, train_steps: int = 
         if run.get("resave_dir"):
             ucp.save(st.model, st.optimizer, st.scheduler, run["resave_dir"], st.iteration,
                      extra=r.extra, seed=st.config.seed, vocab_size=st.config.unpadded_vocab_size)
-        losses = [tg.train_step(st) for _ in range(train_steps)]
+        losses = [tg.train_step(st) for _ in range(run.get("train_steps", train_steps))]
         out.append({"iteration": r.iteration, "losses": losses, "fresh_adam": fresh,
                     "finite": all(math.isfinite(x) for x in losses)})
         _teardown()

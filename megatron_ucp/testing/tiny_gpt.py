@@ -23,6 +23,7 @@ from megatron.core.distributed import (
     DistributedDataParallelConfig,
     finalize_model_grads,
 )
+from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
@@ -36,13 +37,13 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.module import Float16Module
-from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
     get_num_layers_to_build,
 )
 
+from megatron_ucp.formats.megatron_rebuild import replace_module
 from megatron_ucp.layout import Layout
 from megatron_ucp.testing import cpu_shim  # noqa: F401  (must precede megatron.core)
 from megatron_ucp.testing.cp_attention import ContextParallelDotProductAttention, split_for_cp
@@ -66,18 +67,6 @@ class SequenceParallelTorchNorm:
         return norm
 
 
-def _replace_module(spec, old: type, new):
-    """Copy of a layer spec with every `old` module class replaced by `new`."""
-    if spec is old:
-        return new
-    if isinstance(spec, list):  # a block spec's layer_specs
-        return [_replace_module(s, old, new) for s in spec]
-    if isinstance(spec, ModuleSpec) or dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        return dataclasses.replace(spec, **{f.name: _replace_module(getattr(spec, f.name), old, new)
-                                            for f in dataclasses.fields(spec)})
-    return spec
-
-
 @dataclass
 class TinyGPTConfig:
     num_layers: int = 4
@@ -89,6 +78,7 @@ class TinyGPTConfig:
     unpadded_vocab_size: int | None = None  # true vocabulary (tokens drawn below it); None = vocab_size
     seq_length: int = 32
     swiglu: bool = False
+    activation: str = ""  # "quick_gelu": GPT-OSS's gated x * sigmoid(1.702 x); default silu / gelu
     normalization: str = "LayerNorm"
     position_embedding_type: str = "learned_absolute"
     add_bias_linear: bool = True
@@ -161,7 +151,8 @@ def _config_fields(cfg: TinyGPTConfig, layout: Layout, bf16: bool, fp16: bool, d
         num_layers=len(cfg.hybrid_pattern) if cfg.hybrid_pattern else cfg.num_layers,
         is_hybrid_model=bool(cfg.hybrid_pattern),
         gated_linear_unit=cfg.swiglu,
-        activation_func=torch.nn.functional.silu if cfg.swiglu else torch.nn.functional.gelu,
+        activation_func=quick_gelu if cfg.activation == "quick_gelu" else
+        torch.nn.functional.silu if cfg.swiglu else torch.nn.functional.gelu,
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
@@ -214,9 +205,9 @@ def build(cfg: TinyGPTConfig, layout: Layout) -> TrainState:
 
     def stand_ins(spec):
         if tf_config.multi_latent_attention and cfg.transformer_impl == "local":  # see mla_attention
-            spec = _replace_module(spec, DotProductAttention, MLACoreAttention)
+            spec = replace_module(spec, DotProductAttention, MLACoreAttention)
         if layout.cp > 1:  # megatron-core's CP attention needs TE: see cp_attention
-            spec = _replace_module(spec, DotProductAttention, ContextParallelDotProductAttention)
+            spec = replace_module(spec, DotProductAttention, ContextParallelDotProductAttention)
         return spec
 
     layer_spec = stand_ins(layer_spec)
@@ -233,18 +224,20 @@ def build(cfg: TinyGPTConfig, layout: Layout) -> TrainState:
             spec = stand_ins(get_gpt_decoder_block_spec(tf_config, cfg.transformer_impl != "local",
                                                         normalization=cfg.normalization, vp_stage=vp))
             if cfg.sequence_parallel:
-                layers = _replace_module(spec.layer_specs, WrappedTorchNorm, SequenceParallelTorchNorm)
+                layers = replace_module(spec.layer_specs, WrappedTorchNorm, SequenceParallelTorchNorm)
                 spec = dataclasses.replace(spec, layer_specs=layers, layer_norm=SequenceParallelTorchNorm)
         elif cfg.sequence_parallel:
             n = get_num_layers_to_build(tf_config, vp_stage=vp)
             spec = TransformerBlockSubmodules(
-                layer_specs=[_replace_module(layer_spec, WrappedTorchNorm, SequenceParallelTorchNorm)] * n,
+                layer_specs=[replace_module(layer_spec, WrappedTorchNorm, SequenceParallelTorchNorm)] * n,
                 layer_norm=SequenceParallelTorchNorm,
             )
         mtp_spec = None
         if tf_config.mtp_num_layers:  # multi-token prediction layers (DeepSeek-V3) on the last stage
             mtp_spec = get_gpt_mtp_block_spec(tf_config, spec, cfg.transformer_impl != "local",
                                               vp_stage=vp)
+            if cfg.sequence_parallel:  # its enorm / hnorm / final norm too
+                mtp_spec = replace_module(mtp_spec, WrappedTorchNorm, SequenceParallelTorchNorm)
         model = GPTModel(
             config=tf_config,
             transformer_layer_spec=spec,

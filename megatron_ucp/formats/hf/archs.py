@@ -12,6 +12,8 @@ The name maps below are data: (universal name, transform, HF names, feature that
 from __future__ import annotations
 
 import argparse
+import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -19,14 +21,19 @@ import torch
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.hf.transforms import Heads
 
-ARCHS = ("llama", "qwen2", "mixtral", "gpt2", "qwen3", "qwen3_moe")
+ARCHS = ("llama", "qwen2", "mixtral", "gpt2", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss")
 HF_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
             "mixtral": "MixtralForCausalLM", "gpt2": "GPT2LMHeadModel",
-            "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+            "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+            "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 # RMSNorm, SwiGLU, rotary positions, no LayerNorm biases
 ROTARY = ("llama", "qwen2", "mixtral", "qwen3", "qwen3_moe")
 QK_NORM = ("qwen3", "qwen3_moe")  # RMSNorm over each head's q and k (megatron-core: qk_layernorm)
 MOE = ("mixtral", "qwen3_moe")
+# GPT-OSS's clamped SwiGLU: megatron-core's gated quick_gelu (x * sigmoid(1.702 x)) with
+# glu_linear_offset 1 and activation_func_clamp_value = HF swiglu_limit
+QUICK_GELU = "megatron.core.fusions.fused_bias_geglu.quick_gelu"
+QUICK_GELU_ALPHA = 1.702
 
 # (universal name, transform, HF names, feature); feature "" = always, else one of FEATURES
 Entry = tuple[str, str, tuple[str, ...], str]
@@ -114,12 +121,92 @@ _GPT2_LAYER: list[Entry] = [
     (_M + "mlp.linear_fc2.weight", "conv1d", (_H + "mlp.c_proj.weight",), ""),
     (_M + "mlp.linear_fc2.bias", "copy", (_H + "mlp.c_proj.bias",), ""),
 ]
+# DeepSeek-V3 (decoder layers and MTP layers alike): {m} the megatron layer prefix, {h} the HF
+# one. MLA's projections keep their element order: kv_a_proj_with_mqa is [kv latent; shared rope
+# key], q_b_proj / kv_b_proj are per head [no-rope; rope] / [k; v], as megatron-core's. The rope
+# rows are in DeepSeek's interleaved-pair order in both (megatron-core's MLA de-interleaves them
+# before rotating, as transformers does with rope_interleave=True).
+# Norms carry Transformer Engine's fused names (param_spec.TE_FUSED_NORMS): the q / kv latent
+# norms are the up-projections' layer_norm_weight, a dense MLP's norm linear_fc1's.
+# (universal, transform, HF, "" | "q_lora" | "no_q_lora")
+_DSV3_ATTENTION: list[Entry] = [
+    ("{m}input_layernorm.weight", "copy", ("{h}input_layernorm.weight",), ""),
+    ("{m}self_attention.linear_q_down_proj.weight", "copy", ("{h}self_attn.q_a_proj.weight",), "q_lora"),
+    ("{m}self_attention.linear_q_up_proj.layer_norm_weight", "copy", ("{h}self_attn.q_a_layernorm.weight",),
+     "q_lora"),
+    ("{m}self_attention.linear_q_up_proj.weight", "copy", ("{h}self_attn.q_b_proj.weight",), "q_lora"),
+    ("{m}self_attention.linear_q_proj.weight", "copy", ("{h}self_attn.q_proj.weight",), "no_q_lora"),
+    ("{m}self_attention.linear_kv_down_proj.weight", "copy", ("{h}self_attn.kv_a_proj_with_mqa.weight",), ""),
+    ("{m}self_attention.linear_kv_up_proj.layer_norm_weight", "copy",
+     ("{h}self_attn.kv_a_layernorm.weight",), ""),
+    ("{m}self_attention.linear_kv_up_proj.weight", "copy", ("{h}self_attn.kv_b_proj.weight",), ""),
+    ("{m}self_attention.linear_proj.weight", "copy", ("{h}self_attn.o_proj.weight",), ""),
+]
+_DSV3_DENSE: list[Entry] = [
+    ("{m}mlp.linear_fc1.layer_norm_weight", "copy", ("{h}post_attention_layernorm.weight",), ""),
+    ("{m}mlp.linear_fc1.weight", "gate_up", ("{h}mlp.gate_proj.weight", "{h}mlp.up_proj.weight"), ""),
+    ("{m}mlp.linear_fc2.weight", "copy", ("{h}mlp.down_proj.weight",), ""),
+]
+# the router's aux-loss-free expert bias (a buffer in megatron-core) is DeepSeek's
+# e_score_correction_bias; experts in the Hub layout (transformers 5 fuses them when it loads)
+_DSV3_MOE: list[Entry] = [
+    ("{m}pre_mlp_layernorm.weight", "copy", ("{h}post_attention_layernorm.weight",), ""),
+    ("{m}mlp.router.weight", "copy", ("{h}mlp.gate.weight",), ""),
+    ("{m}mlp.router.expert_bias", "copy", ("{h}mlp.gate.e_score_correction_bias",), ""),
+    ("{m}mlp.shared_experts.linear_fc1.weight", "gate_up",
+     ("{h}mlp.shared_experts.gate_proj.weight", "{h}mlp.shared_experts.up_proj.weight"), ""),
+    ("{m}mlp.shared_experts.linear_fc2.weight", "copy", ("{h}mlp.shared_experts.down_proj.weight",), ""),
+]
+_DSV3_EXPERT: list[Entry] = [
+    ("{m}mlp.experts.experts.{e}.linear_fc1.weight", "gate_up",
+     ("{h}mlp.experts.{e}.gate_proj.weight", "{h}mlp.experts.{e}.up_proj.weight"), ""),
+    ("{m}mlp.experts.experts.{e}.linear_fc2.weight", "copy", ("{h}mlp.experts.{e}.down_proj.weight",), ""),
+]
+# a multi-token prediction layer k is DeepSeek's extra decoder layer num_hidden_layers + k
+_DSV3_MTP: list[Entry] = [
+    ("mtp.layers.{k}.enorm.weight", "copy", ("{h}enorm.weight",), ""),
+    ("mtp.layers.{k}.hnorm.weight", "copy", ("{h}hnorm.weight",), ""),
+    ("mtp.layers.{k}.eh_proj.weight", "copy", ("{h}eh_proj.weight",), ""),
+    ("mtp.layers.{k}.final_layernorm.weight", "copy", ("{h}shared_head.norm.weight",), ""),
+]
+# GPT-OSS: attention sinks are megatron-core's learnable softmax offset; the experts of a layer
+# are one HF tensor each (expert index first), `slot` rules below
+_GPT_OSS_LAYER: list[Entry] = [
+    ("{m}self_attention.linear_qkv.layer_norm_weight", "copy", ("{h}input_layernorm.weight",), ""),
+    ("{m}self_attention.linear_qkv.weight", "qkv",
+     ("{h}self_attn.q_proj.weight", "{h}self_attn.k_proj.weight", "{h}self_attn.v_proj.weight"), ""),
+    ("{m}self_attention.linear_qkv.bias", "qkv",
+     ("{h}self_attn.q_proj.bias", "{h}self_attn.k_proj.bias", "{h}self_attn.v_proj.bias"), ""),
+    ("{m}self_attention.core_attention.softmax_offset", "copy", ("{h}self_attn.sinks",), ""),
+    ("{m}self_attention.linear_proj.weight", "copy", ("{h}self_attn.o_proj.weight",), ""),
+    ("{m}self_attention.linear_proj.bias", "copy", ("{h}self_attn.o_proj.bias",), ""),
+    ("{m}mlp.linear_fc1.layer_norm_weight", "copy", ("{h}post_attention_layernorm.weight",), ""),
+    ("{m}mlp.router.weight", "copy", ("{h}mlp.router.weight",), ""),
+    ("{m}mlp.router.bias", "copy", ("{h}mlp.router.bias",), ""),
+]
+_GPT_OSS_EXPERTS: list[Entry] = [
+    ("{m}mlp.experts.experts.{e}.linear_fc1.weight", "gate_up_mix_t", ("{h}mlp.experts.gate_up_proj",), ""),
+    ("{m}mlp.experts.experts.{e}.linear_fc1.bias", "gate_up_mix", ("{h}mlp.experts.gate_up_proj_bias",), ""),
+    ("{m}mlp.experts.experts.{e}.linear_fc2.weight", "transpose", ("{h}mlp.experts.down_proj",), ""),
+    ("{m}mlp.experts.experts.{e}.linear_fc2.bias", "copy", ("{h}mlp.experts.down_proj_bias",), ""),
+]
 # tensors some HF checkpoints carry that are not parameters (recomputed buffers): skipped on import
 IGNORED_HF = {
     "llama": (r"\.rotary_emb\.inv_freq$",), "qwen2": (r"\.rotary_emb\.inv_freq$",),
     "mixtral": (r"\.rotary_emb\.inv_freq$",), "gpt2": (r"\.attn\.(masked_)?bias$",),
     "qwen3": (r"\.rotary_emb\.inv_freq$",), "qwen3_moe": (r"\.rotary_emb\.inv_freq$",),
+    "deepseek_v3": (r"\.rotary_emb\.inv_freq$",), "gpt_oss": (r"\.rotary_emb\.inv_freq$",),
 }
+
+
+# universal tensors exported in fp32 whatever the export dtype: megatron-core keeps the router's
+# expert bias in fp32, and transformers keeps DeepSeek-V3's e_score_correction_bias in fp32
+# (_keep_in_fp32_modules_strict): routing compares sums of it with sigmoid scores
+KEEP_FP32 = (r"\.mlp\.router\.expert_bias$",)
+
+
+def keeps_fp32(name: str) -> bool:
+    return any(re.search(p, name) for p in KEEP_FP32)
 
 
 @dataclass(frozen=True)
@@ -129,6 +216,8 @@ class Rule:
     megatron: str
     kind: str
     hf: tuple[str, ...]
+    # (e, n): the universal tensor is slice e of the one HF tensor stacking n experts (GPT-OSS)
+    slot: tuple[int, int] | None = None
 
 
 def _fail(arch: str, field: str, value, why: str) -> UCPError:
@@ -165,8 +254,74 @@ def features(cfg: dict) -> set[str]:
     return out
 
 
+def moe_layers(cfg: dict) -> list[bool]:
+    """Which decoder layers are MoE layers (megatron-core's moe_layer_freq: every n-th, or a list)."""
+    n = cfg["num_layers"]
+    if not cfg.get("num_moe_experts"):
+        return [False] * n
+    freq = cfg.get("moe_layer_freq", 1)
+    if isinstance(freq, int):
+        return [i % freq == 0 for i in range(n)]
+    return [bool(x) for x in freq]
+
+
+def _fill(entries: list[Entry], feats: set[str], **names) -> list[Rule]:
+    return [Rule(m.format(**names), kind, tuple(h.format(**names) for h in hf))
+            for m, kind, hf, when in entries if not when or when in feats]
+
+
+def _deepseek_v3_rules(cfg: dict) -> list[Rule]:
+    feats = {"q_lora" if cfg.get("q_lora_rank") else "no_q_lora"}
+    layers, mtp = cfg["num_layers"], cfg.get("mtp_num_layers") or 0
+    moe = moe_layers(cfg)
+    tied = "untied" not in features(cfg)
+    mtp_prefixes = [f"model.layers.{layers + k}." for k in range(mtp)]
+    embedding = ("model.embed_tokens.weight", *[h + "embed_tokens.weight" for h in mtp_prefixes])
+    head = ("lm_head.weight", *[h + "shared_head.head.weight" for h in mtp_prefixes])
+    if tied:  # the MTP heads are the embedding too
+        embedding, head = embedding + head[1:], ()
+    out = [Rule("embedding.word_embeddings.weight", "dup" if len(embedding) > 1 else "copy", embedding),
+           Rule("decoder.final_layernorm.weight", "copy", ("model.norm.weight",))]
+    if head:
+        out.append(Rule("output_layer.weight", "dup" if len(head) > 1 else "copy", head))
+
+    def layer(m: str, h: str, is_moe: bool) -> list[Rule]:
+        rules = _fill(_DSV3_ATTENTION, feats, m=m, h=h)
+        if not is_moe:
+            return rules + _fill(_DSV3_DENSE, feats, m=m, h=h)
+        rules += _fill(_DSV3_MOE, feats, m=m, h=h)
+        for e in range(cfg["num_moe_experts"]):
+            rules += _fill(_DSV3_EXPERT, feats, m=m, h=h, e=e)
+        return rules
+
+    for i in range(layers):
+        out += layer(f"decoder.layers.{i}.", f"model.layers.{i}.", moe[i])
+    for k, h in enumerate(mtp_prefixes):  # megatron-core builds MTP layers like the last layer
+        out += _fill(_DSV3_MTP, feats, k=k, h=h)
+        out += layer(f"mtp.layers.{k}.transformer_layer.", h, moe[-1])
+    return out
+
+
+def _gpt_oss_rules(cfg: dict) -> list[Rule]:
+    feats = features(cfg)
+    out = _fill(_ROTARY_GLOBAL, feats)
+    experts = cfg["num_moe_experts"]
+    for i in range(cfg["num_layers"]):
+        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        out += _fill(_GPT_OSS_LAYER, feats, m=m, h=h)
+        for entry in _GPT_OSS_EXPERTS:  # expert after expert: each HF tensor is complete in turn
+            for e in range(experts):
+                (rule,) = _fill([entry], feats, m=m, h=h, e=e)
+                out.append(Rule(rule.megatron, rule.kind, rule.hf, (e, experts)))
+    return out
+
+
 def rules(arch: str, cfg: dict) -> list[Rule]:
     """Every universal tensor of a megatron model of config `cfg` as HF `arch` holds it."""
+    if arch == "deepseek_v3":
+        return _deepseek_v3_rules(cfg)
+    if arch == "gpt_oss":
+        return _gpt_oss_rules(cfg)
     feats = features(cfg)
     if arch == "gpt2":
         glob, layer, per_expert = _GPT2_GLOBAL, _GPT2_LAYER, []
@@ -206,6 +361,18 @@ def check_exportable(arch: str, cfg: dict, hints: dict) -> None:
         ("mtp_num_layers", None, "multi-token prediction layers have no place in HF {arch}"),
         ("heterogeneous_block_specs", False, "HF {arch} layers are all alike"),
     ]
+    allowed = {"deepseek_v3": ("multi_latent_attention", "qk_layernorm", "mtp_num_layers"),
+               "gpt_oss": ("window_size", "softmax_type")}.get(arch, ())
+    if arch in ("deepseek_v3", "gpt_oss"):
+        for field, default, why in common:
+            if field not in allowed and _differs(get(field, default), default):
+                raise _fail(arch, field, get(field), why.format(arch=arch))
+        _check_rope_model(arch, cfg, hints)
+        if arch == "deepseek_v3":
+            _check_deepseek_v3(cfg)
+        else:
+            _check_gpt_oss(cfg)
+        return
     if arch in QK_NORM:
         common = [c for c in common if c[0] != "qk_layernorm"]
         if not get("qk_layernorm"):
@@ -287,6 +454,110 @@ def check_exportable(arch: str, cfg: dict, hints: dict) -> None:
             raise _fail(arch, "activation", hints["activation"], "HF gpt2 has a GELU MLP")
 
 
+def _check_rope_model(arch: str, cfg: dict, hints: dict) -> None:
+    """What DeepSeek-V3 and GPT-OSS share: RMSNorm, a gated MLP, RoPE on whole heads, MoE."""
+    _require(arch, cfg, "position_embedding_type", "rope", "HF {arch} uses rotary position embeddings")
+    _require(arch, cfg, "normalization", "RMSNorm", "HF {arch} uses RMSNorm")
+    _require(arch, cfg, "gated_linear_unit", True, "HF {arch} has a gated MLP")
+    if cfg.get("rotary_interleaved", False):
+        raise _fail(arch, "rotary_interleaved", True, "HF rotates the two halves of each head")
+    if float(hints.get("rotary_percent") or cfg.get("rotary_percent") or 1.0) != 1.0:
+        raise _fail(arch, "rotary_percent", hints.get("rotary_percent") or cfg.get("rotary_percent"),
+                    "partial rotary embeddings are not exported")
+    if hints.get("use_rope_scaling") or cfg.get("rope_scaling"):
+        raise _fail(arch, "rope_scaling", True, "Llama 3 RoPE scaling is not exported")
+    if not cfg.get("num_moe_experts"):
+        raise _fail(arch, "num_moe_experts", cfg.get("num_moe_experts"), f"HF {arch} is a MoE model")
+    for field, default in (("moe_router_num_groups", None), ("moe_router_group_topk", None)):
+        if arch == "gpt_oss" and _differs(cfg.get(field, default), default):
+            raise _fail(arch, field, cfg.get(field), "GPT-OSS routes without expert groups")
+
+
+def _check_deepseek_v3(cfg: dict) -> None:
+    arch, get = "deepseek_v3", cfg.get
+    if not get("multi_latent_attention"):
+        raise _fail(arch, "multi_latent_attention", get("multi_latent_attention"),
+                    "DeepSeek-V3's attention is multi-latent attention")
+    if not get("qk_layernorm"):
+        raise _fail(arch, "qk_layernorm", get("qk_layernorm"), "DeepSeek-V3 normalizes the q and kv "
+                    "latents (q_a_layernorm, kv_a_layernorm)")
+    if get("add_bias_linear", True) or get("add_qkv_bias"):
+        raise _fail(arch, "add_bias_linear", True, "DeepSeek-V3's linear layers have no biases "
+                    "(its attention_bias covers only the attention projections)")
+    if get("layernorm_epsilon", 1e-5) != 1e-6:
+        raise _fail(arch, "layernorm_epsilon", get("layernorm_epsilon", 1e-5), "HF deepseek_v3 "
+                    "normalizes the q and kv latents with eps 1e-6 whatever rms_norm_eps says")
+    if not str(get("activation_func", "silu")).endswith("silu"):
+        raise _fail(arch, "activation_func", get("activation_func"), "DeepSeek-V3's MLP is SwiGLU")
+    if get("rope_type", "yarn") not in ("yarn", "rope"):
+        raise _fail(arch, "rope_type", get("rope_type"), "only rope and yarn are exported")
+    if get("rope_type", "yarn") == "rope" and _yarn_mscale(get("rotary_scaling_factor", 40.0),
+                                                         get("mscale_all_dim", 0.0)) != 1.0:
+        raise _fail(arch, "mscale_all_dim", get("mscale_all_dim"), "megatron-core scales MLA's "
+                    "softmax by it also without YaRN; transformers only with YaRN")
+    topk, experts = get("moe_router_topk"), get("num_moe_experts")
+    moe = [("moe_router_score_function", "sigmoid", "DeepSeek-V3's router scores are sigmoids"),
+           ("moe_router_enable_expert_bias", True, "DeepSeek-V3's router adds e_score_correction_bias "
+            "to choose experts"),
+           ("moe_shared_expert_gate", False, "DeepSeek-V3's shared experts are not gated"),
+           ("moe_router_pre_softmax", False, "DeepSeek-V3 normalizes the chosen sigmoid scores")]
+    for field, want, why in moe:
+        got = get(field)
+        if (bool(got) != want) if isinstance(want, bool) else got != want:
+            raise _fail(arch, field, got, why)
+    shared = get("moe_shared_expert_intermediate_size")
+    ffn = get("moe_ffn_hidden_size") or get("ffn_hidden_size")
+    if not shared or shared % ffn:
+        raise _fail(arch, "moe_shared_expert_intermediate_size", shared, "DeepSeek-V3's shared experts "
+                    f"are n_shared_experts experts of moe_ffn_hidden_size={ffn}")
+    moe_at = moe_layers(cfg)
+    k = moe_at.index(True)
+    if moe_at != [False] * k + [True] * (len(moe_at) - k):
+        raise _fail(arch, "moe_layer_freq", get("moe_layer_freq"), "DeepSeek-V3's first "
+                    "first_k_dense_replace layers are dense, every later one a MoE layer")
+    groups, group_topk = get("moe_router_num_groups"), get("moe_router_group_topk")
+    if groups and groups > 1 and (topk // (group_topk or 1) != 2 or experts // groups < 2):
+        raise _fail(arch, "moe_router_group_topk", group_topk, "transformers scores an expert group "
+                    "by its best two experts; megatron-core by its best topk / group_topk")
+
+
+def _check_gpt_oss(cfg: dict) -> None:
+    arch, get = "gpt_oss", cfg.get
+    if get("softmax_type", "vanilla") != "learnable":
+        raise _fail(arch, "softmax_type", get("softmax_type"), "GPT-OSS's attention has learnable "
+                    "sinks (softmax_type='learnable')")
+    if not get("add_bias_linear", True):
+        raise _fail(arch, "add_bias_linear", False, "GPT-OSS has biases on q/k/v, o_proj, the router "
+                    "and the experts")
+    window = get("window_size")
+    if window is not None and (len(window) != 2 or window[1] != 0 or window[0] < 0):
+        raise _fail(arch, "window_size", window, "GPT-OSS's sliding window looks back only, "
+                    "(w, 0) with w >= 0")
+    if get("activation_func") != QUICK_GELU:
+        raise _fail(arch, "activation_func", get("activation_func"), "GPT-OSS's experts use a "
+                    "clamped SwiGLU x * sigmoid(1.702 x): megatron-core's quick_gelu")
+    if get("glu_linear_offset", 0.0) != 1.0:
+        raise _fail(arch, "glu_linear_offset", get("glu_linear_offset"), "GPT-OSS multiplies by "
+                    "(up + 1)")
+    if get("activation_func_clamp_value") is None:
+        raise _fail(arch, "activation_func_clamp_value", None, "GPT-OSS clamps the gate and up "
+                    "projections (swiglu_limit)")
+    moe = [("moe_router_score_function", "softmax", "GPT-OSS's router takes a softmax"),
+           ("moe_router_pre_softmax", False, "GPT-OSS takes the softmax over the top-k logits"),
+           ("moe_router_topk_scaling_factor", None, "GPT-OSS does not scale routing weights"),
+           ("moe_router_enable_expert_bias", False, "GPT-OSS's router has no expert bias"),
+           ("moe_shared_expert_intermediate_size", None, "GPT-OSS has no shared experts"),
+           ("moe_layer_freq", 1, "every GPT-OSS layer is a MoE layer")]
+    for field, default, why in moe:
+        if _differs(get(field, default), default):
+            raise _fail(arch, field, get(field), why)
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention scale (megatron-core's and transformers' get_mscale)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def _require(arch: str, cfg: dict, field: str, value, why: str) -> None:
     if field in cfg and cfg[field] != value:
         raise _fail(arch, field, cfg[field], why.format(arch=arch))
@@ -303,6 +574,10 @@ def hf_config(arch: str, cfg: dict, *, vocab: int, dtype: str, rope_theta: float
               "dtype": dtype, "use_cache": True,
               "bos_token_id": tokens.get("bos_token_id"), "eos_token_id": tokens.get("eos_token_id"),
               "pad_token_id": tokens.get("pad_token_id")}
+    if arch == "deepseek_v3":
+        return {**common, **_deepseek_v3_config(cfg, rope_theta)}
+    if arch == "gpt_oss":
+        return {**common, **_gpt_oss_config(cfg, rope_theta)}
     if arch == "gpt2":
         return {**common, "n_positions": cfg["max_sequence_length"], "n_embd": cfg["hidden_size"],
                 "n_layer": cfg["num_layers"], "n_head": h.heads, "n_inner": cfg["ffn_hidden_size"],
@@ -345,6 +620,87 @@ def hf_config(arch: str, cfg: dict, *, vocab: int, dtype: str, rope_theta: float
     return out
 
 
+def _deepseek_v3_config(cfg: dict, rope_theta: float) -> dict:
+    layers, get = cfg["num_layers"], cfg.get
+    ffn = get("moe_ffn_hidden_size") or cfg["ffn_hidden_size"]
+    topk, groups = cfg["moe_router_topk"], get("moe_router_num_groups") or 1
+    factor = float(get("rotary_scaling_factor", 40.0))
+    mscale, mscale_all_dim = float(get("mscale", 1.0)), float(get("mscale_all_dim", 0.0))
+    if get("rope_type", "yarn") == "yarn":
+        rope = {"rope_type": "yarn", "rope_theta": float(rope_theta), "factor": factor,
+                "original_max_position_embeddings": get("original_max_position_embeddings", 4096),
+                "beta_fast": float(get("beta_fast", 32.0)), "beta_slow": float(get("beta_slow", 1.0)),
+                "mscale": mscale, "mscale_all_dim": mscale_all_dim}
+        # megatron-core scales cos/sin by mscale(mscale) / mscale(mscale_all_dim); transformers
+        # infers that only when both are non-zero, else takes mscale(1): say it when they differ
+        inferred = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+                    if mscale and mscale_all_dim else _yarn_mscale(factor, 1.0))
+        wanted = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        if inferred != wanted:
+            rope["attention_factor"] = wanted
+    else:
+        rope = {"rope_type": "default", "rope_theta": float(rope_theta)}
+    out = {"hidden_size": cfg["hidden_size"], "num_hidden_layers": layers,
+           "num_attention_heads": cfg["num_attention_heads"],
+           "num_key_value_heads": cfg["num_attention_heads"],
+           "intermediate_size": cfg["ffn_hidden_size"], "moe_intermediate_size": ffn,
+           "n_routed_experts": cfg["num_moe_experts"], "num_experts_per_tok": topk,
+           "n_shared_experts": get("moe_shared_expert_intermediate_size") // ffn,
+           "routed_scaling_factor": float(get("moe_router_topk_scaling_factor") or 1.0),
+           "n_group": groups, "topk_group": get("moe_router_group_topk") or 1,
+           "norm_topk_prob": topk > 1, "first_k_dense_replace": moe_layers(cfg).index(True),
+           "kv_lora_rank": cfg["kv_lora_rank"], "q_lora_rank": get("q_lora_rank"),
+           "qk_nope_head_dim": cfg["qk_head_dim"], "qk_rope_head_dim": cfg["qk_pos_emb_head_dim"],
+           "v_head_dim": cfg["v_head_dim"], "head_dim": cfg["qk_pos_emb_head_dim"],
+           "hidden_act": "silu", "rope_parameters": rope,
+           "rope_interleave": True, "attention_bias": False,
+           "max_position_embeddings": get("max_sequence_length"),
+           "rms_norm_eps": get("layernorm_epsilon", 1e-5),
+           "attention_dropout": get("attention_dropout", 0.0),
+           "num_nextn_predict_layers": get("mtp_num_layers") or 0, "output_router_logits": False}
+    if out["max_position_embeddings"] is None:
+        del out["max_position_embeddings"]
+    return out
+
+
+def gpt_oss_layer_types(cfg: dict) -> list[str]:
+    """Sliding or full attention per layer, as megatron-core's is_layer_window_attention decides."""
+    window, skip = cfg.get("window_size"), cfg.get("window_attn_skip_freq")
+    out = []
+    for n in range(1, cfg["num_layers"] + 1):  # megatron-core's layer numbers start at 1
+        if not window:
+            sliding = False
+        elif skip is None:
+            sliding = True
+        elif isinstance(skip, int):
+            sliding = n % skip != 0
+        else:
+            sliding = bool(skip[n - 1])
+        out.append("sliding_attention" if sliding else "full_attention")
+    return out
+
+
+def _gpt_oss_config(cfg: dict, rope_theta: float) -> dict:
+    h, get = Heads.of(cfg), cfg.get
+    window = get("window_size")
+    out = {"hidden_size": cfg["hidden_size"], "num_hidden_layers": cfg["num_layers"],
+           "num_attention_heads": h.heads, "num_key_value_heads": h.groups, "head_dim": h.head_dim,
+           "intermediate_size": get("moe_ffn_hidden_size") or cfg["ffn_hidden_size"],
+           "num_local_experts": cfg["num_moe_experts"], "num_experts_per_tok": cfg["moe_router_topk"],
+           # transformers' window counts the token itself: kv > q - sliding_window
+           "sliding_window": window[0] + 1 if window else None,
+           "layer_types": gpt_oss_layer_types(cfg), "attention_bias": True,
+           "swiglu_alpha": QUICK_GELU_ALPHA, "swiglu_limit": float(cfg["activation_func_clamp_value"]),
+           "hidden_act": "silu", "rope_parameters": {"rope_type": "default", "rope_theta": float(rope_theta)},
+           "max_position_embeddings": get("max_sequence_length"),
+           "rms_norm_eps": get("layernorm_epsilon", 1e-5),
+           "attention_dropout": get("attention_dropout", 0.0), "output_router_logits": False,
+           "router_aux_loss_coef": get("moe_aux_loss_coeff") or 0.0}
+    if out["max_position_embeddings"] is None:
+        del out["max_position_embeddings"]
+    return out
+
+
 def hints_from_args(args) -> dict:
     """What a Megatron-LM run's args say that megatron-core's model config does not."""
     act = next((flag for flag in ("swiglu", "squared_relu", "quick_geglu", "openai_gelu")
@@ -372,8 +728,27 @@ _HF_DEFAULTS = {
     "qwen3_moe": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "tie_word_embeddings": False,
                   "rope_theta": 10000.0, "hidden_act": "silu", "num_experts_per_tok": 8,
                   "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": []},
+    "deepseek_v3": {"rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+                    "rope_theta": 10000.0, "hidden_act": "silu", "num_experts_per_tok": 8,
+                    "norm_topk_prob": True, "n_group": 8, "topk_group": 4, "first_k_dense_replace": 3,
+                    "routed_scaling_factor": 2.5, "n_shared_experts": 1, "q_lora_rank": 1536,
+                    "rope_interleave": True, "attention_bias": False, "num_nextn_predict_layers": 1},
+    "gpt_oss": {"rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "tie_word_embeddings": False,
+                "rope_theta": 150000.0, "hidden_act": "silu", "num_experts_per_tok": 4,
+                "swiglu_alpha": QUICK_GELU_ALPHA, "swiglu_limit": 7.0, "sliding_window": 128,
+                "attention_bias": True, "head_dim": 64},
 }
 GPT2_GELUS = {"gelu": "gelu", "gelu_new": "openai_gelu", "gelu_pytorch_tanh": "openai_gelu"}
+
+
+def mtp_layers_held(arch: str, hf: dict, names) -> int:
+    """How many of DeepSeek-V3's MTP layers (decoder layers num_hidden_layers + k) the tensor
+    `names` hold: transformers' own save_pretrained writes none, DeepSeek's checkpoints theirs."""
+    if arch != "deepseek_v3":
+        return 0
+    first = hf.get("num_hidden_layers", 0)
+    declared = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 1)) or 0
+    return sum(f"model.layers.{first + k}.eh_proj.weight" in names for k in range(declared))
 
 
 def arch_of(hf: dict, where: str) -> str:
@@ -394,9 +769,10 @@ def _rope(arch: str, hf: dict) -> tuple[float, str, float]:
     return float(theta), kind, float(partial)
 
 
-def megatron_args(arch: str, hf: dict, where: str) -> tuple[argparse.Namespace, dict]:
+def megatron_args(arch: str, hf: dict, where: str, mtp_layers: int = 0) -> tuple[argparse.Namespace, dict]:
     """Megatron-LM style args of the megatron-core model equal to HF config `hf` (one rank), and
-    what the megatron run must set that the model config does not record (activation, rope)."""
+    what the megatron run must set that the model config does not record (activation, rope).
+    mtp_layers: the multi-token prediction layers the checkpoint holds (DeepSeek-V3)."""
     d = {**_HF_DEFAULTS[arch], **{k: v for k, v in hf.items() if v is not None}}
 
     def refuse(field: str, why: str) -> UCPError:
@@ -406,7 +782,11 @@ def megatron_args(arch: str, hf: dict, where: str) -> tuple[argparse.Namespace, 
                 data_parallel_size=1, params_dtype=torch.float32, fp16=False, bf16=False,
                 transformer_impl="local", hidden_dropout=0.0, qk_layernorm=False,
                 init_method_std=d.get("initializer_range", 0.02), rotary_percent=1.0)
-    if arch == "gpt2":
+    if arch == "deepseek_v3":
+        args, run = _deepseek_v3_args(d, args, refuse, mtp_layers)
+    elif arch == "gpt_oss":
+        args, run = _gpt_oss_args(d, args, refuse)
+    elif arch == "gpt2":
         if d["activation_function"] not in GPT2_GELUS:
             raise refuse("activation_function", f"megatron-core has {sorted(GPT2_GELUS)}")
         if d.get("scale_attn_by_inverse_layer_idx"):
@@ -469,3 +849,140 @@ def megatron_args(arch: str, hf: dict, where: str) -> tuple[argparse.Namespace, 
     args.update(padded_vocab_size=d["vocab_size"],
                 untie_embeddings_and_output_weights=not d["tie_word_embeddings"])
     return argparse.Namespace(**args), run
+
+
+def _deepseek_v3_args(d: dict, args: dict, refuse, mtp_layers: int) -> tuple[dict, dict]:
+    """megatron-core's DeepSeek-V3: MLA, sigmoid routing with expert bias, shared experts,
+    first-k-dense, and the `mtp_layers` MTP layers the checkpoint holds."""
+    if d["hidden_act"] != "silu":
+        raise refuse("hidden_act", "megatron-core's SwiGLU MLP uses silu")
+    if not d["rope_interleave"]:
+        raise refuse("rope_interleave", "megatron-core's MLA rotates DeepSeek's interleaved pairs "
+                     "of rope dimensions only")
+    if d["attention_bias"]:
+        raise refuse("attention_bias", "megatron-core's add_bias_linear puts biases on every "
+                     "linear layer or none")
+    if d["rms_norm_eps"] != 1e-6:
+        raise refuse("rms_norm_eps", "HF deepseek_v3 normalizes the q and kv latents with eps 1e-6, "
+                     "megatron-core every norm with one layernorm_epsilon")
+    heads = d["num_attention_heads"]
+    if (d.get("num_key_value_heads") or heads) != heads:
+        raise refuse("num_key_value_heads", "multi-latent attention has a key and value per head")
+    layers, topk, experts = d["num_hidden_layers"], d["num_experts_per_tok"], d["n_routed_experts"]
+    k = d["first_k_dense_replace"]
+    if not 0 <= k < layers:
+        raise refuse("first_k_dense_replace", f"needs 0 <= k < num_hidden_layers={layers} (a MoE model)")
+    if d["norm_topk_prob"] != (topk > 1):
+        raise refuse("norm_topk_prob", f"megatron-core normalizes sigmoid routing weights exactly "
+                     f"when top-k > 1 (num_experts_per_tok={topk})")
+    groups, group_topk = d.get("n_group") or 1, d.get("topk_group") or 1
+    if groups > 1 and (topk // group_topk != 2 or experts // groups < 2):
+        raise refuse("topk_group", "transformers scores an expert group by its best two experts; "
+                     "megatron-core by its best num_experts_per_tok / topk_group")
+    if not d["n_shared_experts"]:
+        raise refuse("n_shared_experts", "megatron-core's DeepSeek MoE layer has shared experts")
+    params = d.get("rope_parameters") or {}
+    scaling = d.get("rope_scaling") or {}
+    rope = {**scaling, **params}
+    theta = float(rope.get("rope_theta", d["rope_theta"]))
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise refuse("partial_rotary_factor", "partial rotary embeddings are not imported")
+    mla = dict(multi_latent_attention=True, q_lora_rank=d["q_lora_rank"], kv_lora_rank=d["kv_lora_rank"],
+               qk_head_dim=d["qk_nope_head_dim"], qk_pos_emb_head_dim=d["qk_rope_head_dim"],
+               v_head_dim=d["v_head_dim"], rotary_base=theta, qk_layernorm=True)
+    if kind == "yarn":
+        original = rope.get("original_max_position_embeddings")
+        factor = rope.get("factor") or d["max_position_embeddings"] / original
+        mscale, mscale_all_dim = rope.get("mscale") or 1.0, rope.get("mscale_all_dim") or 0.0
+        # transformers' cos/sin scale (attention_factor) against megatron-core's
+        theirs = rope.get("attention_factor")
+        if theirs is None:
+            theirs = (_yarn_mscale(factor, rope["mscale"]) / _yarn_mscale(factor, rope["mscale_all_dim"])
+                      if rope.get("mscale") and rope.get("mscale_all_dim") else _yarn_mscale(factor, 1.0))
+        if not math.isclose(theirs, _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim),
+                            rel_tol=1e-12):
+            raise refuse("rope_parameters.attention_factor", "megatron-core scales YaRN's cos/sin by "
+                         "mscale(mscale) / mscale(mscale_all_dim)")
+        if rope.get("truncate", True) is False:
+            raise refuse("rope_parameters.truncate", "megatron-core's MLA rounds YaRN's correction range")
+        mla.update(rope_type="yarn", rotary_scaling_factor=float(factor),
+                   original_max_position_embeddings=original, beta_fast=float(rope.get("beta_fast") or 32),
+                   beta_slow=float(rope.get("beta_slow") or 1), mscale=float(mscale),
+                   mscale_all_dim=float(mscale_all_dim))
+    elif kind == "default":  # megatron-core's MLA still scales the softmax by mscale_all_dim
+        mla.update(rope_type="rope", mscale_all_dim=0.0)
+    else:
+        raise refuse("rope_type", f"{kind!r} RoPE scaling is not imported (default and yarn)")
+    ffn = d["moe_intermediate_size"]
+    args.update(num_layers=layers, hidden_size=d["hidden_size"], num_attention_heads=heads,
+                group_query_attention=False, num_query_groups=None, ffn_hidden_size=d["intermediate_size"],
+                kv_channels=d["v_head_dim"], normalization="RMSNorm", layernorm_epsilon=d["rms_norm_eps"],
+                swiglu=True, add_bias_linear=False, add_qkv_bias=False, position_embedding_type="rope",
+                max_position_embeddings=d["max_position_embeddings"],
+                attention_dropout=d.get("attention_dropout", 0.0), num_experts=experts,
+                moe_router_topk=topk, moe_ffn_hidden_size=ffn, moe_layer_freq=[0] * k + [1] * (layers - k),
+                moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                moe_router_topk_scaling_factor=float(d["routed_scaling_factor"]),
+                moe_shared_expert_intermediate_size=ffn * d["n_shared_experts"],
+                moe_router_num_groups=groups if groups > 1 else None,
+                moe_router_group_topk=group_topk if groups > 1 else None,
+                mtp_num_layers=mtp_layers or None, **mla)
+    return args, {"activation": "swiglu", "rotary_base": theta}
+
+
+def gpt_oss_window(layer_types: list[str]) -> int | list[int] | None:
+    """megatron-core's window_attn_skip_freq for transformers' layer_types: None (every layer
+    sliding), n (all but every n-th layer), else the per-layer list."""
+    sliding = [t == "sliding_attention" for t in layer_types]
+    if all(sliding):
+        return None
+    for n in range(2, len(sliding) + 1):
+        if sliding == [(i + 1) % n != 0 for i in range(len(sliding))]:
+            return n
+    return [int(x) for x in sliding]
+
+
+def _gpt_oss_args(d: dict, args: dict, refuse) -> tuple[dict, dict]:
+    """megatron-core's GPT-OSS: learnable sinks, sliding windows, biases everywhere, clamped SwiGLU."""
+    params = d.get("rope_parameters") or {}
+    theta = float(params.get("rope_theta", d["rope_theta"]))
+    kind = params.get("rope_type") or (d.get("rope_scaling") or {}).get("rope_type") or "default"
+    if kind != "default":
+        raise refuse("rope_parameters.rope_type", f"{kind!r}: megatron-core 0.16.1's GPTModel runs "
+                     "YaRN without its attention factor (it drops the mscale its YarnRotaryEmbedding "
+                     "returns) and the model config does not record YaRN's settings; only default "
+                     "RoPE is imported for GPT-OSS")
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise refuse("partial_rotary_factor", "partial rotary embeddings are not imported")
+    if not d["attention_bias"]:
+        raise refuse("attention_bias", "GPT-OSS's experts have biases, and megatron-core's "
+                     "add_bias_linear puts biases on every linear layer or none")
+    if not math.isclose(d["swiglu_alpha"], QUICK_GELU_ALPHA):
+        raise refuse("swiglu_alpha", f"megatron-core's quick_gelu is x * sigmoid({QUICK_GELU_ALPHA} x)")
+    if d["swiglu_limit"] is None:
+        raise refuse("swiglu_limit", "megatron-core clamps with activation_func_clamp_value")
+    heads = d["num_attention_heads"]
+    groups = d.get("num_key_value_heads") or heads
+    if heads % groups:
+        raise refuse("num_key_value_heads", f"does not divide num_attention_heads={heads}")
+    layers = d["num_hidden_layers"]
+    layer_types = d.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    window = None
+    if "sliding_attention" in layer_types:
+        if not d.get("sliding_window"):
+            raise refuse("sliding_window", "sliding_attention layers need a window")
+        window = [int(d["sliding_window"]) - 1, 0]  # megatron-core's window excludes the token itself
+    args.update(num_layers=layers, hidden_size=d["hidden_size"], num_attention_heads=heads,
+                group_query_attention=groups != heads, num_query_groups=groups,
+                ffn_hidden_size=d["intermediate_size"], kv_channels=d["head_dim"],
+                normalization="RMSNorm", layernorm_epsilon=d["rms_norm_eps"], quick_geglu=True,
+                glu_linear_offset=1.0, activation_func_clamp_value=float(d["swiglu_limit"]),
+                add_bias_linear=True, add_qkv_bias=True, position_embedding_type="rope",
+                rotary_base=theta, max_position_embeddings=d["max_position_embeddings"],
+                attention_dropout=d.get("attention_dropout", 0.0), softmax_type="learnable",
+                window_size=window, window_attn_skip_freq=gpt_oss_window(layer_types) if window else None,
+                num_experts=d["num_local_experts"], moe_router_topk=d["num_experts_per_tok"],
+                moe_ffn_hidden_size=d["intermediate_size"])
+    return args, {"activation": "quick_geglu", "rotary_base": theta}

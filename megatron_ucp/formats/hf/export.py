@@ -54,6 +54,7 @@ class Planned:
     shape: tuple[int, ...]
     outputs: list[tuple[str, tuple[int, ...]]]
     shards: list[int]  # the shard file of each output
+    dtype: torch.dtype  # of its HF tensors: the export's, fp32 for `archs.KEEP_FP32`
 
 
 def shard_name(i: int, n: int) -> str:
@@ -93,14 +94,20 @@ def plan(arch: str, manifest: Manifest, vocab: int, dtype: torch.dtype,
         raise UCPError(f"parameter(s) {extra[:3]}{' ...' if len(extra) > 3 else ''} have no place in "
                        f"HF {arch}; refusing to drop them (export a model {arch} can represent)")
     heads = transforms.Heads.of(manifest.model)
-    size = torch.empty((), dtype=dtype).element_size()
     out, shard, used = [], 0, 0
     for r in rules:
+        tensor_dtype = torch.float32 if archs.keeps_fp32(r.megatron) else dtype
+        size = torch.empty((), dtype=tensor_dtype).element_size()
         spec = manifest.params[r.megatron].spec
         shape = (vocab, *spec.shape[1:]) if spec.vocab_rows else spec.shape
-        shapes = transforms.hf_shapes(r.kind, shape, heads)
+        shapes = transforms.hf_shapes(r.kind, shape, heads, len(r.hf))
         if r.kind in ("qkv", "qkv_cat", "qkv_conv1d"):
             transforms.check_qkv_rows(shape[0], heads, f"parameter {r.megatron}")
+        if r.slot:  # experts stacked in one HF tensor: written with the last expert's rule
+            if r.slot[0] != r.slot[1] - 1:
+                out.append(Planned(r, shape, [], [], tensor_dtype))
+                continue
+            shapes = [(r.slot[1], *s) for s in shapes]
         shards = []
         for s in shapes:
             nbytes = size * int(torch.Size(s).numel())
@@ -108,7 +115,7 @@ def plan(arch: str, manifest: Manifest, vocab: int, dtype: torch.dtype,
                 shard, used = shard + 1, 0
             used += nbytes
             shards.append(shard)
-        out.append(Planned(r, shape, list(zip(r.hf, shapes)), shards))
+        out.append(Planned(r, shape, list(zip(r.hf, shapes)), shards, tensor_dtype))
     return out, shard + 1
 
 
@@ -150,21 +157,21 @@ def rope_base(manifest: Manifest, hints: dict, override: float | None) -> float:
     return MEGATRON_ROPE_BASE
 
 
-def check_written(out_dir: Path, planned: list[Planned], n_shards: int, dtype: torch.dtype) -> None:
+def check_written(out_dir: Path, planned: list[Planned], n_shards: int) -> None:
     """Before the directory is committed: the index names exactly the planned tensors, and each
     shard's header holds exactly its tensors at the planned dtype and shape."""
     index = json.loads((out_dir / INDEX_FILE).read_text())["weight_map"]
-    expected = {name: (shard_name(s, n_shards), shape)
+    expected = {name: (shard_name(s, n_shards), shape, p.dtype)
                 for p in planned for (name, shape), s in zip(p.outputs, p.shards)}
     if set(index) != set(expected):
         raise UCPError(f"{out_dir}: internal error, the index names other tensors than planned; "
                        "nothing was committed")
     reader, by_file = Reader(), {}
-    for name, (file, shape) in expected.items():
+    for name, (file, shape, tensor_dtype) in expected.items():
         if index[name] != file:
             raise UCPError(f"{out_dir}: internal error, the index puts {name} in {index[name]}, "
                            f"it was written to {file}; nothing was committed")
-        reader.check(out_dir / file, name, DTYPE_TO_ST[dtype], shape)
+        reader.check(out_dir / file, name, DTYPE_TO_ST[tensor_dtype], shape)
         by_file.setdefault(file, set()).add(name)
     for file, names in by_file.items():
         stray = set(reader.open(out_dir / file).keys()) - names
@@ -213,12 +220,12 @@ def export(source, out: str | Path, arch: str, *, dtype: str | None = None,
                              rope_theta=rope_base(manifest, hints, rope_theta), hints=hints,
                              tokens=_token_ids(manifest, arch))
     if distributed:
-        return _export_distributed(source, out, planned, n_shards, torch_dtype, config)
+        return _export_distributed(source, out, planned, n_shards, config)
     done = bar(progress, len(planned), f"{source.origin.get('kind', source.format)} -> hf {arch}",
                "tensor")
-    with staged_dir(out, check=lambda d: check_written(d, planned, n_shards, torch_dtype)) as partial:
+    with staged_dir(out, check=lambda d: check_written(d, planned, n_shards)) as partial:
         try:
-            total = write_shards(partial, source, planned, n_shards, torch_dtype, done)
+            total = write_shards(partial, source, planned, n_shards, done)
         finally:
             done.close()
         _write_metadata(partial, planned, n_shards, total, config)
@@ -235,8 +242,7 @@ def _write_metadata(out_dir: Path, planned: list[Planned], n_shards: int, total:
     _write_json(out_dir / GENERATION_FILE, generation_config(config))
 
 
-def _export_distributed(source, out: Path, planned: list[Planned], n_shards: int, dtype: torch.dtype,
-                        config: dict) -> Path:
+def _export_distributed(source, out: Path, planned: list[Planned], n_shards: int, config: dict) -> Path:
     """`export` as one job of the process group (torchrun; gloo is enough): the shards planned as
     one process plans them, each process writes and fsyncs a balanced set of them into rank 0's
     staged directory (a filesystem every process sees), reading only the universal tensors they
@@ -259,15 +265,14 @@ def _export_distributed(source, out: Path, planned: list[Planned], n_shards: int
     dist.broadcast_object_list(problem, src=0)
     if problem[0]:
         raise UCPError(problem[0])
-    size = torch.empty((), dtype=dtype).element_size()
     shard_bytes = [0] * n_shards
     for p in planned:
         for (_, shape), shard in zip(p.outputs, p.shards):
-            shard_bytes[shard] += math.prod(shape) * size
+            shard_bytes[shard] += math.prod(shape) * p.dtype.itemsize
     mine = set(balanced(shard_bytes, world)[rank])
     total, error = 0, None
     try:
-        total = write_shards(staged.partial, source, planned, n_shards, dtype, None, shards=mine)
+        total = write_shards(staged.partial, source, planned, n_shards, None, shards=mine)
         for shard in mine:  # (the commit fsyncs rank 0's files only)
             fsync_path(staged.partial / shard_name(shard, n_shards))
     except Exception as e:  # reported by rank 0 for every rank, once
@@ -281,7 +286,7 @@ def _export_distributed(source, out: Path, planned: list[Planned], n_shards: int
             if failed:
                 raise UCPError(f"exporting to {out} failed ({'; '.join(failed)}); nothing was committed")
             _write_metadata(staged.partial, planned, n_shards, sum(g[0] for g in gathered), config)
-            check_written(staged.partial, planned, n_shards, dtype)
+            check_written(staged.partial, planned, n_shards)
             staged.commit()
         except (UCPError, OSError) as e:
             staged.abort()
@@ -293,29 +298,55 @@ def _export_distributed(source, out: Path, planned: list[Planned], n_shards: int
     return out
 
 
+def _needed(planned: list[Planned], shards: set[int] | None) -> list[bool]:
+    """Per planned tensor: whether it must be read for these shard files (all when None). The
+    slices of a stacked HF tensor (experts) are needed where their last one writes."""
+    if shards is None:
+        return [True] * len(planned)
+    out, stacked_needed = [False] * len(planned), False
+    for i in reversed(range(len(planned))):
+        p = planned[i]
+        if p.outputs:
+            stacked_needed = out[i] = any(s in shards for s in p.shards)
+        elif p.rule.slot:
+            out[i] = stacked_needed
+    return out
+
+
 def write_shards(out_dir: Path, source, planned: list[Planned], n_shards: int,
-                 dtype: torch.dtype, done, shards: set[int] | None = None) -> int:
+                 done, shards: set[int] | None = None) -> int:
     """Stream the planned tensors into their shard files: read one universal tensor, split it,
     write its HF tensors, drop it. shards: only these shard files (a distributed export's share;
     a tensor none of whose outputs go there is not read). Returns the bytes written."""
     heads = transforms.Heads.of(source.manifest.model)
-    size = torch.empty((), dtype=dtype).element_size()
     writers: dict[int, SafetensorsWriter] = {}  # (shards are planned in write order: at most two open)
     total = 0
-    for p in planned:
-        if shards is None or any(s in shards for s in p.shards):
-            t = source.read(p.rule.megatron, "param", (0,) * len(p.shape), p.shape)
-            parts = transforms.split(p.rule.kind, t, heads, p.rule.megatron)
-            del t
-            for (name, _), shard, part in zip(p.outputs, p.shards, parts):
-                if shards is not None and shard not in shards:
-                    continue
-                if shard not in writers:
-                    writers[shard] = _open_shard(out_dir, planned, shard, n_shards, dtype)
-                writers[shard].write(name, part.to(dtype).contiguous())
-                total += part.numel() * size
-                if writers[shard].complete:
-                    writers.pop(shard).close()
+    experts: list[list[torch.Tensor]] = []  # the slices of a stacked HF tensor read so far
+    for p, needed in zip(planned, _needed(planned, shards)):
+        if not needed:
+            if done is not None:
+                done.update(1)
+            continue
+        t = source.read(p.rule.megatron, "param", (0,) * len(p.shape), p.shape)
+        parts = transforms.split(p.rule.kind, t, heads, p.rule.megatron, len(p.rule.hf))
+        del t
+        if p.rule.slot:
+            experts.append([part.to(p.dtype) for part in parts])
+            if not p.outputs:
+                if done is not None:
+                    done.update(1)
+                continue
+            parts = [torch.stack(slices) for slices in zip(*experts)]
+            experts = []
+        for (name, _), shard, part in zip(p.outputs, p.shards, parts):
+            if shards is not None and shard not in shards:
+                continue
+            if shard not in writers:
+                writers[shard] = _open_shard(out_dir, planned, shard, n_shards)
+            writers[shard].write(name, part.to(p.dtype).contiguous())
+            total += part.numel() * p.dtype.itemsize
+            if writers[shard].complete:
+                writers.pop(shard).close()
         if done is not None:
             done.update(1)
     if writers:
@@ -331,9 +362,8 @@ def generation_config(config: dict) -> dict:
                if config.get(k) is not None}}
 
 
-def _open_shard(out_dir: Path, planned: list[Planned], shard: int, n_shards: int,
-                dtype: torch.dtype) -> SafetensorsWriter:
-    entries = [(name, dtype, shape) for p in planned
+def _open_shard(out_dir: Path, planned: list[Planned], shard: int, n_shards: int) -> SafetensorsWriter:
+    entries = [(name, p.dtype, shape) for p in planned
                for (name, shape), s in zip(p.outputs, p.shards) if s == shard]
     # transformers refuses safetensors files whose metadata names another framework
     return SafetensorsWriter(out_dir / shard_name(shard, n_shards), entries, {"format": "pt"})

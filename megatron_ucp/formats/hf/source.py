@@ -99,6 +99,13 @@ class HFDir(ReadsFiles):
     def tensor(self, name: str) -> torch.Tensor:
         return self.reader.read(self.where[name], name)
 
+    def stacked(self, name: str) -> torch.Tensor:
+        """A tensor of all experts of a layer (GPT-OSS), kept while its experts are read in turn."""
+        if getattr(self, "_stacked", (None,))[0] != name:
+            self._stacked = (None, None)  # drop the previous one first
+            self._stacked = (name, self.tensor(name))
+        return self._stacked[1]
+
 
 class HFSource(ReadsFiles):
     """An HF model directory of a supported architecture as universal tensors (see module doc)."""
@@ -111,7 +118,8 @@ class HFSource(ReadsFiles):
         self.reader = self.hf.reader
         where = str(self.dir)
         self.arch = archs.arch_of(self.hf.config, where)
-        args, run = archs.megatron_args(self.arch, self.hf.config, where)
+        mtp = archs.mtp_layers_held(self.arch, self.hf.config, self.hf.where)
+        args, run = archs.megatron_args(self.arch, self.hf.config, where, mtp_layers=mtp)
         # HF vocabularies carry no padding rows; export-hf reads max_sequence_length back from
         # the record below
         specs, model = import_specs(args, run, args.padded_vocab_size)
@@ -135,7 +143,9 @@ class HFSource(ReadsFiles):
         there is used (or a known non-parameter buffer). Returns the names skipped."""
         used = set()
         for name, rule in self.rules.items():
-            shapes = transforms.hf_shapes(rule.kind, specs[name].shape, self.heads)
+            shapes = transforms.hf_shapes(rule.kind, specs[name].shape, self.heads, len(rule.hf))
+            if rule.slot:  # one expert's slice of a tensor stacking all experts
+                shapes = [(rule.slot[1], *shape) for shape in shapes]
             for hf_name, shape in zip(rule.hf, shapes):
                 if hf_name not in self.hf.where:
                     raise UCPError(f"{self.dir}: tensor {hf_name!r} is missing; HF {self.arch} with "
@@ -187,7 +197,10 @@ class HFSource(ReadsFiles):
         if self._last is None or self._last[0] != name:
             self._last = None  # drop the previous tensor before assembling the next
             rule = self.rules[name]
-            parts = [self.hf.tensor(n).to(torch.float32) for n in rule.hf]
+            if rule.slot:
+                parts = [self.hf.stacked(n)[rule.slot[0]].to(torch.float32) for n in rule.hf]
+            else:
+                parts = [self.hf.tensor(n).to(torch.float32) for n in rule.hf]
             self._last = (name, transforms.join(rule.kind, parts, self.heads, name))
         return self._last[1][box]
 

@@ -11,6 +11,12 @@ touching data (`hf_shapes`), so writers can lay out their files before reading a
 * `qkv_cat`: the same rows as one `[q; k; v]` tensor (GPT-2's `c_attn` bias).
 * `qkv_conv1d`: `qkv_cat`, transposed (GPT-2's `c_attn` weight).
 * `gate_up`: SwiGLU `linear_fc1` `[gate; up]` -> `gate_proj`, `up_proj` (Mixtral: `w1`, `w3`).
+* `transpose`: megatron's `[out, in]` -> `[in, out]` (GPT-OSS's experts compute `x @ W`).
+* `gate_up_mix_t`: `linear_fc1` `[gate; up]` -> GPT-OSS's `gate_up_proj` `[in, 2 * ffn]`, whose
+  columns alternate gate, up, gate, up (`gate_up[..., ::2]` is the gate); `gate_up_mix` the same
+  for the bias.
+* `dup`: one tensor stored under several HF names (DeepSeek-V3's MTP layers repeat the embedding
+  and the output layer); reading them back, the copies must be equal.
 """
 
 from __future__ import annotations
@@ -49,12 +55,15 @@ class Heads:
 Shape = tuple[int, ...]
 
 
-def hf_shapes(kind: str, shape: Shape, heads: Heads) -> list[Shape]:
-    """The shapes of the HF tensors `split` makes of a universal tensor of `shape`."""
+def hf_shapes(kind: str, shape: Shape, heads: Heads, count: int = 1) -> list[Shape]:
+    """The shapes of the HF tensors `split` makes of a universal tensor of `shape` (`count`: the
+    number of HF names of a `dup`)."""
     rest = tuple(shape[1:])
-    if kind == "copy" or kind == "qkv_cat":
+    if kind in ("copy", "qkv_cat", "gate_up_mix"):
         return [tuple(shape)]
-    if kind == "conv1d" or kind == "qkv_conv1d":
+    if kind == "dup":
+        return [tuple(shape)] * count
+    if kind in ("conv1d", "qkv_conv1d", "transpose", "gate_up_mix_t"):
         return [tuple(reversed(shape))]
     if kind == "qkv":
         return [(rows, *rest) for rows in heads.qkv_rows()]
@@ -80,12 +89,25 @@ def _per_group(t: torch.Tensor, heads: Heads) -> tuple[torch.Tensor, torch.Tenso
             v.reshape(g * d, *t.shape[1:]))
 
 
-def split(kind: str, t: torch.Tensor, heads: Heads, what: str = "tensor") -> list[torch.Tensor]:
+def _gate_up_rows(t: torch.Tensor, what: str) -> int:
+    if t.shape[0] % 2:
+        raise UCPError(f"{what}: SwiGLU linear_fc1 has an odd number of rows ({t.shape[0]})")
+    return t.shape[0] // 2
+
+
+def split(kind: str, t: torch.Tensor, heads: Heads, what: str = "tensor",
+          count: int = 1) -> list[torch.Tensor]:
     """The HF tensors (contiguous) holding the numbers of universal tensor `t`."""
     if kind == "copy":
         out = [t]
-    elif kind == "conv1d":
+    elif kind == "dup":
+        out = [t] * count
+    elif kind in ("conv1d", "transpose"):
         out = [t.t()]
+    elif kind in ("gate_up_mix", "gate_up_mix_t"):  # rows [gate; up] -> gate, up alternating
+        ffn = _gate_up_rows(t, what)
+        mixed = t.reshape(2, ffn, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+        out = [mixed.t() if kind == "gate_up_mix_t" else mixed]
     elif kind in ("qkv", "qkv_cat", "qkv_conv1d"):
         check_qkv_rows(t.shape[0], heads, what)
         out = list(_per_group(t, heads))
@@ -94,8 +116,7 @@ def split(kind: str, t: torch.Tensor, heads: Heads, what: str = "tensor") -> lis
         if kind == "qkv_conv1d":
             out = [out[0].t()]
     elif kind == "gate_up":
-        if t.shape[0] % 2:
-            raise UCPError(f"{what}: SwiGLU linear_fc1 has an odd number of rows ({t.shape[0]})")
+        _gate_up_rows(t, what)
         out = list(t.chunk(2, dim=0))
     else:
         raise ValueError(f"unknown transform {kind!r}")
@@ -106,8 +127,18 @@ def join(kind: str, parts: list[torch.Tensor], heads: Heads, what: str = "tensor
     """The universal tensor whose `split` gives `parts` (the inverse of `split`)."""
     if kind == "copy":
         return parts[0].contiguous()
-    if kind == "conv1d":
+    if kind == "dup":
+        for p in parts[1:]:
+            if not torch.equal(p, parts[0]):
+                raise UCPError(f"{what}: the HF checkpoint's copies of this tensor differ; they "
+                               "must be one tensor (the MTP layers share the main model's)")
+        return parts[0].contiguous()
+    if kind in ("conv1d", "transpose"):
         return parts[0].t().contiguous()
+    if kind in ("gate_up_mix", "gate_up_mix_t"):
+        t = parts[0].t() if kind == "gate_up_mix_t" else parts[0]
+        ffn = _gate_up_rows(t, what)
+        return t.reshape(ffn, 2, *t.shape[1:]).transpose(0, 1).reshape(t.shape).contiguous()
     if kind == "gate_up":
         return torch.cat(parts, dim=0)
     if kind in ("qkv_cat", "qkv_conv1d"):
