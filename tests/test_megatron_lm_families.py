@@ -61,7 +61,9 @@ EXPECTED = {
                      "decoder.layers.1.mlp.shared_experts.gate_weight",
                      "decoder.layers.2.mlp.shared_experts.linear_fc2.weight",
                      "decoder.layers.2.mlp.experts.experts.0.linear_fc2.weight"],
-    "mtp": [],
+    "mtp": ["mtp.layers.0.eh_proj.weight", "mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight",
+            "mtp.layers.0.final_layernorm.weight",
+            "mtp.layers.0.transformer_layer.self_attention.linear_qkv.weight", "output_layer.weight"],
 }
 
 
