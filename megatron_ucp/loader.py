@@ -58,7 +58,7 @@ def _check_params(source, params: list[LocalParam], strict: bool) -> None:
             raise UCPError(f"{where}: the model's parameter {lp.spec.name} (local name "
                            f"{lp.local_name}) is not in the checkpoint; the model has a module the "
                            "saved run did not have: build the checkpoint's architecture")
-        for k in ("shape", "tp_axis", "tp_blocks"):
+        for k in ("shape", "tp_axis", "tp_blocks", "tp_sections"):
             theirs, mine = getattr(entry.spec, k), getattr(lp.spec, k)
             if (k == "shape" and lp.spec.vocab_rows and true_vocab and theirs[1:] == mine[1:]
                     and mine[0] >= true_vocab):

@@ -13,6 +13,9 @@ What differs, and where it is handled:
 * TransformerConfig fields that 0.19 deprecated and refuses in combinations that Megatron-LM
   0.16's arguments wrote by default (`moe_deepep_num_sms=20` with `moe_hybridep_num_sms=16`):
   `config_kwargs_from_args` leaves them out when rebuilding a model from another run's args.
+* Hybrid (Mamba) models: 0.16's MambaModel keeps its layer pattern as `hybrid_override_pattern`;
+  0.19's HybridModel (MambaModel is a deprecated subclass) as `hybrid_layer_pattern`, taking the
+  old name as a deprecated argument (the attribute is then None): `hybrid_layer_pattern`.
 """
 
 from __future__ import annotations
@@ -103,3 +106,8 @@ def config_kwargs_from_args(kw: dict) -> dict:
     """TransformerConfig keyword arguments taken from a Megatron-LM run's `args` (which may come
     from another release), without the fields this release keeps only as deprecated aliases."""
     return {k: v for k, v in kw.items() if k not in DEPRECATED_CONFIG_FIELDS}
+
+
+def hybrid_layer_pattern(model) -> str | None:
+    """A hybrid model's layer pattern (`M*-E`: Mamba, attention, MLP, MoE), None for other models."""
+    return getattr(model, "hybrid_layer_pattern", None) or getattr(model, "hybrid_override_pattern", None)

@@ -188,7 +188,10 @@ def _tp_axis(param: torch.Tensor, owner, sh: ShardedTensor, local_key: str,
     if is_legacy_grouped_mlp(owner):
         axis = 0 if param is owner.weight1 else 1
     elif hasattr(param, "tensor_model_parallel"):
-        axis = param.partition_dim if param.tensor_model_parallel else None
+        # megatron-core's Mamba mixer marks its per-channel parameters (conv1d, dt_bias, A_log, D,
+        # the gated norm) `tensor_model_parallel` without a `partition_dim` and declares them
+        # split on dim 0, the dim megatron's attribute defaults to elsewhere
+        axis = getattr(param, "partition_dim", 0) if param.tensor_model_parallel else None
     elif isinstance(owner, (ColumnParallelLinear, VocabParallelEmbedding)) and param is owner.weight:
         axis = 0
     elif isinstance(owner, RowParallelLinear) and param is owner.weight:
@@ -251,6 +254,29 @@ def sharded_pieces(local_key: str, param: torch.Tensor, entry) -> list[ShardedTe
     dtype = torch.int32 if param.numel() < 2**31 else torch.int64
     probe = torch.arange(param.numel(), dtype=dtype, device="cpu").view(param.shape)
     return _flatten(entry.build_fn(entry.key, probe, entry.replica_id, entry.flattened_range))
+
+
+def sections(local_key: str, factory_key: str, subs: list[ShardedTensor], tp_axis: int | None,
+             first_dim: int) -> tuple[list[int] | None, dict[str, int]]:
+    """A factory whose pieces carry different keys splits one parameter into sections, each a
+    tensor of its own split over TP on its own: megatron-core's Mamba mixer declares in_proj as
+    `in_proj.weight.z/.x/.B/.C/.dt` and conv1d as `.x/.B/.C` (`_split_tensor_factory`). The
+    universal tensor is the whole parameter as TP 1 holds it, the sections one after another
+    along the TP axis. Returns (global section sizes or None, each key's offset along the axis)."""
+    keys = list(dict.fromkeys(sh.key for sh in subs))
+    if len(keys) == 1:
+        return None, {keys[0]: 0}
+    if tp_axis is None or any(not k.startswith(factory_key + ".") for k in keys):
+        raise UCPError(f"parameter {local_key!r}: its sharded_state_dict splits it into {keys}, which "
+                       f"are not sections of {factory_key!r} along a TP axis; no rule maps it")
+    shapes = {sh.key: tuple(sh.global_shape[first_dim:]) for sh in subs}
+    rest = {k: shape[:tp_axis] + shape[tp_axis + 1:] for k, shape in shapes.items()}
+    if len(set(rest.values())) != 1:
+        raise UCPError(f"parameter {local_key!r}: its sections {shapes} differ off the TP axis "
+                       f"{tp_axis}; no rule maps it")
+    sizes = [shapes[k][tp_axis] for k in keys]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return sizes, dict(zip(keys, starts))
 
 
 def strided_pieces(local_key: str, param: torch.Tensor, subs: list[ShardedTensor],
@@ -342,20 +368,25 @@ def local_params(model_chunks: list) -> list[LocalParam]:
             subs = sharded_pieces(local_key, param, entry)
             first = subs[0]
             p = first.prepend_axis_num
-            name = universal_name(local_key, first.key, tuple(first.global_offset[:p]))
             owner = owners.get(id(param))
             # GroupedMLP fuses its local experts into one parameter; its sharded tensors stack them
             # along their first dim, which becomes the global expert index in the name, as for
             # SequentialMLP (megatron declares the two forms with the same keys).
             fused = is_legacy_grouped_mlp(owner)
             tp_axis = _tp_axis(param, owner, first, local_key, p + fused)
+            section_sizes, section_start = sections(local_key, entry.key, subs, tp_axis, p + fused)
+            name = universal_name(local_key, entry.key if section_sizes else first.key,
+                                  tuple(first.global_offset[:p]))
+            shape = tuple(first.global_shape[p + fused:])
+            if section_sizes:
+                shape = shape[:tp_axis] + (sum(section_sizes),) + shape[tp_axis + 1:]
             if is_buffer and (len(subs) > 1 or any(f > 1 for f in first.axis_fragmentations[p:])
                               or not param.is_floating_point()):
                 raise UCPError(f"buffer {local_key!r} is split over TP or is not floating point; "
                                "megatron-ucp v1 carries replicated floating-point buffers only")
             spec = ParamSpec(
                 name=name,
-                shape=tuple(first.global_shape[p + fused:]),
+                shape=shape,
                 dtype=DTYPE_NAMES[param.dtype],
                 tp_axis=tp_axis,
                 tp_blocks=len(subs),
@@ -363,8 +394,13 @@ def local_params(model_chunks: list) -> list[LocalParam]:
                 aliases=[name_in_model] if _pipeline_copy(first.replica_id) else [],
                 vocab_rows=id(param) in vocab,
                 buffer=is_buffer,
+                tp_sections=section_sizes,
             )
             pieces = strided_pieces(local_key, param, subs, isinstance(entry, ShardedTensorFactory))
+            if section_sizes:  # each section's piece moves to where the section starts
+                pieces = [pc._replace(offset=tuple(o + section_start[sh.key] * (d == tp_axis)
+                                                   for d, o in enumerate(pc.offset)))
+                          for pc, sh in zip(pieces, subs)]
             # a buffer is not sharded by the optimizer: one DP replica writes it
             canonical = _canonical(first.replica_id) and not (is_buffer and _dp_copy(first.replica_id))
             if fused:

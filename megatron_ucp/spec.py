@@ -110,14 +110,19 @@ class ParamSpec:
     shape: tuple[int, ...]
     dtype: str  # model weight dtype when saved; master weights and optimizer state are float32
     tp_axis: int | None  # dim that tensor parallelism splits; None = replicated over TP
-    tp_blocks: int = 1  # equal blocks along tp_axis each split over TP (2: SwiGLU gate and up halves)
+    tp_blocks: int = 1  # blocks along tp_axis each split over TP (2: SwiGLU gate and up halves)
     aliases: list[str] = field(default_factory=list)  # other local names holding the same tensor
     vocab_rows: bool = False  # dim 0 is the (padded) vocabulary: rows past the true vocab are padding
     buffer: bool = False  # a persistent buffer, not trained: no optimizer state, stored as fp32
+    # the blocks' sizes along tp_axis where they differ (None: tp_blocks equal blocks): Mamba's
+    # in_proj is [z, x, B, C, dt] and its conv1d [x, B, C], each section split over TP on its own
+    tp_sections: list[int] | None = None
 
     def to_json(self) -> dict:
         d = asdict(self)
         d["shape"] = list(self.shape)
+        if self.tp_sections is None:  # (absent, as in manifests written before sections existed)
+            del d["tp_sections"]
         return d
 
     @classmethod

@@ -14,6 +14,9 @@ ARCH_FIELDS = (
     # what the same weights compute: attention windows, softmax, RoPE-free layers
     "window_size", "window_attn_skip_freq", "softmax_type", "no_rope_freq", "attention_output_gate",
     "multi_latent_attention",
+    # hybrid models (MambaModel): which layer is what, and the Mamba mixer's sizes
+    "hybrid_layer_pattern", "mamba_state_dim", "mamba_head_dim",
+    "mamba_num_groups", "mamba_num_heads",
 )
 
 # TransformerConfig (and MLATransformerConfig) fields the manifest does not record, and why: none
@@ -78,12 +81,18 @@ def model_config(model_chunks: list) -> dict:
     # need not pay megatron-core's import (seconds, ~130 MB)
     from megatron.core.utils import unwrap_model
 
+    from megatron_ucp.mcore_compat import hybrid_layer_pattern
+
     model = unwrap_model(model_chunks[0])
     cfg = config_record(model.config)
     for k in ("vocab_size", "max_sequence_length", "share_embeddings_and_output_weights",
               "position_embedding_type"):
         if hasattr(model, k):
             cfg[k] = getattr(model, k)
+    # a hybrid model's layer pattern (MambaModel's, not in TransformerConfig), under one name on
+    # every release
+    if hybrid_layer_pattern(model):
+        cfg["hybrid_layer_pattern"] = hybrid_layer_pattern(model)
     if cfg.get("num_query_groups") is None:
         cfg["num_query_groups"] = cfg.get("num_attention_heads")
     # megatron gives linear_qkv a bias if either flag is set (Megatron-LM sets both)

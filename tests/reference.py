@@ -21,8 +21,13 @@ COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_f
           "eh_proj.weight",  # MTP's projection of [embedding, hidden]: column-parallel
           # MLA's projections (local spec): all column-parallel, outputs gathered where needed
           "linear_q_proj.weight", "linear_q_down_proj.weight", "linear_q_up_proj.weight",
-          "linear_kv_down_proj.weight", "linear_kv_up_proj.weight")
-ROW = ("linear_proj.weight", "linear_fc2.weight")
+          "linear_kv_down_proj.weight", "linear_kv_up_proj.weight",
+          # Mamba's mixer: in_proj column-parallel, its per-channel parameters split with the heads
+          # (megatron-core 0.19 holds conv1d's as parameters conv1d_weight and conv1d_bias)
+          "in_proj.weight", "conv1d.weight", "conv1d.bias", "conv1d_weight", "conv1d_bias",
+          "mixer.dt_bias", "mixer.A_log", "mixer.D",
+          "mixer.norm.weight")
+ROW = ("linear_proj.weight", "linear_fc2.weight", "out_proj.weight")
 
 
 def tp_axis(name: str) -> int | None:
@@ -33,8 +38,23 @@ def tp_axis(name: str) -> int | None:
     return None
 
 
-def blocks(name: str, swiglu: bool) -> int:
-    return 2 if swiglu and name.endswith(("linear_fc1.weight", "linear_fc1.bias")) else 1
+def sections(name: str, swiglu: bool, coords: dict) -> list[int]:
+    """Global sizes of the blocks along the TP axis that TP splits one by one: SwiGLU's gate and
+    up halves; Mamba's in_proj [z, x, B, C, dt] and conv1d [x, B, C] (MambaMixer.__init__)."""
+    m = coords.get("mamba")
+    if m and name.endswith("mixer.in_proj.weight"):
+        return [m["d_inner"], m["d_inner"], m["groups_x_state"], m["groups_x_state"], m["heads"]]
+    if m and name.endswith(("mixer.conv1d.weight", "mixer.conv1d.bias", "mixer.conv1d_weight",
+                            "mixer.conv1d_bias")):
+        return [m["d_inner"], m["groups_x_state"], m["groups_x_state"]]
+    return [0, 0] if swiglu and name.endswith(("linear_fc1.weight", "linear_fc1.bias")) else [0]
+
+
+def _split(t: torch.Tensor, sizes: list[int], axis: int, tp_size: int) -> tuple[torch.Tensor, ...]:
+    """`t` (full: tp_size 1, or one TP rank's) cut into its blocks: equal ones where sizes are 0."""
+    if 0 in sizes:
+        return t.chunk(len(sizes), dim=axis)
+    return t.split([n // tp_size for n in sizes], dim=axis)
 
 
 GROUPED = re.compile(r"(.*\.mlp\.experts\.)weight([12])$")
@@ -94,22 +114,22 @@ def load_dumps(dump_dir: Path) -> list[dict]:
     return [torch.load(p, weights_only=False) for p in sorted(Path(dump_dir).glob("rank*.pt"))]
 
 
-def _join_tp(name: str, shards: list[torch.Tensor], swiglu: bool) -> torch.Tensor:
+def _join_tp(name: str, shards: list[torch.Tensor], swiglu: bool, coords: dict) -> torch.Tensor:
     axis = tp_axis(name)
     if axis is None:
         for s in shards[1:]:
             assert torch.equal(s, shards[0]), f"replicated {name} differs across TP ranks"
         return shards[0]
-    parts = [s.chunk(blocks(name, swiglu), dim=axis) for s in shards]
+    parts = [_split(s, sections(name, swiglu, coords), axis, len(shards)) for s in shards]
     return torch.cat([torch.cat([p[b] for p in parts], dim=axis) for b in range(len(parts[0]))], dim=axis)
 
 
-def tp_slice(name: str, full: torch.Tensor, tp: int, tp_size: int, swiglu: bool) -> torch.Tensor:
+def tp_slice(name: str, full: torch.Tensor, coords: dict, swiglu: bool) -> torch.Tensor:
     axis = tp_axis(name)
     if axis is None:
         return full
-    return torch.cat([b.chunk(tp_size, dim=axis)[tp] for b in full.chunk(blocks(name, swiglu), dim=axis)],
-                     dim=axis)
+    blocks = _split(full, sections(name, swiglu, coords), axis, 1)
+    return torch.cat([b.chunk(coords["tp_size"], dim=axis)[coords["tp"]] for b in blocks], dim=axis)
 
 
 def assemble(dump_dir: Path, swiglu: bool = False) -> dict[str, dict]:
@@ -149,7 +169,7 @@ def assemble(dump_dir: Path, swiglu: bool = False) -> dict[str, dict]:
         else:
             per_key = {key: locals_}
         for k, states in per_key.items():
-            full[k] = {s: _join_tp(k, xs, swiglu) for s, xs in states.items()}
+            full[k] = {s: _join_tp(k, xs, swiglu, tps[0]["coords"]) for s, xs in states.items()}
             if steps:
                 full[k]["step"] = next(iter(steps))
     return full
@@ -173,7 +193,7 @@ def _expert_keys(key: str, e: dict, c: dict) -> list[str]:
 
 def _want(key: str, e: dict, c: dict, expected: dict, state: str, swiglu: bool) -> torch.Tensor:
     """The reference for dump entry `e` (a TP-local tensor) of one state."""
-    tp_local = {k: tp_slice(k, expected[k][state], c["tp"], c["tp_size"], swiglu)
+    tp_local = {k: tp_slice(k, expected[k][state], c, swiglu)
                 for k in _expert_keys(key, e, c)}
     return fuse_grouped(key, tp_local, c, e["model"].shape) if GROUPED.match(e["name"]) else tp_local[key]
 

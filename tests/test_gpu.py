@@ -105,6 +105,26 @@ def test_te_and_local_specs_share_universal_names(te_run, tmp_path):
 
 
 @needs_te
+def test_hybrid_mamba_te_and_local_specs_share_universal_names():
+    """A hybrid model (Mamba, attention, MLP, MoE layers) with megatron-core's TE stack spec
+    (`mamba_stack_spec`: the Mamba layer's norm fused into in_proj) and with the local one
+    (megatron_ucp.testing.mamba_cpu.local_mamba_stack_spec) declares the same universal tensors,
+    split the same way. (Not run on CPU hosts: TE's sharded_state_dict needs TE.)"""
+    cfg = {"hybrid_pattern": "M*-E", "normalization": "RMSNorm", "add_bias_linear": False,
+           "untie_embeddings": True, "position_embedding_type": "none", "num_experts": 4,
+           "dtype": "bf16", "extra": {"mamba_state_dim": 8, "mamba_head_dim": 16, "mamba_num_groups": 2}}
+
+    def specs(impl: str) -> dict:
+        res = launch(1, f"{SCENARIOS}:param_specs",
+                     {"layout": "tp1", "cfg": {**cfg, "transformer_impl": impl}}, timeout=600)
+        return {s["name"]: (s["shape"], s["tp_axis"], s.get("tp_sections")) for s in res[0]}
+
+    te, local = specs("transformer_engine"), specs("local")
+    assert te == local
+    assert "decoder.layers.0.mixer.in_proj.layer_norm_weight" in te
+
+
+@needs_te
 def test_te_and_local_mla_share_universal_names(tmp_path):
     """MLA (DeepSeek-V3 shape, dense first layer): TE fuses the q/kv latent norms and the dense
     MLP's norm into the next linear; the local spec does not (param_spec.TE_FUSED_NORMS). A TE

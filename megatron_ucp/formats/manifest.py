@@ -154,7 +154,7 @@ class SliceEntry:
 
 
 _SPEC_REQUIRED = ("name", "shape", "dtype", "tp_axis")
-_SPEC_OPTIONAL = ("tp_blocks", "aliases", "vocab_rows", "buffer")
+_SPEC_OPTIONAL = ("tp_blocks", "aliases", "vocab_rows", "buffer", "tp_sections")
 
 
 @dataclass
@@ -203,6 +203,8 @@ class ParamEntry:
     def to_json(self) -> dict:
         # (`ParamSpec.to_json` without dataclasses.asdict's deep copy: 20k specs in an index)
         d = {**vars(self.spec), "shape": list(self.spec.shape), "aliases": list(self.spec.aliases)}
+        if self.spec.tp_sections is None:
+            del d["tp_sections"]
         if self.step is not None:
             d["step"] = self.step
         if self.tensors is not None:
@@ -215,7 +217,8 @@ class ParamEntry:
     def from_json(cls, d, kind: str, n_files: int, check: _Check, path: str) -> ParamEntry:
         if kind == "fragments" and _plain_fragment_entry(d):  # the common case, checked in one go
             spec = ParamSpec(d["name"], tuple(d["shape"]), d["dtype"], d["tp_axis"], d.get("tp_blocks", 1),
-                             list(d.get("aliases", [])), d.get("vocab_rows", False), d.get("buffer", False))
+                             list(d.get("aliases", [])), d.get("vocab_rows", False), d.get("buffer", False),
+                             d.get("tp_sections"))
             return cls(spec, d.get("step"), slices_json=d.get("slices"), parse_check=(check, n_files))
         storage = ("tensors",) if kind == "universal" else ("slices",)
         check.obj(d, path, _SPEC_REQUIRED + (("step",) + storage if kind == "universal" else ()),
@@ -234,7 +237,9 @@ class ParamEntry:
             check.typed(a, f"{path}.aliases[{i}]", str)
         spec = ParamSpec(d["name"], tuple(shape), d["dtype"], tp_axis, blocks, list(aliases),
                          check.typed(d.get("vocab_rows", False), f"{path}.vocab_rows", bool),
-                         check.typed(d.get("buffer", False), f"{path}.buffer", bool))
+                         check.typed(d.get("buffer", False), f"{path}.buffer", bool),
+                         _sections(d.get("tp_sections"), shape, tp_axis, blocks, check,
+                                   f"{path}.tp_sections"))
         step = d.get("step")
         if step is not None:
             step = check.typed(step, f"{path}.step", (int, float))
@@ -276,7 +281,19 @@ def _plain_fragment_entry(d) -> bool:
             and type(d.get("tp_blocks", 1)) is int
             and type(aliases) is list and all(type(a) is str for a in aliases)
             and type(d.get("vocab_rows", False)) is bool and type(d.get("buffer", False)) is bool
+            and d.get("tp_sections") is None
             and type(step) in (int, float) and type(d.get("slices", [])) is list)
+
+
+def _sections(sections, shape: list[int], tp_axis: int | None, blocks: int, check: _Check,
+              path: str) -> list[int] | None:
+    """tp_sections: None, or tp_blocks positive sizes that add up to the TP axis."""
+    if sections is None:
+        return None
+    sizes = check.ints(sections, path)
+    if tp_axis is None or len(sizes) != blocks or sum(sizes) != shape[tp_axis] or 0 in sizes:
+        raise check.fail(path, f"{sizes} are not {blocks} sections of dim {tp_axis} of shape {shape}")
+    return list(sizes)
 
 
 def _slice_from_json(d, n_files: int, check: _Check, path: str, name: str) -> SliceEntry:

@@ -64,12 +64,24 @@ def dump_local_state(state: tg.TrainState, dump_dir: str) -> None:
     coords = {"tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
               "dp": ps.get_data_parallel_rank(), "layout": str(state.layout),
               "tp_size": state.layout.tp, "pp_size": state.layout.pp, "vpp": state.layout.vpp or 1,
-              "num_layers": state.config.num_layers, "ep": ps.get_expert_model_parallel_rank(),
+              "num_layers": len(state.config.hybrid_pattern or "") or state.config.num_layers,
+              "ep": ps.get_expert_model_parallel_rank(),
               "ep_size": state.layout.ep, "num_experts": state.config.num_experts or 0,
               "first_stage_layers": state.config.extra.get("num_layers_in_first_pipeline_stage"),
-              "last_stage_layers": state.config.extra.get("num_layers_in_last_pipeline_stage")}
+              "last_stage_layers": state.config.extra.get("num_layers_in_last_pipeline_stage"),
+              "mamba": _mamba_dims(state)}
     Path(dump_dir).mkdir(parents=True, exist_ok=True)
     torch.save({"coords": coords, "params": entries}, Path(dump_dir) / f"rank{dist.get_rank()}.pt")
+
+
+def _mamba_dims(state: tg.TrainState) -> dict | None:
+    """A hybrid model's Mamba mixer sizes (megatron-core's MambaMixer attributes), which say how
+    its in_proj and conv1d are laid out; None for a model without Mamba layers."""
+    for chunk in state.model:
+        for m in unwrap_model(chunk).modules():
+            if hasattr(m, "d_inner") and hasattr(m, "ngroups") and hasattr(m, "nheads"):
+                return {"d_inner": m.d_inner, "groups_x_state": m.ngroups * m.d_state, "heads": m.nheads}
+    return None
 
 
 def dump_rng(rng_dir: str) -> None:

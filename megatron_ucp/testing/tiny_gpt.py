@@ -111,6 +111,9 @@ class TinyGPTConfig:
     initial_loss_scale: float = 2.0**12  # fp16 dynamic loss scaling
     micro_batch_size: int = 2
     global_batch_size: int = 8
+    # a hybrid model (megatron-core's MambaModel): one symbol per layer, M Mamba, * attention,
+    # - MLP, E MoE (num_layers is its length); the Mamba math on CPU is megatron_ucp.testing.mamba_cpu
+    hybrid_pattern: str | None = None
     extra: dict = field(default_factory=dict)  # extra TransformerConfig fields
 
 
@@ -151,10 +154,12 @@ def transformer_config(cfg: TinyGPTConfig, layout: Layout) -> TransformerConfig:
 
 def _config_fields(cfg: TinyGPTConfig, layout: Layout, bf16: bool, fp16: bool, dtype) -> dict:
     """TransformerConfig fields for `cfg` at `layout` (cfg.extra may override any of them)."""
-    same = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+    same = ("hidden_size", "num_attention_heads", "num_query_groups",
             "ffn_hidden_size", "normalization", "add_bias_linear", "qk_layernorm")
     return dict(
         **{k: getattr(cfg, k) for k in same},
+        num_layers=len(cfg.hybrid_pattern) if cfg.hybrid_pattern else cfg.num_layers,
+        is_hybrid_model=bool(cfg.hybrid_pattern),
         gated_linear_unit=cfg.swiglu,
         activation_func=torch.nn.functional.silu if cfg.swiglu else torch.nn.functional.gelu,
         tensor_model_parallel_size=layout.tp,
@@ -215,6 +220,8 @@ def build(cfg: TinyGPTConfig, layout: Layout) -> TrainState:
         return spec
 
     layer_spec = stand_ins(layer_spec)
+    if cfg.hybrid_pattern:
+        return _finish(cfg, layout, tf_config, _hybrid_chunks(cfg, layout, tf_config))
     # dense and MoE layers mixed (first-k-dense, moe_layer_freq): megatron-core's per-layer block
     # spec, as Megatron-LM builds it
     mixed = bool(tf_config.num_moe_experts) and tf_config.moe_layer_freq != 1
@@ -254,6 +261,39 @@ def build(cfg: TinyGPTConfig, layout: Layout) -> TrainState:
         if tf_config.bf16 or tf_config.fp16:
             model = Float16Module(tf_config, model)
         chunks.append(model)
+    return _finish(cfg, layout, tf_config, chunks)
+
+
+def _hybrid_chunks(cfg: TinyGPTConfig, layout: Layout, tf_config: TransformerConfig) -> list:
+    """The hybrid model (MambaModel) of `cfg.hybrid_pattern`, with local layers or megatron-core's
+    own Transformer Engine stack spec (one chunk: megatron-core's MambaStack has no virtual
+    pipeline)."""
+    from megatron_ucp.testing.mamba_cpu import MambaModel, local_mamba_stack_spec
+
+    if cfg.transformer_impl == "transformer_engine":
+        from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec as spec
+    else:
+        spec = local_mamba_stack_spec(cfg.normalization, cfg.num_experts, cfg.moe_grouped_gemm,
+                                      norm=SequenceParallelTorchNorm if cfg.sequence_parallel else None)
+    model = MambaModel(
+        config=tf_config,
+        mamba_stack_spec=spec,
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.seq_length,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        hybrid_override_pattern=cfg.hybrid_pattern,
+        share_embeddings_and_output_weights=not cfg.untie_embeddings,
+        position_embedding_type=cfg.position_embedding_type,
+    )
+    model.cuda(torch.cuda.current_device())
+    if tf_config.bf16 or tf_config.fp16:
+        model = Float16Module(tf_config, model)
+    return [model]
+
+
+def _finish(cfg: TinyGPTConfig, layout: Layout, tf_config: TransformerConfig, chunks: list) -> TrainState:
+    """DDP, the distributed optimizer and the LR schedule around the model chunks."""
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
     )
