@@ -134,6 +134,7 @@ def main() -> int:
     ap.add_argument("--work", default="/tmp/megatron_ucp_resume")
     ap.add_argument("--json", default=None)
     ap.add_argument("--only", default=None, help="regex on the fixture name")
+    ap.add_argument("--port", type=int, default=29950, help="first master port (one per run)")
     a = ap.parse_args()
     for var in ("MLM_SRC", "MLM_HARNESS"):
         if var not in os.environ:
@@ -141,7 +142,7 @@ def main() -> int:
     work = Path(a.work)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    rows, port = [], 29950
+    rows, port = [], a.port
     refs = {}
     cases = [c for c in CASES if not a.only or re.search(a.only, c[0])]
     references = [(f, None, None, None, REFERENCE_FLAGS.get(f, [])) for f in SOURCE_LAYOUT
