@@ -52,9 +52,17 @@ LLAMA = ("--swiglu --group-query-attention --num-query-groups 2 --normalization 
          "--disable-bias-linear --no-rope-fusion").split()
 MOE = "--num-experts 4 --moe-router-topk 2 --moe-token-dispatcher-type allgather".split()
 QWEN3_MOE = [*LLAMA, "--qk-layernorm", *MOE, "--moe-ffn-hidden-size", "64"]
-MODEL_FLAGS = {"torch_llama_tp2": LLAMA, "torch_moe_ep2": MOE, "torch_dist_qwen3moe_ep2_fully": QWEN3_MOE}
+DEEPSEEK_MOE = [*LLAMA, *MOE, "--moe-ffn-hidden-size", "48", "--moe-layer-freq", "[0]*1+[1]*2",
+                "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                "--moe-router-topk-scaling-factor", "2.5", "--moe-shared-expert-intermediate-size", "64",
+                "--moe-shared-expert-gate"]
+MTP = [*LLAMA, "--mtp-num-layers", "1"]
+MODEL_FLAGS = {"torch_llama_tp2": LLAMA, "torch_moe_ep2": MOE, "torch_dist_qwen3moe_ep2_fully": QWEN3_MOE,
+               "torch_dist_dsmoe_ep2_fully": DEEPSEEK_MOE, "torch_dist_mtp_pp2_fully": MTP}
 # extra flags of the reference run (the fixture resumed at its own layout)
-REFERENCE_FLAGS = {"torch_dist_qwen3moe_ep2_fully": ["--dist-ckpt-optim-fully-reshardable"]}
+FULLY = ["--dist-ckpt-optim-fully-reshardable"]
+REFERENCE_FLAGS = {"torch_dist_qwen3moe_ep2_fully": FULLY, "torch_dist_dsmoe_ep2_fully": FULLY,
+                   "torch_dist_mtp_pp2_fully": [*FULLY, "--decoder-last-pipeline-num-layers", "2"]}
 # fixture -> its layout at save (Megatron flags)
 SOURCE_LAYOUT = {
     "torch_dp2": dict(fmt="torch", tp=1, pp=1, dp=2),
@@ -63,6 +71,8 @@ SOURCE_LAYOUT = {
     "torch_llama_tp2": dict(fmt="torch", tp=2, pp=1, dp=1),
     "torch_moe_ep2": dict(fmt="torch", tp=1, pp=1, dp=2, ep=2),
     "torch_dist_qwen3moe_ep2_fully": dict(fmt="torch_dist", tp=1, pp=1, dp=2, ep=2),
+    "torch_dist_dsmoe_ep2_fully": dict(fmt="torch_dist", tp=1, pp=1, dp=2, ep=2),
+    "torch_dist_mtp_pp2_fully": dict(fmt="torch_dist", tp=1, pp=2, dp=1),
 }
 # (fixture, target format, target layout, optimizer sharding for torch_dist, extra Megatron flags)
 CASES = [
@@ -84,6 +94,10 @@ CASES = [
      ["--micro-batch-size", "1", "--dist-ckpt-optim-fully-reshardable"]),
     ("torch_dist_qwen3moe_ep2_fully", "torch_dist", dict(tp=1, pp=1, dp=4, ep=4), "fully_reshardable",
      ["--micro-batch-size", "1", "--dist-ckpt-optim-fully-reshardable"]),
+    ("torch_dist_dsmoe_ep2_fully", "torch_dist", dict(tp=1, pp=1, dp=4, ep=4), "fully_reshardable",
+     ["--micro-batch-size", "1", "--dist-ckpt-optim-fully-reshardable"]),
+    ("torch_dist_mtp_pp2_fully", "torch_dist", dict(tp=2, pp=1, dp=1), "fully_reshardable",
+     ["--dist-ckpt-optim-fully-reshardable"]),
 ]
 
 
@@ -121,7 +135,8 @@ def run_megatron(load: Path, save: Path, lay: dict, fmt: str, extra: list[str], 
     if rc == 0:
         try:
             src = open_source(save)
-            steps = {src.step(n) for n in src.manifest.params}
+            # a buffer (the router's expert_bias) has no Adam step
+            steps = {src.step(n) for n, p in src.manifest.params.items() if not p.spec.buffer}
             step = steps.pop() if len(steps) == 1 else sorted(steps)
         except UCPError as e:  # report, and go on with the other cases
             step = f"unreadable: {e}"
