@@ -62,13 +62,16 @@ def assert_holds_universal(full: dict[str, dict], udir: Path, model_dtype: torch
     assert set(full) == set(manifest["params"]), sorted(set(full) ^ set(manifest["params"]))
     n = 0
     for name, got in full.items():
-        for s in states:
+        # a persistent buffer (MoE expert_bias) carries its value only, in its own dtype
+        buffer = manifest["params"][name].get("buffer", False)
+        for s in ("param",) if buffer else states:
             want = tensors[f"{name}/{s}"]
             assert got[s].dtype == want.dtype and got[s].shape == want.shape, (name, s)
             assert torch.equal(got[s], want), f"{name}/{s} differs from the universal tensor"
             n += 1
         if model_dtype is not None:
-            assert torch.equal(got["model"], tensors[f"{name}/param"].to(model_dtype)), f"{name} model"
+            dtype = got["model"].dtype if buffer else model_dtype
+            assert torch.equal(got["model"], tensors[f"{name}/param"].to(dtype)), f"{name} model"
         if step is not None and "step" in got:
             assert got["step"] == step == manifest["params"][name]["step"], name
     return n
@@ -278,9 +281,11 @@ def tensor_keys(ckpt: Path) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.size) for k, v in meta.items() if hasattr(v, "size")}
 
 
-def model_key(name: str) -> tuple[str, tuple[int, ...]]:
+def model_key(name: str, stacked_layers: bool = True) -> tuple[str, tuple[int, ...]]:
     """'decoder.layers.1.x.weight' -> ('decoder.layers.x.weight', (1,)); experts stacked too:
-    'decoder.layers.1.mlp.experts.experts.3.w' -> ('decoder.layers.mlp.experts.experts.w', (1, 3))."""
+    'decoder.layers.1.mlp.experts.experts.3.w' -> ('decoder.layers.mlp.experts.experts.w', (1, 3)).
+    stacked_layers=False: a model whose layers differ (first layers dense, then MoE) keeps the
+    global layer number in the key, 'decoder.layers.1.mlp.experts.experts.w' (3,)."""
     m = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name)
     if not m:
         return name, ()
@@ -288,24 +293,31 @@ def model_key(name: str) -> tuple[str, tuple[int, ...]]:
     e = re.fullmatch(r"(mlp\.experts\.experts)\.(\d+)\.(.+)", rest)
     if e:
         rest, index = f"{e.group(1)}.{e.group(3)}", (*index, int(e.group(2)))
+    if not stacked_layers:
+        return f"decoder.layers.{index[0]}.{rest}", index[1:]
     return f"decoder.layers.{rest}", index
 
 
-def fully_reshardable_full(ckpt: Path, names: list[str]) -> dict[str, dict]:
+def fully_reshardable_full(ckpt: Path, names: list[str], buffers: tuple[str, ...] = (),
+                           stacked_layers: bool = True) -> dict[str, dict]:
     """Universal name -> {"model", state...} from a fully_reshardable torch_dist checkpoint
     (`<model key>[stacked index]` and `optimizer.state.<state>.<model key>[stacked index]`).
     Also asserts that the checkpoint holds no tensor these names do not account for and that the
-    names fill every stacked index."""
-    keyed = {n: model_key(n) for n in names}
+    names fill every stacked index. `buffers` (e.g. the MoE router's expert_bias) have no optimizer
+    state: their "param" is the stored value in fp32. stacked_layers: see model_key."""
+    keyed = {n: model_key(n, stacked_layers) for n in names}
     model_keys = sorted({k for k, _ in keyed.values()})
-    wanted = model_keys + [f"optimizer.state.{s}.{k}" for k in model_keys for s in STATES]
+    buffer_keys = {keyed[n][0] for n in buffers}
+    wanted = model_keys + [f"optimizer.state.{s}.{k}" for k in model_keys if k not in buffer_keys
+                           for s in STATES]
     stored = tensor_keys(ckpt)
     assert set(stored) == set(wanted), sorted(set(stored) ^ set(wanted))
     for k in model_keys:
         indices = {i for key, i in keyed.values() if key == k}
         assert len(indices) == math.prod(stored[k][:len(next(iter(indices)))]), k
     t = load_keys(ckpt, wanted)
-    return {n: {"model": t[k][i], **{s: t[f"optimizer.state.{s}.{k}"][i] for s in STATES}}
+    return {n: {"model": t[k][i], "param": t[k][i].float()} if n in buffers else
+            {"model": t[k][i], **{s: t[f"optimizer.state.{s}.{k}"][i] for s in STATES}}
             for n, (k, i) in keyed.items()}
 
 

@@ -253,8 +253,7 @@ def check_supported(args, where: Path | str) -> None:
     if getattr(args, "transformer_impl", "local") != "local":
         problems.append(f"--transformer-impl {args.transformer_impl}: rebuilding TransformerEngine "
                         "layers needs TransformerEngine, which megatron-ucp does not use")
-    for flag in ("spec", "yaml_cfg", "heterogeneous_layers_config_path", "mtp_num_layers",
-                 "experimental_attention_variant"):
+    for flag in ("spec", "yaml_cfg", "heterogeneous_layers_config_path", "experimental_attention_variant"):
         if getattr(args, flag, None):
             problems.append(f"--{flag.replace('_', '-')} is set")
     if not getattr(args, "use_distributed_optimizer", False):

@@ -230,28 +230,34 @@ def _build_chunk(args, config, vp: int | None):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec,
-        get_gpt_layer_local_spec,
+        get_gpt_decoder_layer_specs,
+        get_gpt_mtp_block_spec,
     )
 
+    qk_l2_norm = getattr(args, "qk_l2_norm", False)
     if getattr(args, "num_experts", None):
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
-                                          normalization=args.normalization,
-                                          qk_l2_norm=getattr(args, "qk_l2_norm", False), vp_stage=vp)
+                                          normalization=args.normalization, qk_l2_norm=qk_l2_norm,
+                                          vp_stage=vp)
     else:
-        # a dense model: the MoE switches (grouped GEMM, legacy GroupedMLP) select nothing here
-        spec = get_gpt_layer_local_spec(
-            num_experts=None, qk_layernorm=getattr(args, "qk_layernorm", False),
-            multi_latent_attention=getattr(args, "multi_latent_attention", False),
-            normalization=args.normalization, qk_l2_norm=getattr(args, "qk_l2_norm", False))
+        spec = _dense_layer_spec(args)
+    mtp_spec = None
+    if getattr(args, "mtp_num_layers", None):
+        # gpt_builders: the MTP layer takes the spec of the decoder's last layer (the dense layer
+        # spec when this stage builds no decoder layer)
+        if getattr(spec, "layer_specs", None) == []:
+            mtp_layer_spec = _dense_layer_spec(args)
+        else:
+            mtp_layer_spec = get_gpt_decoder_layer_specs(
+                config, use_transformer_engine=False, normalization=args.normalization,
+                qk_l2_norm=qk_l2_norm, vp_stage=vp)[-1]
+        mtp_spec = get_gpt_mtp_block_spec(config, mtp_layer_spec, use_transformer_engine=False,
+                                          vp_stage=vp)
     if getattr(args, "multi_latent_attention", False):
         from megatron.core.transformer.dot_product_attention import DotProductAttention
 
         spec = replace_module(spec, DotProductAttention, _MLACoreAttentionSpecOnly)
-    mtp_spec = None
-    if getattr(args, "mtp_num_layers", None):  # as Megatron-LM's gpt_builders: on the last stage
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
-
-        mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp)
+        mtp_spec = replace_module(mtp_spec, DotProductAttention, _MLACoreAttentionSpecOnly)
     model = GPTModel(
         config=config, transformer_layer_spec=spec, mtp_block_spec=mtp_spec,
         vocab_size=args.padded_vocab_size,
@@ -268,6 +274,17 @@ def _build_chunk(args, config, vp: int | None):
     for p in model.parameters():
         tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
     return model
+
+
+def _dense_layer_spec(args):
+    """gpt_builders' local layer spec of a dense model (the MoE switches, grouped GEMM and legacy
+    GroupedMLP, select nothing without experts)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(
+        num_experts=None, qk_layernorm=getattr(args, "qk_layernorm", False),
+        multi_latent_attention=getattr(args, "multi_latent_attention", False),
+        normalization=args.normalization, qk_l2_norm=getattr(args, "qk_l2_norm", False))
 
 
 @contextlib.contextmanager

@@ -51,7 +51,18 @@ LLAMA = ("--swiglu --group-query-attention --num-query-groups 2 --normalization 
          "--position-embedding-type rope --untie-embeddings-and-output-weights "
          "--disable-bias-linear --no-rope-fusion").split()
 MOE = "--num-experts 4 --moe-router-topk 2 --moe-token-dispatcher-type allgather".split()
-MODEL_FLAGS = {"torch_llama_tp2": LLAMA, "torch_moe_ep2": MOE}
+QWEN3_MOE = [*LLAMA, "--qk-layernorm", *MOE, "--moe-ffn-hidden-size", "64"]
+DEEPSEEK_MOE = [*LLAMA, *MOE, "--moe-ffn-hidden-size", "48", "--moe-layer-freq", "[0]*1+[1]*2",
+                "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                "--moe-router-topk-scaling-factor", "2.5", "--moe-shared-expert-intermediate-size", "64",
+                "--moe-shared-expert-gate"]
+MTP = [*LLAMA, "--mtp-num-layers", "1"]
+MODEL_FLAGS = {"torch_llama_tp2": LLAMA, "torch_moe_ep2": MOE, "torch_dist_qwen3moe_ep2_fully": QWEN3_MOE,
+               "torch_dist_dsmoe_ep2_fully": DEEPSEEK_MOE, "torch_dist_mtp_pp2_fully": MTP}
+# extra flags of the reference run (the fixture resumed at its own layout)
+FULLY = ["--dist-ckpt-optim-fully-reshardable"]
+REFERENCE_FLAGS = {"torch_dist_qwen3moe_ep2_fully": FULLY, "torch_dist_dsmoe_ep2_fully": FULLY,
+                   "torch_dist_mtp_pp2_fully": [*FULLY, "--decoder-last-pipeline-num-layers", "2"]}
 # fixture -> its layout at save (Megatron flags)
 SOURCE_LAYOUT = {
     "torch_dp2": dict(fmt="torch", tp=1, pp=1, dp=2),
@@ -59,6 +70,9 @@ SOURCE_LAYOUT = {
     "torch_dist_tp2_dp2": dict(fmt="torch_dist", tp=2, pp=1, dp=2),
     "torch_llama_tp2": dict(fmt="torch", tp=2, pp=1, dp=1),
     "torch_moe_ep2": dict(fmt="torch", tp=1, pp=1, dp=2, ep=2),
+    "torch_dist_qwen3moe_ep2_fully": dict(fmt="torch_dist", tp=1, pp=1, dp=2, ep=2),
+    "torch_dist_dsmoe_ep2_fully": dict(fmt="torch_dist", tp=1, pp=1, dp=2, ep=2),
+    "torch_dist_mtp_pp2_fully": dict(fmt="torch_dist", tp=1, pp=2, dp=1),
 }
 # (fixture, target format, target layout, optimizer sharding for torch_dist, extra Megatron flags)
 CASES = [
@@ -78,6 +92,12 @@ CASES = [
     # sample per micro-batch to keep the global batch of 4)
     ("torch_moe_ep2", "torch_dist", dict(tp=1, pp=1, dp=4, ep=4), "fully_reshardable",
      ["--micro-batch-size", "1", "--dist-ckpt-optim-fully-reshardable"]),
+    ("torch_dist_qwen3moe_ep2_fully", "torch_dist", dict(tp=1, pp=1, dp=4, ep=4), "fully_reshardable",
+     ["--micro-batch-size", "1", "--dist-ckpt-optim-fully-reshardable"]),
+    ("torch_dist_dsmoe_ep2_fully", "torch_dist", dict(tp=1, pp=1, dp=4, ep=4), "fully_reshardable",
+     ["--micro-batch-size", "1", "--dist-ckpt-optim-fully-reshardable"]),
+    ("torch_dist_mtp_pp2_fully", "torch_dist", dict(tp=2, pp=1, dp=1), "fully_reshardable",
+     ["--dist-ckpt-optim-fully-reshardable"]),
 ]
 
 
@@ -115,7 +135,8 @@ def run_megatron(load: Path, save: Path, lay: dict, fmt: str, extra: list[str], 
     if rc == 0:
         try:
             src = open_source(save)
-            steps = {src.step(n) for n in src.manifest.params}
+            # a buffer (the router's expert_bias) has no Adam step
+            steps = {src.step(n) for n, p in src.manifest.params.items() if not p.spec.buffer}
             step = steps.pop() if len(steps) == 1 else sorted(steps)
         except UCPError as e:  # report, and go on with the other cases
             step = f"unreadable: {e}"
@@ -127,7 +148,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", default="/tmp/megatron_ucp_resume")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--only", default=None, help="regex on the case id")
+    ap.add_argument("--only", default=None, help="regex on the fixture name")
+    ap.add_argument("--port", type=int, default=29950, help="first master port (one per run)")
     a = ap.parse_args()
     for var in ("MLM_SRC", "MLM_HARNESS"):
         if var not in os.environ:
@@ -135,9 +157,12 @@ def main() -> int:
     work = Path(a.work)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    rows, port = [], 29950
+    rows, port = [], a.port
     refs = {}
-    for fixture, fmt, lay, sharding, extra in [(f, None, None, None, []) for f in SOURCE_LAYOUT] + CASES:
+    cases = [c for c in CASES if not a.only or re.search(a.only, c[0])]
+    references = [(f, None, None, None, REFERENCE_FLAGS.get(f, [])) for f in SOURCE_LAYOUT
+                  if any(c[0] == f for c in cases)]
+    for fixture, fmt, lay, sharding, extra in references + cases:
         reference = fmt is None
         src_lay = SOURCE_LAYOUT[fixture]
         tgt = src_lay if reference else lay
@@ -145,8 +170,6 @@ def main() -> int:
             "" if reference else " " + "x".join(f"{k.upper()}{v}" for k, v in lay.items()
                                                if k != "first")
             + (f" {sharding}" if sharding else "") + (" " + " ".join(extra) if extra else ""))
-        if a.only and not re.search(a.only, name) and not reference:
-            continue
         case = work / re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
         case.mkdir()
         port += 1

@@ -268,6 +268,9 @@ class Param:
     index: tuple[int, ...]  # position along the stacked axes
     # dp_reshardable: (flat-bucket key prefix, start in that bucket, numel, pieces)
     slabs: list = dataclasses.field(default_factory=list)
+    # a persistent buffer (MoE router expert_bias): its dtype in the model, which Megatron-LM
+    # keeps (fp32 in a bf16 run); it has no optimizer state
+    buffer_dtype: torch.dtype | None = None
 
 
 def plan_model(args) -> tuple[dict[str, Param], dict]:
@@ -282,7 +285,8 @@ def plan_model(args) -> tuple[dict[str, Param], dict]:
             if id(lp.param) not in keys:
                 raise UCPError(f"parameter {lp.local_name!r} has no sharded_state_dict key")
             key, index = keys[id(lp.param)]
-            plan[lp.spec.name] = Param(lp.spec.to_json(), key, (*index, *lp.stack_index))
+            plan[lp.spec.name] = Param(lp.spec.to_json(), key, (*index, *lp.stack_index),
+                                       buffer_dtype=lp.param.dtype if lp.spec.buffer else None)
         cfg = model_config([model], args)
         del model
     plan = dict(sorted(plan.items(), key=lambda kv: (kv[1].key, kv[1].index)))

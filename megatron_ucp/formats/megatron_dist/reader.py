@@ -133,7 +133,8 @@ class TorchDistSource:
         self.manifest = Manifest(
             "universal", int(common.get("iteration", getattr(args, "iteration", 0))), lay,
             lay.world_size, model_cfg,
-            {n: ParamEntry(ParamSpec.from_json(p.spec), step) for n, p in self.plan.items()},
+            {n: ParamEntry(ParamSpec.from_json(p.spec), step if p.buffer_dtype is None else 0.0)
+             for n, p in self.plan.items()},
             {"param_groups": [group_json(g, i) for i, g in groups], "grad_scaler": None},
             common.get("opt_param_scheduler"),
             {"consumed_samples": int(getattr(args, "consumed_train_samples", 0) or 0)},
@@ -195,7 +196,7 @@ def check_names(reader: DistReader, plan: dict[str, Param], sharding: str) -> No
             raise UCPError(f"{reader.dir}: tensor {p.key!r} has shape {list(have)} but parameter "
                            f"{name!r} needs index {list(p.index)} of shape {p.spec['shape']}")
         used.setdefault(p.key, set()).add(p.index)
-        if sharding == "fully_reshardable":
+        if sharding == "fully_reshardable" and p.buffer_dtype is None:
             for s in STATES:
                 k = state_key(s, p.key)
                 if k not in reader.meta:
@@ -230,9 +231,10 @@ def _check_optimizer_keys(reader: DistReader, plan: dict[str, Param], sharding: 
     replica_buckets: dp_reshardable buckets holding replicas only (with PP > 1, the tied output
     layer's copy of the embedding sits in a bucket of its own on the last stage)."""
     if sharding == "fully_reshardable":
-        wanted = {state_key(s, p.key) for p in plan.values() for s in STATES}
+        wanted = {state_key(s, p.key) for p in plan.values() if p.buffer_dtype is None for s in STATES}
     elif sharding == FLATTENED:
-        wanted = {flattened_state_key(s, p.key) for p in plan.values() for s in STATES}
+        wanted = {flattened_state_key(s, p.key) for p in plan.values() if p.buffer_dtype is None
+                  for s in STATES}
     else:
         buckets = {slab[0] for p in plan.values() for slab in p.slabs} | replica_buckets
         wanted = {f"{b}.{s}" for b in buckets for s in STATES}
@@ -287,7 +289,16 @@ def _plan_dp_reshardable(args, reader: DistReader, plan: dict[str, Param]) -> se
 
 
 def _read_full(reader: DistReader, p: Param, state: str, sharding: str) -> torch.Tensor:
-    """One full fp32 universal tensor; master weights are verified against the stored bf16 model."""
+    """One full fp32 universal tensor; master weights are verified against the stored bf16 model.
+    A persistent buffer's only state is its stored value (as the live save and the legacy reader)."""
+    if p.buffer_dtype is not None:
+        if state != "param":
+            raise UCPError(f"internal: buffer {p.spec['name']!r} has no optimizer state {state!r}")
+        stored = reader.tensor(p.key)[p.index]
+        if stored.dtype != p.buffer_dtype:
+            raise UCPError(f"{reader.dir}: buffer {p.key!r} is {stored.dtype} but the model built "
+                           f"from args keeps it in {p.buffer_dtype}")
+        return stored.float().contiguous()
     if sharding == "fully_reshardable":
         t = reader.tensor(state_key(state, p.key))[p.index].clone()
     elif sharding == FLATTENED:

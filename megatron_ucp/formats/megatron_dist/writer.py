@@ -149,7 +149,7 @@ def write(source, save_dir: str | Path, target: Layout, args_template, *,
             for s in states:
                 tensors[s][plan[n].index] = full(n, s, shape)
             done.update(1)
-        state_dict[key] = tensors["param"].to(dtype)
+        state_dict[key] = tensors["param"].to(plan[names[0]].buffer_dtype or dtype)
         if not buffer and sharding == "fully_reshardable":
             for s in STATES:
                 state_dict[state_key(s, key)] = tensors[s]
