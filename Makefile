@@ -18,7 +18,7 @@ TESTS_MCORE19 ?= tests/test_mcore_release.py tests/test_transitions.py tests/tes
 	tests/test_megatron_legacy_out.py tests/test_megatron_dist.py tests/test_megatron_dist_out.py \
 	tests/test_megatron_lm_hooks.py tests/test_async_save.py tests/test_hf_import.py \
 	tests/test_deepspeed_import.py tests/test_param_spec.py tests/test_api.py tests/test_hygiene.py \
-	tests/test_cli.py
+	tests/test_cli.py tests/test_megatron_lm_v019.py
 
 .PHONY: demo test test-mcore16 test-mcore19 test-full test-gpu lint bench install install-mcore19
 

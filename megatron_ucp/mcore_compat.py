@@ -13,6 +13,16 @@ What differs, and where it is handled:
 * TransformerConfig fields that 0.19 deprecated and refuses in combinations that Megatron-LM
   0.16's arguments wrote by default (`moe_deepep_num_sms=20` with `moe_hybridep_num_sms=16`):
   `config_kwargs_from_args` leaves them out when rebuilding a model from another run's args.
+
+Checked and found the same on both releases (Megatron-LM core_v0.16.1 and core_v0.19.0 fixtures):
+the `--ckpt-format torch` files (`model_optim_rng.pt` param groups, `distrib_optim.pt` flat
+buffers), so the torch-format writer has one form for both. What 0.19 does differently there is on
+load: `DistributedOptimizer.load_state_dict` pairs saved and current param groups by
+`megatron.core.optimizer.optimizer.param_group_identifier_keys` (0.19 adds max_lr, min_lr,
+start_wd, end_wd, optimizer to 0.16's wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr), so a
+resume must use the saving run's --lr / --min-lr (the writer keeps the source's values). 0.19's
+torch_dist saves keep the common state in the .distcp files instead of `common.pt`: an on-disk
+difference, handled where the format is read (formats/megatron_dist).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from oracles import assert_dumps_hold, assert_holds_universal, legacy_full, univ
 from megatron_ucp import UCPError
 from megatron_ucp.formats.megatron_legacy import run_fields as legacy_source_fields
 from megatron_ucp.layout import Layout
-from megatron_ucp.mcore_compat import MCORE_VERSION, has_legacy_grouped_mlp
+from megatron_ucp.mcore_compat import has_legacy_grouped_mlp
 from megatron_ucp.reshard import convert_legacy, convert_torch_dist, reshard, write_legacy
 from megatron_ucp.testing.launch import launch
 
