@@ -163,7 +163,9 @@ def main() -> int:
 
     cases = [c for c in CASES if not a.only or re.search(a.only, case_name(*c))]
     sources = [f for f in SOURCE_LAYOUT if any(c[0] == f for c in cases)]  # their references
-    for fixture, fmt, lay, sharding, extra in [(f, None, None, None, []) for f in sources] + cases:
+    # each fixture's reference, then its cases: a run cut short still has complete pairs
+    runs = [r for f in sources for r in [(f, None, None, None, [])] + [c for c in cases if c[0] == f]]
+    for fixture, fmt, lay, sharding, extra in runs:
         reference = fmt is None
         src_lay = SOURCE_LAYOUT[fixture]
         tgt = src_lay if reference else lay
