@@ -18,7 +18,9 @@ TESTS_MCORE19 ?= tests/test_mcore_release.py tests/test_transitions.py tests/tes
 	tests/test_megatron_legacy_out.py tests/test_megatron_dist.py tests/test_megatron_dist_out.py \
 	tests/test_megatron_lm_hooks.py tests/test_async_save.py tests/test_hf_import.py \
 	tests/test_deepspeed_import.py tests/test_param_spec.py tests/test_api.py tests/test_hygiene.py \
-	tests/test_cli.py tests/test_megatron_lm_v019.py
+	tests/test_cli.py tests/test_recompute_runtime.py tests/test_recompute_profile.py \
+	tests/test_recompute_plan.py tests/test_model_families.py \
+	tests/test_megatron_lm_v019.py
 
 .PHONY: demo test test-mcore16 test-mcore19 test-full test-gpu lint bench install install-mcore19
 
@@ -49,13 +51,13 @@ demo: $(STAMP)
 # both venvs first: the 0.16 run includes the cross-release migration tests, which use .venv312
 test: $(STAMP) $(STAMP312)
 	UCP_EXPECTED_SKIPS_ONLY=1 $(BIN)/python -m pytest -q -rs tests
-	UCP_EXPECTED_SKIPS_ONLY=1 $(BIN312)/python -m pytest -q -rs $(TESTS_MCORE19)
+	UCP_EXPECTED_SKIPS_ONLY=1 UCP_REDUCED=1 $(BIN312)/python -m pytest -q -rs $(TESTS_MCORE19)
 
 test-mcore16: $(STAMP)
 	UCP_EXPECTED_SKIPS_ONLY=1 $(BIN)/python -m pytest -q -rs tests
 
 test-mcore19: $(STAMP312)
-	UCP_EXPECTED_SKIPS_ONLY=1 $(BIN312)/python -m pytest -q -rs $(TESTS_MCORE19)
+	UCP_EXPECTED_SKIPS_ONLY=1 UCP_REDUCED=1 $(BIN312)/python -m pytest -q -rs $(TESTS_MCORE19)
 
 test-full: $(STAMP)
 	UCP_FULL_MATRIX=1 $(BIN)/python -m pytest -q tests

@@ -67,6 +67,18 @@ def has_legacy_grouped_mlp() -> bool:
     return GroupedMLP is not None
 
 
+# 0.19 resolves MLA's Q/KV norms in QKNormConfigResolver: without a query LoRA rank a Q norm must
+# be fused into linear_q_proj (a norm on the hidden states that 0.16 does not have), and only
+# Transformer Engine provides that fused layer, so the local spec cannot build such a model with
+# qk_layernorm; 0.16 builds it without any Q norm.
+MLA_QK_NORM_CONFIG = _optional("megatron.core.transformer.mla_qk_norm_config")
+
+
+def local_mla_qk_norm_without_q_lora() -> bool:
+    """Whether the local spec builds MLA with qk_layernorm and no q_lora_rank (0.16: kv norm only)."""
+    return MLA_QK_NORM_CONFIG is None
+
+
 def release_name() -> str:
     return f"megatron-core {megatron.core.__version__}"
 

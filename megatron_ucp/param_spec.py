@@ -116,6 +116,38 @@ def universal_name(local_key: str, sharded_key: str, prepended: tuple[int, ...])
     return ".".join(out)
 
 
+# Transformer Engine's spec fuses some norms into the linear layer after them; megatron-core maps
+# the local spec's names onto the fused ones for GPT attention (`input_layernorm.` ->
+# `linear_qkv.layer_norm_`, `pre_mlp_layernorm.` -> `linear_fc1.layer_norm_`) but not for MLA
+# (0.16.1 and 0.19.2, `get_gpt_layer_local_spec(multi_latent_attention=True)` has no keys map).
+# Universal names are the fused (TE) ones, so a checkpoint saved with one spec loads into the other.
+# (local suffix, TE suffix, the sibling that exists only where TE fuses that norm)
+TE_FUSED_NORMS = (
+    ("self_attention.q_layernorm.", "self_attention.linear_q_up_proj.layer_norm_",
+     "self_attention.linear_q_up_proj.weight"),
+    ("self_attention.kv_layernorm.", "self_attention.linear_kv_up_proj.layer_norm_",
+     "self_attention.linear_kv_up_proj.weight"),
+    # a dense MLP's norm: TE's linear_fc1 is always TELayerNormColumnParallelLinear
+    ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_", "mlp.linear_fc1.weight"),
+)
+MLA_SIBLING = "self_attention.linear_kv_down_proj.weight"
+
+
+def te_fused_names(names: list[str]) -> dict[str, str]:
+    """Local-spec MLA layer names -> the names Transformer Engine's spec declares for the same
+    tensors (see TE_FUSED_NORMS), for one model's universal names; other names are left alone."""
+    present = set(names)
+    out = {}
+    for name in names:
+        for local, te, sibling in TE_FUSED_NORMS:
+            head, sep, tail = name.rpartition("." + local)
+            if not sep or tail not in ("weight", "bias"):
+                continue
+            if f"{head}.{MLA_SIBLING}" in present and f"{head}.{sibling}" in present:
+                out[name] = f"{head}.{te}{tail}"
+    return out
+
+
 def carries_extra_state(data) -> bool:
     """Whether an `_extra_state` entry holds anything. Local layers declare None; Transformer
     Engine modules return an empty uint8 tensor unless FP8 is on (then pickled FP8 metadata;
@@ -342,6 +374,11 @@ def local_params(model_chunks: list) -> list[LocalParam]:
                                           base, numel, (expert,)))
                 continue
             out.append(LocalParam(spec, param, chunk_index, name_in_model, pieces, canonical))
+        chunk_params = [lp for lp in out if lp.chunk == chunk_index]
+        renamed = te_fused_names([lp.spec.name for lp in chunk_params])
+        for lp in chunk_params:
+            if lp.spec.name in renamed:
+                lp.spec = replace(lp.spec, name=renamed[lp.spec.name])
         missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in seen]
         if missing:
             raise UCPError(f"parameters {missing} are not declared by the model's "

@@ -5,8 +5,8 @@ layers (`get_gpt_layer_with_transformer_engine_spec`). Skipped on hosts without 
 - save (sync and async) and load on the GPU: every model tensor, fp32 master weight, Adam moment
   and step after the load equals, bitwise, the state dumped at the save;
 - the async save's files hold the state at the save although training went on before the commit;
-- TE and local layer specs name the same universal tensors: TE -> local -> TE round trips are
-  bitwise equal in the universal form;
+- TE and local layer specs name the same universal tensors (GPT, and MLA whose norms TE fuses):
+  TE -> local -> TE round trips are bitwise equal in the universal form;
 - staging returns pinned host copies, bitwise, reusing its buffer.
 """
 
@@ -100,6 +100,31 @@ def test_te_and_local_specs_share_universal_names(te_run, tmp_path):
     c = universal_tensors(tmp_path / "te_again", tmp_path / "uc")
     assert a.keys() == b.keys() == c.keys()
     assert any("linear_qkv.layer_norm_weight" in k for k in a)  # TE's fused-norm name
+    for k in a:
+        assert torch.equal(a[k], b[k]) and torch.equal(a[k], c[k]), k
+
+
+@needs_te
+def test_te_and_local_mla_share_universal_names(tmp_path):
+    """MLA (DeepSeek-V3 shape, dense first layer): TE fuses the q/kv latent norms and the dense
+    MLP's norm into the next linear; the local spec does not (param_spec.TE_FUSED_NORMS). A TE
+    checkpoint loads into the local spec and back, and all three hold the same universal tensors."""
+    from test_model_families import MLA
+
+    mla = {**BASE, "qk_layernorm": True, "num_experts": 4,
+           "extra": {**MLA["extra"], "moe_layer_freq": [0, 1]}, "num_layers": 2}
+    te, local = {**mla, "transformer_impl": "transformer_engine"}, {**mla, "transformer_impl": "local"}
+    launch(1, f"{SCENARIOS}:train_and_save",
+           {"layout": "tp1", "cfg": te, "steps": STEPS, "save_dir": str(tmp_path / "te")},
+           timeout=600, env=DETERMINISTIC)
+    for cfg, src, dst in ((local, "te", "local"), (te, "local", "te_again")):
+        launch(1, f"{SCENARIOS}:load_and_train",
+               {"layout": "tp1", "cfg": cfg, "load_dir": str(tmp_path / src), "steps": 1,
+                "resave_dir": str(tmp_path / dst)}, timeout=600, env=DETERMINISTIC)
+    a, b, c = (universal_tensors(tmp_path / d, tmp_path / f"u_{d}") for d in ("te", "local", "te_again"))
+    assert a.keys() == b.keys() == c.keys()
+    assert "decoder.layers.0.self_attention.linear_q_up_proj.layer_norm_weight" in a
+    assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in a
     for k in a:
         assert torch.equal(a[k], b[k]) and torch.equal(a[k], c[k]), k
 

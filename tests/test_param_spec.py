@@ -126,3 +126,40 @@ def test_empty_transformer_engine_extra_state_is_not_state():
     assert not carries_extra_state(io.BytesIO())
     assert carries_extra_state(torch.tensor([1, 2], dtype=torch.uint8))
     assert carries_extra_state(io.BytesIO(b"fp8"))
+
+
+def test_local_mla_norms_take_the_transformer_engine_names():
+    """MLA: Transformer Engine's spec fuses the q/kv latent norms into linear_q_up_proj /
+    linear_kv_up_proj and a dense MLP's norm into linear_fc1 (TELayerNormColumnParallelLinear);
+    megatron-core's local MLA spec declares them as separate norms with no keys map. The universal
+    names are TE's, for a live local-spec MLA model (DeepSeek-V3 shape: first layer dense, the rest
+    MoE with a separate pre-MLP norm in both specs), so either spec loads the other's checkpoint."""
+    from test_model_families import DEEPSEEK_V3
+
+    specs = launch(1, f"{SCENARIOS}:param_specs", {"layout": "tp1", "cfg": DEEPSEEK_V3}, timeout=300)[0]
+    names = {s["name"] for s in specs}
+    assert not any(".q_layernorm." in n or ".kv_layernorm." in n for n in names), sorted(names)
+    for layer in range(4):
+        for te in ("linear_q_up_proj.layer_norm_weight", "linear_kv_up_proj.layer_norm_weight"):
+            assert f"decoder.layers.{layer}.self_attention.{te}" in names, (layer, te)
+    # the dense first layer's norm is fused into linear_fc1; the MoE layers keep pre_mlp_layernorm
+    assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in names
+    assert "decoder.layers.0.pre_mlp_layernorm.weight" not in names
+    assert {f"decoder.layers.{i}.pre_mlp_layernorm.weight" for i in (1, 2, 3)} <= names
+
+
+def test_te_fused_names_leave_other_models_alone():
+    from megatron_ucp.param_spec import te_fused_names
+
+    gpt = ["decoder.layers.0.self_attention.q_layernorm.weight",  # QK-norm in GPT attention: TE's too
+           "decoder.layers.0.self_attention.linear_qkv.weight",
+           "decoder.layers.0.pre_mlp_layernorm.weight",
+           "decoder.layers.0.mlp.experts.experts.0.linear_fc1.weight"]
+    assert te_fused_names(gpt) == {}
+    mla = ["mtp.layers.0.transformer_layer.self_attention.linear_kv_down_proj.weight",
+           "mtp.layers.0.transformer_layer.self_attention.linear_kv_up_proj.weight",
+           "mtp.layers.0.transformer_layer.self_attention.kv_layernorm.bias",
+           "mtp.layers.0.transformer_layer.self_attention.q_layernorm.weight"]  # no q_lora: no q_up_proj
+    assert te_fused_names(mla) == {
+        "mtp.layers.0.transformer_layer.self_attention.kv_layernorm.bias":
+            "mtp.layers.0.transformer_layer.self_attention.linear_kv_up_proj.layer_norm_bias"}

@@ -36,6 +36,19 @@ def launch(nprocs: int, target: str, kwargs: dict, timeout: float = 600.0, env: 
     kill_rank_after=(rank, marker_file): SIGKILL that rank as soon as `marker_file` exists (fault
     tests); then the other ranks are killed too and LaunchError is raised.
     """
+    for attempt in range(3):
+        try:
+            return _launch_once(nprocs, target, kwargs, timeout, env, kill_rank_after, python)
+        except LaunchError as e:
+            # free_port() closes its socket before the ranks bind it: another process (a parallel
+            # test) may take the port in between. Nothing ran yet, so start again on another port.
+            if "EADDRINUSE" not in str(e) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _launch_once(nprocs: int, target: str, kwargs: dict, timeout: float, env: dict | None,
+                 kill_rank_after: tuple[int, str] | None, python: str | None) -> list:
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="ucp_launch_") as tmp:
         procs, logs = [], []
