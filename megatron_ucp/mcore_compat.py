@@ -109,6 +109,23 @@ DEPRECATED_CONFIG_FIELDS = frozenset(
     for name in names)
 
 
+# Megatron-LM 0.19's args record how many shards TP (times GTP) cuts each weight into, resolved from
+# the TP sizes at start-up; TransformerConfig refuses fewer shards than TP. A copy of a run's args at
+# another TP (a rebuild at TP1, a conversion target) carries them re-derived, GTP's factor kept.
+_WEIGHT_SHARD_ARGS = (
+    ("tensor_parallel_num_weight_shards", "tensor_model_parallel_size", "gtp_weight_remat_size"),
+    ("expert_tensor_parallel_num_weight_shards", "expert_tensor_parallel_size",
+     "expert_gtp_weight_remat_size"),
+)
+
+
+def rederive_weight_shards(args) -> None:
+    """Set the weight-shard counts of Megatron-LM `args` (0.19; absent before) from its TP sizes."""
+    for shards, tp, remat in _WEIGHT_SHARD_ARGS:
+        if getattr(args, shards, None) is not None and getattr(args, tp, None):
+            setattr(args, shards, getattr(args, tp) * (getattr(args, remat, None) or 1))
+
+
 def config_kwargs_from_args(kw: dict) -> dict:
     """TransformerConfig keyword arguments taken from a Megatron-LM run's `args` (which may come
     from another release), without the fields this release keeps only as deprecated aliases."""

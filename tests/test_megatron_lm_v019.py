@@ -102,6 +102,8 @@ def test_dist_sets_match_the_stored_tensors(converted, name):
 
 # (source set, target format, target layout, optimizer sharding of a torch_dist target)
 ROUND_TRIPS = [
+    # TP1 -> TP2: 0.19's args carry tensor_parallel_num_weight_shards, which must follow the TP
+    ("torch_dp2", "torch", Layout(tp=2, pp=1, dp=1), None),
     ("torch_tp2_pp2", "torch_dist", Layout(tp=1, pp=1, dp=2), "dp_reshardable"),
     ("torch_dist_tp2_dp2", "torch", Layout(tp=1, pp=3, dp=1), None),
     ("torch_dist_llama_tp2", "torch", Layout(tp=1, pp=1, dp=2), None),
@@ -126,6 +128,10 @@ def test_written_at_another_layout_reads_back_bitwise(converted, tmp_path, src, 
     assert all(torch.equal(t, t2[k]) for k, t in t1.items())
     assert {p["step"] for p in m2["params"].values()} == {6.0}
     if fmt == "torch":  # the written files by hand, too
+        for rank_dir in (out / ITER).iterdir():
+            args = load(rank_dir / "model_optim_rng.pt")["args"]
+            assert args.tensor_model_parallel_size == lay.tp
+            assert args.tensor_parallel_num_weight_shards == lay.tp * args.gtp_weight_remat_size
         full = legacy_full(out)
         assert set(full) == set(m1["params"])
         assert all(torch.equal(full[n][s], t1[f"{n}/{s}"]) for n in full for s in STATES)
