@@ -19,7 +19,8 @@ TESTS_MCORE19 ?= tests/test_mcore_release.py tests/test_transitions.py tests/tes
 	tests/test_megatron_dist_flat.py tests/test_megatron_lm_hooks.py tests/test_async_save.py tests/test_hf_import.py \
 	tests/test_deepspeed_import.py tests/test_param_spec.py tests/test_api.py tests/test_hygiene.py \
 	tests/test_cli.py tests/test_recompute_runtime.py tests/test_recompute_profile.py \
-	tests/test_recompute_plan.py tests/test_model_families.py tests/test_hybrid_mamba.py
+	tests/test_recompute_plan.py tests/test_model_families.py tests/test_hybrid_mamba.py \
+	tests/test_megatron_lm_v019.py
 
 .PHONY: demo test test-mcore16 test-mcore19 test-full test-gpu lint bench install install-mcore19
 

@@ -16,6 +16,19 @@ What differs, and where it is handled:
 * Hybrid (Mamba) models: 0.16's MambaModel keeps its layer pattern as `hybrid_override_pattern`;
   0.19's HybridModel (MambaModel is a deprecated subclass) as `hybrid_layer_pattern`, taking the
   old name as a deprecated argument (the attribute is then None): `hybrid_layer_pattern`.
+* MLA's Q/KV norms: 0.19 resolves them in `QKNormConfigResolver`, which wants a Q norm fused into
+  `linear_q_proj` when there is no query LoRA rank (only Transformer Engine has that layer); 0.16
+  builds no Q norm there: `local_mla_qk_norm_without_q_lora`.
+
+Checked and found the same on both releases (Megatron-LM core_v0.16.1 and core_v0.19.0 fixtures):
+the `--ckpt-format torch` files (`model_optim_rng.pt` param groups, `distrib_optim.pt` flat
+buffers), so the torch-format writer has one form for both. What 0.19 does differently there is on
+load: `DistributedOptimizer.load_state_dict` pairs saved and current param groups by
+`megatron.core.optimizer.optimizer.param_group_identifier_keys` (0.19 adds max_lr, min_lr,
+start_wd, end_wd, optimizer to 0.16's wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr), so a
+resume must use the saving run's --lr / --min-lr (the writer keeps the source's values). 0.19's
+torch_dist saves keep the common state in the .distcp files instead of `common.pt`: an on-disk
+difference, handled where the format is read (formats/megatron_dist).
 """
 
 from __future__ import annotations
@@ -100,6 +113,23 @@ _DEPRECATED_CONFIG_FIELDS = {
 DEPRECATED_CONFIG_FIELDS = frozenset(
     name for since, names in _DEPRECATED_CONFIG_FIELDS.items() if MCORE_VERSION[:2] >= since
     for name in names)
+
+
+# Megatron-LM 0.19's args record how many shards TP (times GTP) cuts each weight into, resolved from
+# the TP sizes at start-up; TransformerConfig refuses fewer shards than TP. A copy of a run's args at
+# another TP (a rebuild at TP1, a conversion target) carries them re-derived, GTP's factor kept.
+_WEIGHT_SHARD_ARGS = (
+    ("tensor_parallel_num_weight_shards", "tensor_model_parallel_size", "gtp_weight_remat_size"),
+    ("expert_tensor_parallel_num_weight_shards", "expert_tensor_parallel_size",
+     "expert_gtp_weight_remat_size"),
+)
+
+
+def rederive_weight_shards(args) -> None:
+    """Set the weight-shard counts of Megatron-LM `args` (0.19; absent before) from its TP sizes."""
+    for shards, tp, remat in _WEIGHT_SHARD_ARGS:
+        if getattr(args, shards, None) is not None and getattr(args, tp, None):
+            setattr(args, shards, getattr(args, tp) * (getattr(args, remat, None) or 1))
 
 
 def config_kwargs_from_args(kw: dict) -> dict:

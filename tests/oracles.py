@@ -276,6 +276,16 @@ def load_keys(ckpt: Path, keys: list[str]) -> dict:
     return sd
 
 
+def dist_common(ckpt: Path) -> dict:
+    """The common state of a torch_dist save: `common.pt` (megatron-core <= 0.18), else the pickled
+    object `common_state/shard_0_1` in the .distcp files (0.19: a one-element list)."""
+    it = dist_iteration(ckpt)
+    if (it / "common.pt").exists():
+        return load(it / "common.pt")
+    (common,) = load_keys(it, ["common_state/shard_0_1"])["common_state/shard_0_1"]
+    return common
+
+
 def tensor_keys(ckpt: Path) -> dict[str, tuple[int, ...]]:
     meta = FileSystemReader(str(dist_iteration(ckpt))).read_metadata().state_dict_metadata
     return {k: tuple(v.size) for k, v in meta.items() if hasattr(v, "size")}
@@ -428,7 +438,7 @@ def dp_reshardable_full(ckpt: Path, shapes: dict[str, tuple]) -> dict[str, dict]
     buckets `optimizer.distributed.dp_group_idx_<mp>.gbuf_idx_0.dtype_(<param>, torch.float32)
     .bucket_idx_<b>.<state>`, sliced with `buckets`; the model tensors stacked as in
     fully_reshardable."""
-    args = load(dist_iteration(ckpt) / "common.pt")["args"]
+    args = dist_common(ckpt)["args"]
     assert not args.virtual_pipeline_model_parallel_size and not args.num_experts
     tp_size, pp_size = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     dtype = "torch.bfloat16" if args.bf16 else "torch.float16" if args.fp16 else "torch.float32"

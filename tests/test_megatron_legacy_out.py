@@ -30,7 +30,7 @@ from oracles import assert_dumps_hold, assert_holds_universal, legacy_full, univ
 from megatron_ucp import UCPError
 from megatron_ucp.formats.megatron_legacy import run_fields as legacy_source_fields
 from megatron_ucp.layout import Layout
-from megatron_ucp.mcore_compat import MCORE_VERSION, has_legacy_grouped_mlp
+from megatron_ucp.mcore_compat import has_legacy_grouped_mlp
 from megatron_ucp.reshard import convert_legacy, convert_torch_dist, reshard, write_legacy
 from megatron_ucp.testing.launch import launch
 
@@ -252,16 +252,6 @@ def load_legacy_rank(layout: str, cfg: dict, load_dir: str, dump_dir: str) -> di
     return {"loss": loss, "iteration": it, "lr": lrs, "num_steps": st.scheduler.num_steps}
 
 
-# Known gap on megatron-core 0.19 (visible, not skipped): its DistributedOptimizer.load_state_dict
-# keys param groups by a 9-field tuple and raises KeyError on the `optimizer` state the torch-format
-# writer records (written for 0.16's Megatron-LM). strict: the marker fails once it loads.
-MCORE19_LEGACY_OPTIMIZER_GAP = pytest.mark.xfail(
-    MCORE_VERSION[:2] >= (0, 19), strict=True, raises=Exception,
-    reason="megatron-core 0.19's own load_state_dict of a torch-format checkpoint written by "
-           "megatron-ucp: KeyError on the param-group key (not yet adapted to 0.19)")
-
-
-@MCORE19_LEGACY_OPTIMIZER_GAP
 @pytest.mark.parametrize("target,first", [("tp1pp1dp2", None), ("tp1pp2dp1", 2)])
 def test_written_checkpoint_loads_in_megatron_core(universal, tmp_path, target, first):
     """torch_tp2_pp2 -> legacy at the target -> megatron-core's own legacy optimizer load."""
@@ -272,7 +262,7 @@ def test_written_checkpoint_loads_in_megatron_core(universal, tmp_path, target, 
                        progress=False)
     cfg = {"num_layers": 3, "hidden_size": 32, "num_attention_heads": 4, "ffn_hidden_size": 128,
            "seq_length": 32, "vocab_size": 256, "dtype": "bf16", "micro_batch_size": 2,
-           "global_batch_size": 4,
+           "global_batch_size": 4, "min_lr": f["args"].min_lr,
            "extra": {"add_qkv_bias": True,
                      **({"num_layers_in_first_pipeline_stage": first} if first else {})}}
     env = {"PYTHONPATH": RANK_PATH}
@@ -287,7 +277,6 @@ def test_written_checkpoint_loads_in_megatron_core(universal, tmp_path, target, 
     assert_dumps_hold(tmp_path / "dump", manifest, tensors, first, ranks=2)
 
 
-@MCORE19_LEGACY_OPTIMIZER_GAP
 def test_torch_dist_to_legacy_at_another_layout(tmp_path):
     """A torch_dist run (dp_reshardable, TP2 DP2) -> legacy `--ckpt-format torch` at TP1 DP2 with
     the args from its common.pt: the same universal tensors bitwise, and megatron-core's own legacy
@@ -305,7 +294,7 @@ def test_torch_dist_to_legacy_at_another_layout(tmp_path):
     assert t1.keys() == t2.keys() and all(torch.equal(t, t2[k]) for k, t in t1.items())
     cfg = {"num_layers": 3, "hidden_size": 32, "num_attention_heads": 4, "ffn_hidden_size": 128,
            "seq_length": 32, "vocab_size": 256, "dtype": "bf16", "micro_batch_size": 2,
-           "global_batch_size": 4, "extra": {"add_qkv_bias": True}}
+           "global_batch_size": 4, "min_lr": m["args"].min_lr, "extra": {"add_qkv_bias": True}}
     env = {"PYTHONPATH": RANK_PATH}
     res = launch(2, "tests.test_megatron_legacy_out:load_legacy_rank",
                  {"layout": "tp1pp1dp2", "cfg": cfg, "load_dir": str(tmp_path / "out"),

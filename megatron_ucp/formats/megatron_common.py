@@ -311,6 +311,9 @@ def target_args(template, target: Layout, first_stage_layers: int | None = None,
                        "pass args without it")
     if target.tp == 1:
         a.sequence_parallel = False
+    from megatron_ucp.mcore_compat import rederive_weight_shards  # imports megatron.core
+
+    rederive_weight_shards(a)
     multiple = getattr(a, "make_vocab_size_divisible_by", 128) * target.tp
     a.padded_vocab_size = -(-a.padded_vocab_size // multiple) * multiple
     if consumed_samples is not None:

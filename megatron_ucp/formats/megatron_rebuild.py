@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.megatron_common import layout, rank_order, world
-from megatron_ucp.mcore_compat import config_kwargs_from_args
+from megatron_ucp.mcore_compat import config_kwargs_from_args, rederive_weight_shards
 from megatron_ucp.param_spec import local_params
 from megatron_ucp.spec import ParamSpec
 from megatron_ucp.validation import model_config as config_of
@@ -73,7 +73,9 @@ def single_rank_args(args):
            "account_for_embedding_in_pipeline_split": False,
            "account_for_loss_in_pipeline_split": False,
            "overlap_param_gather_with_optimizer_step": False}
-    return argparse.Namespace(**{**vars(args), **one})
+    single = argparse.Namespace(**{**vars(args), **one})
+    rederive_weight_shards(single)
+    return single
 
 
 # ----------------------------------------------------------------------------------------------

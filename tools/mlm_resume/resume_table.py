@@ -1,18 +1,25 @@
 #!/usr/bin/env python3
 """Stock Megatron-LM resumes our conversions: the loss table.
 
-For each case, the Megatron-LM fixture (tests/fixtures/megatron_lm, written by Megatron-LM
-core_v0.16.1's own training loop, iteration 6) is resharded by megatron-ucp to another layout and
+For each case, the Megatron-LM fixture (written by the chosen Megatron-LM release's own training
+loop, iteration 6: tests/fixtures/megatron_lm for core_v0.16.1, tests/fixtures/megatron_lm_v019
+for core_v0.19.0) is resharded by megatron-ucp to another layout and
 format, then stock `pretrain_gpt.py` loads it at that layout and trains iterations 7-9. The
 reference is the fixture resumed unchanged at its own layout. A resume that lost or scrambled the
 optimizer state shows in the losses (the `no optimizer state` control row), and the Adam step of
 the checkpoint Megatron-LM saves at iteration 9 must be 9.
 
-Needs a Megatron-LM core_v0.16.1 tree and the fixture harness (see
-../shared/fixtures/megatron_lm/harness/setup_env.sh):
+core_v0.16.1 (the default) needs a Megatron-LM core_v0.16.1 tree and the shared fixture harness
+(../shared/fixtures/megatron_lm/harness/setup_env.sh):
 
     MLM_SRC=/tmp/mlmfix/src MLM_HARNESS=../shared/fixtures/megatron_lm/harness \\
         python tools/mlm_resume/resume_table.py --work /tmp/resume --json resume.json
+
+core_v0.19.0 needs a core_v0.19.0 tree with megatron/core moved aside (megatron-core 0.19 wheel,
+tests/fixtures/megatron_lm_v019/README.md) and runs with .venv312:
+
+    MLM_SRC=/tmp/mlm019 PYTHONPATH=$PWD .venv312/bin/python tools/mlm_resume/resume_table.py \\
+        --release core_v0.19.0 --work /tmp/resume019 --json resume019.json
 """
 
 from __future__ import annotations
@@ -35,7 +42,10 @@ from megatron_ucp.formats import open_source  # noqa: E402
 from megatron_ucp.layout import Layout  # noqa: E402
 from megatron_ucp.reshard import reshard  # noqa: E402
 
-FIXTURES = REPO / "tests" / "fixtures" / "megatron_lm"
+# Megatron-LM release -> its fixtures (the only place the release is named)
+RELEASES = {"core_v0.16.1": REPO / "tests" / "fixtures" / "megatron_lm",
+            "core_v0.19.0": REPO / "tests" / "fixtures" / "megatron_lm_v019"}
+FIXTURES = RELEASES["core_v0.16.1"]
 # the fixture harness's common flags (run_set.sh), trained on to iteration 9
 COMMON = ("--num-layers 3 --hidden-size 32 --num-attention-heads 4 --ffn-hidden-size 128 "
           "--seq-length 32 --max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 4 "
@@ -148,28 +158,41 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", default="/tmp/megatron_ucp_resume")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--only", default=None, help="regex on the fixture name")
+    ap.add_argument("--only", default=None,
+                    help="regex on the case id; only the references of the chosen cases' fixtures run")
+    ap.add_argument("--release", default="core_v0.16.1", choices=sorted(RELEASES),
+                    help="the Megatron-LM release in MLM_SRC: whose fixtures resume")
     ap.add_argument("--port", type=int, default=29950, help="first master port (one per run)")
     a = ap.parse_args()
-    for var in ("MLM_SRC", "MLM_HARNESS"):
+    global FIXTURES
+    FIXTURES = RELEASES[a.release]
+    needed = ("MLM_SRC", "MLM_HARNESS") if a.release == "core_v0.16.1" else ("MLM_SRC",)
+    for var in needed:
         if var not in os.environ:
             sys.exit(f"set {var} (see the docstring)")
+    if a.release != "core_v0.16.1":
+        os.environ.pop("MLM_HARNESS", None)  # run_pretrain_resume.py: megatron-ucp's own shim
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     work = Path(a.work)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     rows, port = [], a.port
     refs = {}
-    cases = [c for c in CASES if not a.only or re.search(a.only, c[0])]
-    references = [(f, None, None, None, REFERENCE_FLAGS.get(f, [])) for f in SOURCE_LAYOUT
-                  if any(c[0] == f for c in cases)]
-    for fixture, fmt, lay, sharding, extra in references + cases:
+    def case_name(fixture, fmt, lay, sharding, extra) -> str:
+        return f"{fixture} -> {fmt} " + "x".join(f"{k.upper()}{v}" for k, v in lay.items()
+                                                  if k != "first") \
+            + (f" {sharding}" if sharding else "") + (" " + " ".join(extra) if extra else "")
+
+    cases = [c for c in CASES if not a.only or re.search(a.only, case_name(*c))]
+    sources = [f for f in SOURCE_LAYOUT if any(c[0] == f for c in cases)]  # their references
+    # each fixture's reference, then its cases: a run cut short still has complete pairs
+    runs = [r for f in sources
+            for r in [(f, None, None, None, REFERENCE_FLAGS.get(f, []))] + [c for c in cases if c[0] == f]]
+    for fixture, fmt, lay, sharding, extra in runs:
         reference = fmt is None
         src_lay = SOURCE_LAYOUT[fixture]
         tgt = src_lay if reference else lay
-        name = f"{fixture} -> {'(itself)' if reference else fmt}" + (
-            "" if reference else " " + "x".join(f"{k.upper()}{v}" for k, v in lay.items()
-                                               if k != "first")
-            + (f" {sharding}" if sharding else "") + (" " + " ".join(extra) if extra else ""))
+        name = f"{fixture} -> (itself)" if reference else case_name(fixture, fmt, lay, sharding, extra)
         case = work / re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
         case.mkdir()
         port += 1
@@ -192,16 +215,20 @@ def main() -> int:
         ref = refs.get(fixture, {})
         r["max_abs_vs_reference"] = max((abs(v - ref[i]) for i, v in r["losses"].items() if i in ref),
                                         default=None)
+        r["max_rel_vs_reference"] = max((abs(v - ref[i]) / abs(ref[i]) for i, v in r["losses"].items()
+                                         if i in ref), default=None)
         rows.append(r)
         print(f"{name}: rc={r['rc']} losses={r['losses']} step={r['saved_step']} "
               f"max|d|={r['max_abs_vs_reference']}", flush=True)
-    print("\n| case | rc | loss 7 | loss 8 | loss 9 | max abs diff vs reference | saved step |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| case | rc | loss 7 | loss 8 | loss 9 | max abs diff vs reference | max rel diff "
+          "| saved step |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         lo = [f"{r['losses'].get(i, float('nan')):.6f}" for i in (7, 8, 9)]
-        d = r["max_abs_vs_reference"]
+        d, rel = r["max_abs_vs_reference"], r["max_rel_vs_reference"]
         print(f"| {r['case']} | {r['rc']} | {' | '.join(lo)} | "
-              f"{'-' if d is None else f'{d:.2e}'} | {r['saved_step']} |")
+              f"{'-' if d is None else f'{d:.2e}'} | {'-' if rel is None else f'{rel:.2e}'} | "
+              f"{r['saved_step']} |")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1, default=str))
     return 0 if all(r["rc"] == 0 for r in rows) else 1

@@ -1,8 +1,18 @@
-"""Stock Megatron-LM `pretrain_gpt.py` on CPU for resume checks: the fixture harness's CUDA shim
-(`$MLM_HARNESS/cpushim_mlm.py`, with its two opt-in legacy load fixes) plus two load-only fixes for
-torch_dist resumes. No Megatron-LM file is changed; `pretrain_gpt.py` runs through runpy.
+"""Stock Megatron-LM `pretrain_gpt.py` on CPU for resume checks. No Megatron-LM file is changed;
+`pretrain_gpt.py` runs through runpy after a CUDA shim and a few load-only fixes.
 
-Why the fix: megatron-core 0.16.1 without TE/Apex builds torch AdamW, whose per-parameter state
+The shim: core_v0.16.1 (env MLM_HARNESS set): the shared fixture harness's `cpushim_mlm.py`, with its
+two opt-in legacy load fixes (MLM_SHIM_DISTOPT_STEP_LOAD_FIX, MLM_SHIM_DISTOPT_UNSHARE_STEP).
+core_v0.19.0 (no MLM_HARNESS): megatron-ucp's own `megatron_ucp.testing.cpu_shim` (what wrote
+tests/fixtures/megatron_lm_v019) and the same two fixes, defined below (`legacy_step_fixes`).
+
+Why the legacy fixes: megatron-core without TE/Apex builds torch AdamW, whose per-parameter state
+has a `step` tensor; `distrib_optim.pt` holds only param/exp_avg/exp_avg_sq, so
+`_set_main_param_and_optimizer_states` raises KeyError: 'step' (the step restored from the param
+groups is kept instead), and `load_state_dict` gives every parameter ONE shared step tensor, which
+AdamW then increments once per parameter (each gets its own copy).
+
+Why the torch_dist fix: megatron-core without TE/Apex builds torch AdamW, whose per-parameter state
 (and its `step`) exists only after a first step, and DistributedOptimizer.sharded_state_dict(
 is_loading=True) calls state_dict(), which asserts one `step` over that empty state, so no
 torch_dist checkpoint (Megatron-LM's own included) can be loaded here. Before the load template is
@@ -13,7 +23,7 @@ Why the second (env MLM_RESUME_KEEP_STEP=1): with torch AdamW, the dp_reshardabl
 each parameter's `step` from the load template (the fresh optimizer's, 0) over the step that
 load_state_dict has just restored from the saved param groups, so every dp_reshardable resume,
 of Megatron-LM's own checkpoints too, restarts Adam's bias correction at step 0. The fix drops
-that template `step`; the harness's MLM_SHIM_DISTOPT_STEP_LOAD_FIX then keeps the restored one.
+that template `step`; the legacy step fix then keeps the restored one.
 """
 
 import os
@@ -52,6 +62,35 @@ def sharded_state_dict_with_state(self, model_sharded_state_dict=None, is_loadin
 
 
 DistributedOptimizer.sharded_state_dict = sharded_state_dict_with_state
+
+
+def legacy_step_fixes() -> None:
+    """The harness's two opt-in legacy load fixes (core_v0.19.0 runs; see the docstring)."""
+    set_states, load_state_dict = (DistributedOptimizer._set_main_param_and_optimizer_states,
+                                   DistributedOptimizer.load_state_dict)
+
+    def set_states_keep_step(self, model_param, tensors):
+        if "step" not in tensors:
+            gi, go = self.model_param_group_index_map[model_param]
+            state = self.optimizer.state[self.optimizer.param_groups[gi]["params"][go]]
+            if "step" in state:
+                tensors = dict(tensors, step=state["step"].clone())  # copied onto itself
+        return set_states(self, model_param, tensors)
+
+    def load_state_dict_unshared_step(self, state_dict):
+        result = load_state_dict(self, state_dict)
+        for state in self.optimizer.state.values():
+            if "step" in state and torch.is_tensor(state["step"]):
+                state["step"] = state["step"].detach().clone()
+        return result
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states_keep_step
+    DistributedOptimizer.load_state_dict = load_state_dict_unshared_step
+    print("> [resume] legacy step load fixes active (load-only)")
+
+
+if not os.environ.get("MLM_HARNESS"):
+    legacy_step_fixes()
 print("> [resume] torch_dist load-template state fix active (load-only)")
 
 if os.environ.get("MLM_RESUME_KEEP_STEP") == "1":

@@ -1,8 +1,11 @@
 """The files of a Megatron-LM `--ckpt-format torch_dist` checkpoint.
 
 An iteration directory holds torch.distributed.checkpoint files (`.metadata`, `__*_*.distcp`),
-`common.pt` (args, iteration, optimizer param groups, scheduler, content metadata) and
-`metadata.json` (backend names). Model tensors are stored at global shape with layers stacked
+the common (non-tensor) state: args, iteration, optimizer param groups, scheduler, content
+metadata, and `metadata.json` (backend names). megatron-core up to 0.18 writes the common state to
+`common.pt`; 0.19 pickles it into the `.distcp` files as the object `common_state/shard_0_1` (a
+one-element list) and writes no `common.pt` (its loader reads either). Model tensors are stored
+at global shape with layers stacked
 (`decoder.layers.self_attention.linear_qkv.weight` is [layers, ...]); the optimizer state is either
 `fully_reshardable` (`optimizer.state.<state>.<model key>`, global shape), `dp_reshardable` (each
 model-parallel rank's flat DistributedOptimizer buckets, `optimizer.distributed.dp_group_idx_<k>.*`)
@@ -35,6 +38,7 @@ from megatron_ucp.formats.megatron_rebuild import (
 from megatron_ucp.param_spec import declared_state_dict, local_params
 
 COMMON_FILE = "common.pt"
+COMMON_STATE_KEY = "common_state/shard_0_1"  # megatron-core 0.19: the common state, in the .distcp files
 METADATA_FILE = ".metadata"
 FLATTENED = "fully_sharded_model_space"  # the flattened_range form of megatron-core 0.13-0.15
 SHARDINGS = ("dp_reshardable", "fully_reshardable")  # the forms written (and read)

@@ -43,6 +43,7 @@ from megatron_ucp.formats.megatron_common import (
 )
 from megatron_ucp.formats.megatron_dist.layout import (
     COMMON_FILE,
+    COMMON_STATE_KEY,
     FLATTENED,
     READ_SHARDINGS,
     DistReader,
@@ -64,13 +65,25 @@ log = logging.getLogger(__name__)
 
 
 def read_common(load_dir: str | Path, trust_pickle: bool = False) -> tuple[Path, dict, object]:
-    """(iteration directory, common.pt, the run's args)."""
+    """(iteration directory, the common state, the run's args). The common state is `common.pt`
+    (megatron-core <= 0.18) or, without that file, the `common_state` object in the .distcp files
+    (0.19)."""
     ckpt, _ = resolve_iteration(load_dir, is_iteration, "--ckpt-format torch_dist")
-    common = torch_load(ckpt / COMMON_FILE, "the checkpoint is incomplete", trust_pickle)
+    where = ckpt / COMMON_FILE
+    if not where.exists():
+        reader = DistReader(ckpt, trust_pickle=trust_pickle)
+        if COMMON_STATE_KEY not in reader.meta:
+            raise UCPError(f"{ckpt}: neither {COMMON_FILE} nor the object {COMMON_STATE_KEY!r} "
+                           "(megatron-core 0.19) is there; the checkpoint is incomplete: copy "
+                           f"{COMMON_FILE} back or convert another iteration")
+        where = ckpt / f"{COMMON_STATE_KEY} (in the .distcp files)"
+        common = reader.obj(COMMON_STATE_KEY)
+        common = common[0] if isinstance(common, list) and len(common) == 1 else common
+    else:
+        common = torch_load(where, "the checkpoint is incomplete", trust_pickle)
     args = common.get("args") if isinstance(common, dict) else None
     if args is None:
-        raise UCPError(f"{ckpt / COMMON_FILE} has no 'args'; only Megatron-LM training saves are "
-                       "supported")
+        raise UCPError(f"{where} has no 'args'; only Megatron-LM training saves are supported")
     return ckpt, common, args
 
 

@@ -1,0 +1,160 @@
+"""Megatron-LM core_v0.19.0's own checkpoints (tests/fixtures/megatron_lm_v019, written by its
+unchanged pretrain_gpt.py on CPU) -> universal -> Megatron-LM targets at other layouts.
+
+(1) Every universal tensor of a `--ckpt-format torch` set equals the reference assembled
+    independently of megatron-core and megatron_ucp (tests/oracles.py, the flat-buffer rule of
+    distrib_optim.pt); torch_dist sets: the model tensors bitwise, fully_reshardable moments from
+    `optimizer.state.<state>.<key>`, dp_reshardable moments sliced from the flat buckets by hand.
+(2) Written at another layout and format, then read back: the same universal tensors, bitwise.
+(3) megatron-core 0.19's own legacy load resumes such a conversion at another layout.
+
+The files pickle megatron-core 0.19 enums in their args (InferenceCudaGraphScope), so they are read
+on megatron-core 0.19 (the Makefile's TESTS_MCORE19).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import FULL, RELEASE_SKIP
+from oracles import (
+    assert_dumps_hold,
+    dist_common,
+    dist_shapes,
+    dp_reshardable_full,
+    full_tensor,
+    fully_reshardable_full,
+    legacy_full,
+    universal_tensors,
+)
+from oracles import legacy_reference as reference
+
+from megatron_ucp.layout import Layout
+from megatron_ucp.mcore_compat import MCORE_VERSION
+from megatron_ucp.reshard import convert_legacy, convert_torch_dist, reshard
+from megatron_ucp.testing.launch import launch
+
+pytestmark = pytest.mark.skipif(
+    MCORE_VERSION[:2] < (0, 19),
+    reason=f"{RELEASE_SKIP}Megatron-LM core_v0.19.0's checkpoints pickle megatron-core 0.19 enums")
+
+FIXTURES = Path(__file__).parent / "fixtures" / "megatron_lm_v019"
+LEGACY = ("torch_dp2", "torch_tp2_pp2", "torch_llama_tp2", "torch_moe_ep2")
+DIST = ("torch_dist_tp2_dp2", "torch_dist_pp2_fullyreshardable", "torch_dist_llama_tp2",
+        "torch_dist_moe_ep2_fully")
+STATES = ("param", "exp_avg", "exp_avg_sq")
+ITER = "iter_0000006"
+
+
+def load(path: Path):
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("v019")
+    out = {s: convert_legacy(FIXTURES / s / "ckpt", root / s, progress=False) for s in LEGACY}
+    out.update({s: convert_torch_dist(FIXTURES / s / "ckpt", root / s, progress=False) for s in DIST})
+    return out
+
+
+@pytest.mark.parametrize("name", LEGACY)
+def test_legacy_sets_match_independent_assembly(converted, name):
+    manifest, tensors = universal_tensors(converted[name])
+    args = load(next((FIXTURES / name / "ckpt" / ITER).iterdir()) / "model_optim_rng.pt")["args"]
+    ref = reference(FIXTURES / name / "ckpt")
+    assert set(manifest["params"]) == set(ref)
+    for pname, copies in ref.items():
+        weight = full_tensor(pname, copies["weight"], args.swiglu)
+        assert manifest["params"][pname]["step"] == 6.0 and copies["step"] == {6.0}, pname
+        for state in STATES:
+            got = tensors[f"{pname}/{state}"]
+            assert torch.equal(got, full_tensor(pname, copies[state], args.swiglu)), f"{pname}/{state}"
+        assert torch.equal(tensors[f"{pname}/param"].to(weight.dtype), weight), pname
+    assert manifest["iteration"] == 6 and manifest["scheduler"]["num_steps"] == 24
+
+
+@pytest.mark.parametrize("name", DIST)
+def test_dist_sets_match_the_stored_tensors(converted, name):
+    manifest, tensors = universal_tensors(converted[name])
+    ckpt = FIXTURES / name / "ckpt" / ITER
+    common = dist_common(ckpt)
+    sharding = common["content_metadata"]["distrib_optim_sharding_type"]
+    assert sharding == ("fully_reshardable" if "fully" in name else "dp_reshardable")
+    params = manifest["params"]
+    if sharding == "fully_reshardable":
+        full = fully_reshardable_full(ckpt, list(params))
+    else:
+        full = dp_reshardable_full(ckpt, {n: tuple(p["shape"]) for n, p in params.items()})
+    assert set(full) == set(params)
+    for n, states in full.items():
+        assert params[n]["step"] == 6.0, n
+        assert torch.equal(tensors[f"{n}/param"].to(torch.bfloat16), states["model"]), n  # bitwise
+        for s in STATES:
+            assert torch.equal(tensors[f"{n}/{s}"], states[s]), (n, s)
+    assert manifest["iteration"] == 6 and manifest["scheduler"]["num_steps"] == 24
+    if name == "torch_dist_tp2_dp2":
+        assert set(dist_shapes(ckpt)) == set(params) - {"output_layer.weight"}
+
+
+# (source set, target format, target layout, optimizer sharding of a torch_dist target)
+ROUND_TRIPS = [
+    # TP1 -> TP2: 0.19's args carry tensor_parallel_num_weight_shards, which must follow the TP
+    ("torch_dp2", "torch", Layout(tp=2, pp=1, dp=1), None),
+    ("torch_tp2_pp2", "torch_dist", Layout(tp=1, pp=1, dp=2), "dp_reshardable"),
+    ("torch_dist_tp2_dp2", "torch", Layout(tp=1, pp=3, dp=1), None),
+    ("torch_dist_llama_tp2", "torch", Layout(tp=1, pp=1, dp=2), None),
+    ("torch_llama_tp2", "torch_dist", Layout(tp=1, pp=1, dp=2), "fully_reshardable"),
+    ("torch_moe_ep2", "torch_dist", Layout(tp=1, pp=1, dp=4, ep=4), "fully_reshardable"),
+    # 4 ranks rebuilt for the MoE target: ~25 s on 2 cores, so in the full matrix only
+    pytest.param("torch_dist_moe_ep2_fully", "torch", Layout(tp=1, pp=1, dp=4, ep=4), None,
+                 marks=pytest.mark.skipif(not FULL, reason="UCP_FULL_MATRIX=1 runs it")),
+]
+
+
+@pytest.mark.parametrize("src,fmt,lay,sharding", ROUND_TRIPS,
+                         ids=lambda v: str(v) if isinstance(v, (str, Layout)) else "")
+def test_written_at_another_layout_reads_back_bitwise(converted, tmp_path, src, fmt, lay, sharding):
+    out = tmp_path / "out"
+    reshard(FIXTURES / src / "ckpt", out, lay, fmt, progress=False, optim_sharding=sharding)
+    again = (convert_legacy if fmt == "torch" else convert_torch_dist)(out, tmp_path / "u", progress=False)
+    m1, t1 = universal_tensors(converted[src])
+    m2, t2 = universal_tensors(again)
+    assert m2["layout"]["tp"] == lay.tp and m2["layout"]["pp"] == lay.pp and m2["layout"]["ep"] == lay.ep
+    assert t1.keys() == t2.keys()
+    assert all(torch.equal(t, t2[k]) for k, t in t1.items())
+    assert {p["step"] for p in m2["params"].values()} == {6.0}
+    if fmt == "torch":  # the written files by hand, too
+        for rank_dir in (out / ITER).iterdir():
+            args = load(rank_dir / "model_optim_rng.pt")["args"]
+            assert args.tensor_model_parallel_size == lay.tp
+            assert args.tensor_parallel_num_weight_shards == lay.tp * args.gtp_weight_remat_size
+        full = legacy_full(out)
+        assert set(full) == set(m1["params"])
+        assert all(torch.equal(full[n][s], t1[f"{n}/{s}"]) for n in full for s in STATES)
+
+
+def test_megatron_core_019_resumes_a_conversion_at_another_layout(converted, tmp_path):
+    """core_v0.19.0's torch_dist TP2 DP2 run -> `--ckpt-format torch` at TP1 DP2 -> megatron-core
+    0.19's own legacy load (optimizer.load_state_dict, load_parameter_state): every loaded weight,
+    master weight, moment and step is the universal one, and it trains on."""
+    src = FIXTURES / "torch_dist_tp2_dp2" / "ckpt"
+    out = tmp_path / "out"
+    reshard(src, out, Layout(tp=1, pp=1, dp=2), "torch", progress=False)
+    args = dist_common(src)["args"]
+    cfg = {"num_layers": 3, "hidden_size": 32, "num_attention_heads": 4, "ffn_hidden_size": 128,
+           "seq_length": 32, "vocab_size": 256, "dtype": "bf16", "micro_batch_size": 2,
+           "global_batch_size": 4, "min_lr": args.min_lr, "extra": {"add_qkv_bias": True}}
+    from test_megatron_legacy_out import RANK_PATH
+
+    res = launch(2, "tests.test_megatron_legacy_out:load_legacy_rank",
+                 {"layout": "tp1pp1dp2", "cfg": cfg, "load_dir": str(out),
+                  "dump_dir": str(tmp_path / "dump")}, timeout=300, env={"PYTHONPATH": RANK_PATH})
+    assert all(r["iteration"] == 6 and r["num_steps"] == 28 for r in res), res
+    assert all(lr == 1e-3 for r in res for lr in r["lr"])
+    assert all(math.isfinite(r["loss"]) and r["loss"] < 6.0 for r in res), res
+    manifest, tensors = universal_tensors(converted["torch_dist_tp2_dp2"])
+    assert_dumps_hold(tmp_path / "dump", manifest, tensors, None, ranks=2)
