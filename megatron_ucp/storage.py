@@ -550,6 +550,48 @@ class StagedDir:
         shutil.rmtree(self.partial, ignore_errors=True)
 
 
+def group_staged_dir(out: Path) -> StagedDir:
+    """The staged directory of a job of the torch.distributed process group (every process writes
+    its files into it): rank 0 creates it; every rank gets it, or raises rank 0's error."""
+    import torch.distributed as dist
+
+    staged = StagedDir(out)
+    problem: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            staged.create()
+        except (UCPError, OSError) as e:
+            problem = [str(e)]
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0]:
+        raise UCPError(problem[0])
+    return staged
+
+
+def commit_group_job(staged: StagedDir, what: str, result, error: str | None,
+                     finish: Callable[[list], None]) -> None:
+    """End a job of the process group: rank 0 gathers every rank's (result, error); when none
+    failed it runs `finish(results)` (metadata, checks, `staged.commit`), else it aborts. Every
+    rank returns, or raises the one outcome, so the job ends alike everywhere."""
+    import torch.distributed as dist
+
+    gathered: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object((result, error), gathered, dst=0)
+    outcome: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            failed = [e for _, e in gathered if e]
+            if failed:
+                raise UCPError(f"{what} failed ({'; '.join(failed)}); nothing was committed")
+            finish([r for r, _ in gathered])
+        except (UCPError, OSError) as e:
+            staged.abort()
+            outcome = [str(e)]
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0]:
+        raise UCPError(outcome[0])
+
+
 COMMIT_MARKERS = ("manifest.json", "latest", "latest_checkpointed_iteration.txt", "config.json")
 
 

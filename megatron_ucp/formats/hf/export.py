@@ -251,20 +251,11 @@ def _export_distributed(source, out: Path, planned: list[Planned], n_shards: int
     import torch.distributed as dist
 
     from megatron_ucp.formats.universal.writer import balanced
-    from megatron_ucp.storage import StagedDir, fsync_path, local_only
+    from megatron_ucp.storage import commit_group_job, fsync_path, group_staged_dir, local_only
 
     rank, world = dist.get_rank(), dist.get_world_size()
     out = local_only(out, "a distributed export (its processes write one shared directory)")
-    staged = StagedDir(out)
-    problem: list = [None]
-    if rank == 0:
-        try:
-            staged.create()
-        except (UCPError, OSError) as e:
-            problem = [str(e)]
-    dist.broadcast_object_list(problem, src=0)
-    if problem[0]:
-        raise UCPError(problem[0])
+    staged = group_staged_dir(out)
     shard_bytes = [0] * n_shards
     for p in planned:
         for (_, shape), shard in zip(p.outputs, p.shards):
@@ -277,23 +268,13 @@ def _export_distributed(source, out: Path, planned: list[Planned], n_shards: int
             fsync_path(staged.partial / shard_name(shard, n_shards))
     except Exception as e:  # reported by rank 0 for every rank, once
         error = f"rank {rank}: {type(e).__name__}: {e}"
-    gathered: list | None = [None] * world if rank == 0 else None
-    dist.gather_object((total, error), gathered, dst=0)
-    outcome: list = [None]
-    if rank == 0:
-        try:
-            failed = [g[1] for g in gathered if g[1]]
-            if failed:
-                raise UCPError(f"exporting to {out} failed ({'; '.join(failed)}); nothing was committed")
-            _write_metadata(staged.partial, planned, n_shards, sum(g[0] for g in gathered), config)
-            check_written(staged.partial, planned, n_shards)
-            staged.commit()
-        except (UCPError, OSError) as e:
-            staged.abort()
-            outcome = [str(e)]
-    dist.broadcast_object_list(outcome, src=0)
-    if outcome[0]:
-        raise UCPError(outcome[0])
+
+    def finish(totals: list) -> None:  # rank 0
+        _write_metadata(staged.partial, planned, n_shards, sum(totals), config)
+        check_written(staged.partial, planned, n_shards)
+        staged.commit()
+
+    commit_group_job(staged, f"exporting to {out}", total, error, finish)
     log.info("exported %d shard(s) as HF to %s from %d processes", n_shards, out, world)
     return out
 

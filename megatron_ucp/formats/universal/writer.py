@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 
-from megatron_ucp.errors import UCPError
 from megatron_ucp.formats import manifest as mf
 from megatron_ucp.formats.manifest import Manifest, ParamEntry, TensorEntry
 from megatron_ucp.formats.universal.source import RNG_FILE, data_file_name, rng_prefix
@@ -159,20 +158,11 @@ def _write_distributed(source, out: Path, specs: dict[str, ParamSpec], max_file_
     file and the manifest, checks and commits once; every rank returns or raises its outcome."""
     import torch.distributed as dist
 
-    from megatron_ucp.storage import StagedDir, fsync_path, local_only
+    from megatron_ucp.storage import commit_group_job, fsync_path, group_staged_dir, local_only
 
     rank, world = dist.get_rank(), dist.get_world_size()
     out = local_only(out, "a distributed conversion (its processes write one shared directory)")
-    staged = StagedDir(out)
-    problem: list = [None]
-    if rank == 0:
-        try:
-            staged.create()
-        except (UCPError, OSError) as e:
-            problem = [str(e)]
-    dist.broadcast_object_list(problem, src=0)
-    if problem[0]:
-        raise UCPError(problem[0])
+    staged = group_staged_dir(out)
     files = _plan_files(specs, max_file_bytes, max(workers, world))
     sizes = [sum(4 * math.prod(specs[n].shape) * len(states_of(specs[n])) for n in names) for names in files]
     entries: dict[str, dict[str, TensorEntry]] = {}
@@ -184,32 +174,22 @@ def _write_distributed(source, out: Path, specs: dict[str, ParamSpec], max_file_
             fsync_path(staged.partial / data_file_name(i))  # (the commit fsyncs rank 0's files only)
     except Exception as e:  # reported by rank 0 for every rank, once
         error = f"rank {rank}: {type(e).__name__}: {e}"
-    gathered: list | None = [None] * world if rank == 0 else None
-    dist.gather_object((entries, error, source.bytes_read), gathered, dst=0)
-    outcome: list = [None]
-    if rank == 0:
-        try:
-            failed = [g[1] for g in gathered if g[1]]
-            if failed:
-                raise UCPError(f"converting to {out} failed ({'; '.join(failed)}); nothing was committed")
-            for g in gathered:
-                entries.update(g[0])
-            ranks = source.rng_ranks()
-            if ranks:
-                write_rng(staged.partial, {r: source.rng(r) for r in ranks})
-            params = {n: ParamEntry(specs[n], source.step(n), tensors=entries[n])
-                      for n in source.manifest.params}
-            mf.write(staged.partial, Manifest.universal(source.manifest, params, source.origin))
-            check_written(staged.partial, specs, source)
-            staged.commit(fsync_files=False)
-            log.info("%d parameters, %.1f MiB read by %d processes, written to %s", len(params),
-                     sum(g[2] for g in gathered) / 2**20, world, out)
-        except (UCPError, OSError) as e:
-            staged.abort()
-            outcome = [str(e)]
-    dist.broadcast_object_list(outcome, src=0)
-    if outcome[0]:
-        raise UCPError(outcome[0])
+
+    def finish(results: list) -> None:  # rank 0
+        for rank_entries, _ in results:
+            entries.update(rank_entries)
+        ranks = source.rng_ranks()
+        if ranks:
+            write_rng(staged.partial, {r: source.rng(r) for r in ranks})
+        params = {n: ParamEntry(specs[n], source.step(n), tensors=entries[n])
+                  for n in source.manifest.params}
+        mf.write(staged.partial, Manifest.universal(source.manifest, params, source.origin))
+        check_written(staged.partial, specs, source)
+        staged.commit(fsync_files=False)
+        log.info("%d parameters, %.1f MiB read by %d processes, written to %s", len(params),
+                 sum(r[1] for r in results) / 2**20, world, out)
+
+    commit_group_job(staged, f"converting to {out}", (entries, source.bytes_read), error, finish)
     return out
 
 
