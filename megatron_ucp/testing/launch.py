@@ -84,7 +84,10 @@ def _launch_once(nprocs: int, target: str, kwargs: dict, timeout: float, env: di
             texts.append(log.read())
             log.close()
         if any(codes):
-            first_bad = next(r for r, c in enumerate(codes) if c)
+            # a rank that failed by itself, not one killed (-9) because another had failed
+            first_bad = next((r for r, c in enumerate(codes) if c > 0), None)
+            if first_bad is None:
+                first_bad = next(r for r, c in enumerate(codes) if c)
             raise LaunchError(f"{target} failed, exit codes {codes}; rank {first_bad} log tail:\n"
                               + texts[first_bad][-6000:])
         return [json.loads((Path(tmp) / f"result{r}.json").read_text()) for r in range(nprocs)]
