@@ -295,8 +295,9 @@ class FragmentSource(ReadsFiles):
     def read(self, name: str, state: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
         """Box [offset, offset + shape) of universal tensor `name`, state `state`, as fp32 (a new
         tensor: it shares memory with no file and no cache)."""
+        hits = self._box_hits(name, offset, shape)  # (a damaged index is refused before allocating)
         out = torch.empty(shape, dtype=torch.float32)
-        self.read_into(name, state, offset, shape, out)
+        self._fill(name, state, offset, shape, out, hits)
         return out
 
     def read_into(self, name: str, state: str, offset: tuple[int, ...], shape: tuple[int, ...],
@@ -305,8 +306,13 @@ class FragmentSource(ReadsFiles):
         own state): each fragment's bytes are copied once, from the mapped file into `out`."""
         if tuple(out.shape) != tuple(shape) or out.dtype != torch.float32 or not out.is_contiguous():
             raise ValueError(f"read_into: out must be a contiguous float32 tensor of shape {list(shape)}")
-        slices = self.slices[name]  # (checked against the tensor's shape before allocating it)
-        hits = []  # (the part of the box a piece holds: lo, hi; its slice; the piece)
+        self._fill(name, state, offset, shape, out, self._box_hits(name, offset, shape))
+
+    def _box_hits(self, name: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> list:
+        """The parts of box [offset, offset + shape) the saved pieces hold: (lo, hi, slice, piece)
+        each, checked to tile the box."""
+        slices = self.slices[name]
+        hits = []
         for sl in slices:
             self._check_interleaved(name, sl)
             for pc in sl.pieces:
@@ -317,6 +323,10 @@ class FragmentSource(ReadsFiles):
         # every element of the box in exactly one piece, or the index is wrong (the first use
         # checks only the volume of a tensor's slices, this read checks where they fall)
         self._check_cover(name, shape, [(lo, hi) for lo, hi, _, _ in hits])
+        return hits
+
+    def _fill(self, name: str, state: str, offset: tuple[int, ...], shape: tuple[int, ...],
+              out: torch.Tensor, hits: list) -> None:
         for lo, hi, sl, pc in hits:
             first, last = pc.span(tuple(a - p for a, p in zip(lo, pc.offset)),
                                   tuple(b - p for b, p in zip(hi, pc.offset)))
