@@ -437,8 +437,9 @@ def load_bench(layout: str, cfg: dict, sources: dict[str, str], reps: int, sampl
     The state is poisoned before every load, and each op's last load is snapshotted; the snapshots
     are compared pairwise and each is checked for master/model-weight consistency.
 
-    ops: "ucp_load" / "ucp_load_universal" (megatron_ucp.load) and "mcore_load" (a megatron-core
-    fully_reshardable checkpoint through dist_checkpointing.load, as Megatron-LM loads it).
+    ops: "ucp_load" / "ucp_load_universal" (megatron_ucp.load), "mcore_load" (a megatron-core
+    fully_reshardable checkpoint through dist_checkpointing.load, as Megatron-LM loads it) and
+    "plain_read" (the anchor: rank 0 reads every file of the directory once, the others wait).
     """
     st = setup(layout, cfg)
     # Allocate Adam state up front (untimed): a fresh optimizer has none, and whichever loader ran
@@ -453,7 +454,10 @@ def load_bench(layout: str, cfg: dict, sources: dict[str, str], reps: int, sampl
             _poison(st)
             if cold:
                 _rank0_then_barrier(lambda s=src: drop_page_cache(s))
-            if op.startswith("ucp"):
+            if op == "plain_read":  # the anchor, in the same launch: rank 0 reads every file
+                def fn(s: str = src) -> dict:
+                    return {"bytes": _read_all(Path(s)) if rank == 0 else 0}
+            elif op.startswith("ucp"):
                 def fn(s: str = src) -> dict:
                     r = ucp.load(st.model, st.optimizer, st.scheduler, s)
                     st.iteration = r.iteration
@@ -470,9 +474,9 @@ def load_bench(layout: str, cfg: dict, sources: dict[str, str], reps: int, sampl
                 continue
             rec.update(op=op, rep=rep)
             records.append(rec)
-            if rep == reps - 1:
+            if rep == reps - 1 and op != "plain_read":
                 snapshots[op] = _snapshot(st)
-    ops = [op for op in sources if op not in failed]
+    ops = [op for op in sources if op not in failed and op in snapshots]
     checks = {f"{a} vs {b}": _compare(snapshots[a], snapshots[b])
               for i, a in enumerate(ops) for b in ops[i + 1:]}
     consistency = {op: _consistency(snap) for op, snap in snapshots.items()}

@@ -185,6 +185,7 @@ def copy_run(run: ByteRun, dst_fd: int, at: int) -> None:
 
 
 WRITEBACK_BYTES = 64 * 2**20  # a writer starts the disk write of its file every this many bytes
+READ_CHUNK = 4 * 2**20  # bytes per pread of `Reader.read_into`: its crc32 runs while they are in cache
 
 
 class SafetensorsWriter:
@@ -396,6 +397,42 @@ class Reader:
         start, offsets = self._data[path]
         begin, end = offsets[key]
         return ByteRun(path, start + begin, end - begin)
+
+    def read_into(self, path: Location, key: str, out: torch.Tensor, start: int = 0,
+                  checksum: bool = False, crc: int = 0) -> int | None:
+        """Elements [start, start + out.numel()) of tensor `key`, flattened, into the contiguous host
+        tensor `out` (of the file's dtype); with `checksum`, their crc32 is returned, continuing
+        `crc` (the crc32 of the bytes before them: a tensor read in consecutive parts). (In an
+        object store: 1-D tensors only.)
+
+        A local file is read with pread straight into `out`, in chunks whose crc32 is taken while
+        they are in the CPU cache: no mapping of the file (whose page faults cost as much as the
+        copy) and no intermediate tensor. An object is read as `read` does, then copied."""
+        if not isinstance(location(path), Path):  # (1-D tensors: fragments)
+            out.copy_(self.read(path, key, (slice(start, start + out.numel()),)))
+            return zlib.crc32(tensor_bytes(out), crc) if checksum else None
+        run = self.byte_run(path, key)
+        width = out.element_size()
+        first, nbytes = run.offset + start * width, out.numel() * width
+        if start < 0 or start * width + nbytes > run.nbytes:
+            raise UCPError(f"{path}: tensor {key!r} has {run.nbytes // width} elements, a read asks "
+                           f"for [{start}, {start + out.numel()}); the file is from another "
+                           "checkpoint: restore it or use another iteration")
+        view = tensor_bytes(out)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for at in range(0, nbytes, READ_CHUNK):
+                chunk = view[at:at + READ_CHUNK]
+                got = os.preadv(fd, [chunk], first + at)
+                if got != len(chunk):
+                    raise UCPError(f"{path}: ends inside tensor {key!r}; the file is truncated: "
+                                   "restore it or use another iteration")
+                if checksum:
+                    crc = zlib.crc32(chunk, crc)
+        finally:
+            os.close(fd)
+        self.bytes_read += nbytes
+        return crc if checksum else None
 
     def read(self, path: Path, key: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
         f = self.open(path)

@@ -488,3 +488,44 @@ def test_read_local_writes_a_range_of_column_split_slices_in_place(tmp_path):
                 assert torch.equal(dest[1:1 + b - a], want[s][a:b]), (rows, a, b, s)
                 assert torch.equal(read_local(source, lp, s, a, b), want[s][a:b])
                 assert (dest[0] == -7.0) and (dest[1 + b - a:] == -7.0).all()
+
+
+def test_a_column_split_tensor_gathered_in_blocks_is_bitwise_and_checksummed(tmp_path, monkeypatch):
+    # w [64, 4] saved at TP2 split along dim 1; read at TP1 in blocks of 2 rows per piece (the
+    # scratch bound cut down to 16 bytes): every box bitwise, and a whole read, whose blocks read
+    # each fragment front to back, is checked against the fragment's crc32: one flipped byte is
+    # refused naming the file; a read of rows the flip is not in does not see it.
+    from megatron_ucp.formats.fragments import source as fragment_source
+    monkeypatch.setattr(fragment_source, "GATHER_BYTES", 16)
+    g = torch.Generator().manual_seed(4)
+    full = {s: torch.randn(64, 4, generator=g) for s in STATES}
+    ranks = [[Fragment("w", (64, 2), [Piece(0, (0, 2 * r), (64, 2), (2, 1))], 0, 128, 5.0,
+                       {s: full[s][:, 2 * r:2 * r + 2].reshape(-1).clone() for s in STATES})]
+             for r in range(2)]
+    for rank, held in enumerate(ranks):
+        write_rank_file(tmp_path / f"rank_{rank:05d}.safetensors", held, {}, {}, {"tp": rank})
+    m = Manifest.fragments(iteration=5, layout=Layout(tp=2), world_size=2, model={}, optimizer={
+        "param_groups": []}, scheduler=None, extra={}, seed=1)
+    m.params = build_index({"w": ParamSpec("w", (64, 4), "float32", 1).to_json()},
+                           [[f.record() for f in held] for held in ranks])
+    manifest = json.loads(mf.encode(m))
+    source = FragmentSource(tmp_path, Manifest.from_json(manifest, "m"))
+    for offset, shape in (((0, 0), (64, 4)), ((3, 0), (50, 4)), ((7, 1), (9, 2)), ((63, 0), (1, 4))):
+        for s in STATES:
+            out = torch.empty(shape)
+            source.read_into("w", s, offset, shape, out)
+            box = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+            assert torch.equal(out, full[s][box]), (offset, shape, s)
+    path = tmp_path / "rank_00001.safetensors"
+    at = source.reader.byte_run(path, "w/exp_avg").offset + 4 * (2 * 40)  # row 40 of rank 1's slice
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+    fresh = FragmentSource(tmp_path, Manifest.from_json(manifest, "m"))
+    out = torch.empty(20, 4)
+    fresh.read_into("w", "exp_avg", (0, 0), (20, 4), out)  # rows 0-19: the flip is not read
+    assert torch.equal(out, full["exp_avg"][:20])
+    fresh = FragmentSource(tmp_path, Manifest.from_json(manifest, "m"))
+    with pytest.raises(ucp.UCPError, match=r"rank_00001.safetensors: checksum mismatch in tensor "
+                                           r"'w/exp_avg'"):
+        fresh.read_into("w", "exp_avg", (0, 0), (64, 4), torch.empty(64, 4))

@@ -48,3 +48,39 @@ def test_reshard_fragments_and_impossible_target(source_runs, tmp_path):
 def test_reshard_to_torch_needs_a_target_layout(tmp_path):
     with pytest.raises(ucp.UCPError, match="--target-format torch: .* needs a target layout"):
         reshard(LEGACY, tmp_path / "x", target_format="torch")
+
+
+def test_universal_read_into_equals_read_for_every_box_kind(tmp_path):
+    """The load's in-place read of a universal checkpoint (`UniversalSource.read_into`: pread for a
+    box that is one row-major run, a whole tensor checked against its crc32) gives `read`'s values
+    bitwise for whole tensors, row ranges, single rows' parts and column blocks; a corrupted byte
+    in a whole-tensor read is refused naming the file."""
+    from megatron_ucp.formats import open_source
+    out = tmp_path / "u"
+    reshard(LEGACY, out, progress=False)
+    src = open_source(out)
+    n = 0
+    for name, p in src.manifest.params.items():
+        shape = tuple(p.shape)
+        boxes = [((0,) * len(shape), shape)]
+        if len(shape) == 2 and shape[0] > 2:
+            r, c = shape
+            boxes += [((1, 0), (r - 2, c)), ((r // 2, 1), (1, c - 1)), ((0, c // 2), (r, c - c // 2))]
+        for state in p.states:
+            for offset, box in boxes:
+                got = torch.empty(box, dtype=torch.float32)
+                src.read_into(name, state, offset, box, got)
+                assert torch.equal(got, src.read(name, state, offset, box)), (name, state, offset, box)
+                n += 1
+    assert n > 50
+    name, p = next((k, v) for k, v in src.manifest.params.items() if len(v.shape) == 2)
+    entry = p.tensors["param"]
+    run = src.reader.byte_run(out / entry.file, entry.key)
+    with open(out / entry.file, "r+b") as f:
+        f.seek(run.offset + 8)
+        byte = f.read(1)
+        f.seek(run.offset + 8)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    fresh = open_source(out)
+    with pytest.raises(ucp.UCPError, match=rf"{entry.file}: checksum mismatch in tensor"):
+        fresh.read_into(name, "param", (0, 0), tuple(p.shape), torch.empty(tuple(p.shape)))

@@ -57,3 +57,23 @@ def test_copy_runs_refuses_a_wrong_size_and_names_a_truncated_source(tmp_path):
     os.truncate(path, 2000)
     with pytest.raises(ucp.UCPError, match=r"src\.bin: ends before byte 2000 .* truncated"):
         w.copy_runs("t", [ByteRun(path, 4, 4000)])
+
+
+def test_read_into_preads_a_range_in_chunks_with_its_crc32(tmp_path, monkeypatch):
+    """`Reader.read_into` (the load's read path): the elements asked for, bitwise, in several
+    chunks, with the crc32 of exactly those bytes; a range past the tensor is refused."""
+    from safetensors.torch import save_file
+    data = torch.randn(5000, dtype=torch.float32)
+    path = tmp_path / "t.safetensors"
+    save_file({"pad": torch.zeros(3), "x": data}, str(path))
+    monkeypatch.setattr(storage, "READ_CHUNK", 1000)  # not a multiple of 4: chunks split elements
+    reader = storage.Reader()
+    out = torch.empty(4321, dtype=torch.float32)
+    crc = reader.read_into(path, "x", out, start=17, checksum=True)
+    assert torch.equal(out, data[17:17 + 4321])
+    assert crc == zlib.crc32(data[17:17 + 4321].numpy().tobytes())
+    assert reader.bytes_read == 4 * 4321
+    whole = torch.empty(5000, dtype=torch.float32)
+    assert reader.read_into(path, "x", whole) is None and torch.equal(whole, data)
+    with pytest.raises(ucp.UCPError, match=r"t.safetensors: tensor 'x' has 5000 elements.*\[4990, 5010\)"):
+        reader.read_into(path, "x", torch.empty(20), start=4990)

@@ -32,6 +32,7 @@ from megatron_ucp.storage import (
     tensor_bytes,
 )
 
+GATHER_BYTES = 8 * 2**20  # scratch per gathered block (`_row_blocks`): bounds a load's added memory
 RECENT_BYTES = 256 * 2**20  # whole local tensors / fragments kept for reuse (oldest evicted first)
 DAMAGED_INDEX = ("the manifest's index or the rank files are damaged or incomplete: restore them or "
                  "load another iteration")
@@ -94,6 +95,16 @@ def _check_iteration_dir(ckpt_dir: Path, manifest: Manifest) -> None:
                        "restore it or load another iteration")
 
 
+def _row_blocks(lo: list[int], hi: list[int], sl: SliceEntry, pc: Piece) -> list[tuple]:
+    """The part [lo, hi) of a box that contiguous piece `pc` holds, cut along its first dim into
+    blocks whose bytes in the rank file span at most GATHER_BYTES: a piece whose rows interleave
+    with another's in the box (a TP split of dim 1) is gathered through a bounded scratch buffer."""
+    if not pc.contiguous or len(lo) < 2:
+        return [(lo, hi, sl, pc)]
+    rows = max(1, GATHER_BYTES // (4 * pc.strides[0]))
+    return [([r, *lo[1:]], [min(r + rows, hi[0]), *hi[1:]], sl, pc) for r in range(lo[0], hi[0], rows)]
+
+
 class FragmentSource(ReadsFiles):
     """Reads boxes of universal tensors out of a fragment checkpoint."""
 
@@ -117,6 +128,9 @@ class FragmentSource(ReadsFiles):
         self._headers: dict[int, dict[tuple[str, int], dict]] = {}
         self._matched: set[tuple[int, int]] = set()  # (id(slice), fragment file)
         self._tiled: set[int] = set()  # slices whose interleaved pieces were checked
+        self._scratch_buf = torch.empty(0)  # `_scratch`
+        # (rank file, tensor key) -> (next element, crc32 so far) of a fragment being read in order
+        self._running: dict[tuple[int, str], tuple[int, int]] = {}
         files = manifest.files or [rank_file_name(r) for r in range(manifest.layout_world_size)]
         self.files = _Paths(self.dir, files)
         if all(p.slices_json is not None and p.step is not None for p in manifest.params.values()):
@@ -268,6 +282,9 @@ class FragmentSource(ReadsFiles):
         """Elements [a, b) of the slice's flattened local tensor: gathered into `into` (b - a
         elements) when given; else possibly a view of a mapped file or of a cached fragment, which
         the caller copies out and never writes to."""
+        if into is not None and not self.verify_fragments:
+            self._pread_flat(name, state, sl, a, b, into)
+            return into
         parts = []
         for f in sl.fragments:
             s, e = max(a, f.start), min(b, f.end)
@@ -291,6 +308,37 @@ class FragmentSource(ReadsFiles):
         for s, t in parts:
             buf[s - a:s - a + t.numel()] = t
         return buf
+
+    def _pread_flat(self, name: str, state: str, sl: SliceEntry, a: int, b: int,
+                    into: torch.Tensor) -> None:
+        """`_read_flat` into `into` with each fragment's bytes read straight into their place
+        (`Reader.read_into`). A fragment read whole, or front to back in consecutive parts (a
+        gather's blocks), is checked against its crc32 when its last element is read."""
+        key = f"{name}/{state}"
+        for f in sl.fragments:
+            s, e = max(a, f.start), min(b, f.end)
+            if e <= s:
+                continue
+            path, dst = self.files[f.file], into[s - a:e - a]
+            expected = self._expected_crc(name, state, sl, f)
+            # the crc32 of the fragment's elements up to s, when they were read in order up to here
+            running = self._running.pop((f.file, key), None)
+            so_far = 0 if s == f.start else (running[1] if running and running[0] == s else None)
+            verify = expected is not None and so_far is not None
+            crc = self.reader.read_into(path, key, dst, start=s - f.start, checksum=verify,
+                                        crc=so_far or 0)
+            if verify and e == f.end and crc != expected:
+                raise _checksum_mismatch(path, key)
+            if verify and e < f.end:
+                self._running[(f.file, key)] = (e, crc)
+
+    def _scratch(self, n: int) -> torch.Tensor:
+        """n fp32 elements of a buffer reused by every read that gathers through one (its pages
+        are faulted in once, not per read); it grows to the largest such read."""
+        if self._scratch_buf.numel() < n:
+            self._scratch_buf = torch.empty(0)  # (freed before the larger one is allocated)
+            self._scratch_buf = torch.empty(n, dtype=torch.float32)
+        return self._scratch_buf[:n]
 
     def read(self, name: str, state: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
         """Box [offset, offset + shape) of universal tensor `name`, state `state`, as fp32 (a new
@@ -327,16 +375,24 @@ class FragmentSource(ReadsFiles):
 
     def _fill(self, name: str, state: str, offset: tuple[int, ...], shape: tuple[int, ...],
               out: torch.Tensor, hits: list) -> None:
-        for lo, hi, sl, pc in hits:
-            first, last = pc.span(tuple(a - p for a, p in zip(lo, pc.offset)),
-                                  tuple(b - p for b, p in zip(hi, pc.offset)))
-            if len(hits) == 1 and tuple(pc.strides) == contiguous_strides(tuple(shape)) \
-                    and last + 1 - first == out.numel():
+        def span(lo: list[int], hi: list[int], pc: Piece) -> tuple[int, int]:
+            return pc.span(tuple(a - p for a, p in zip(lo, pc.offset)),
+                           tuple(b - p for b, p in zip(hi, pc.offset)))
+
+        if len(hits) == 1 and tuple(hits[0][3].strides) == contiguous_strides(tuple(shape)):
+            lo, hi, sl, pc = hits[0]
+            first, last = span(lo, hi, pc)
+            if last + 1 - first == out.numel():
                 # the box is one row-major run of the slice: its fragments land in `out` directly
                 self._read_flat(name, state, sl, first, last + 1, into=out.view(-1))
-                continue
-            if pc.contiguous:
-                flat = self._read_flat(name, state, sl, first, last + 1)
+                return
+        if not self.verify_fragments:  # (gathering through the scratch buffer, a block at a time)
+            hits = [block for hit in hits for block in _row_blocks(*hit)]
+        for lo, hi, sl, pc in hits:
+            first, last = span(lo, hi, pc)
+            if pc.contiguous:  # (through the scratch buffer: `flat` is used before the next read)
+                scratch = None if self.verify_fragments else self._scratch(last + 1 - first)
+                flat = self._read_flat(name, state, sl, first, last + 1, into=scratch)
             else:  # a transposed piece interleaves with its neighbours: read the tensor once
                 flat = self._cached((name, state, "slice", id(sl)), lambda sl=sl: self._read_flat(
                     name, state, sl, 0, math.prod(sl.local_shape)))[first:]

@@ -9,6 +9,7 @@ import torch
 
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.manifest import Manifest
+from megatron_ucp.spec import contiguous_strides
 from megatron_ucp.storage import Reader, ReadsFiles, crc32, location
 
 RNG_FILE = "rng.safetensors"
@@ -54,6 +55,30 @@ class UniversalSource(ReadsFiles):
                                "corrupt: restore it or re-run `megatron-ucp convert`")
             return t
         return self.reader.read(path, entry.key, tuple(slice(o, o + n) for o, n in zip(offset, shape)))
+
+    def read_into(self, name: str, state: str, offset: tuple[int, ...], shape: tuple[int, ...],
+                  out: torch.Tensor) -> None:
+        """`read` into `out` (a contiguous fp32 tensor of `shape`): a box that is one row-major run
+        of a local file's tensor is read straight into it (`Reader.read_into`), a whole tensor
+        checked against its crc32 on the way."""
+        p = self.manifest.params[name]
+        full, offset, shape = p.shape, tuple(offset), tuple(shape)
+        # one run: the dims after the first partial one are whole, those before it are single rows
+        k = next((i for i, (n, m) in enumerate(zip(shape, full)) if n != m), len(full))
+        run = all(n == 1 for n in shape[:k]) and shape[k + 1:] == full[k + 1:]
+        if state not in p.tensors or not isinstance(self.dir, Path) or not run:
+            out.copy_(self.read(name, state, offset, shape))
+            return
+        entry = p.tensors[state]
+        path = self.dir / entry.file
+        self.reader.check(path, entry.key, "F32", full)
+        start = sum(o * st for o, st in zip(offset, contiguous_strides(full)))
+        whole = shape == full
+        crc = self.reader.read_into(path, entry.key, out.view(-1), start,
+                                    checksum=whole and self.verify_checksums)
+        if whole and self.verify_checksums and crc != entry.crc32:
+            raise UCPError(f"{path}: checksum mismatch in tensor {entry.key!r}; the file is "
+                           "corrupt: restore it or re-run `megatron-ucp convert`")
 
     def check_files(self, part: int = 0, parts: int = 1) -> None:
         """Every tensor in the data files is in the manifest: a manifest that lost a parameter's
