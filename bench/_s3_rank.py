@@ -93,11 +93,15 @@ def load_bench(layout: str, cfg: dict, url: str, reps: int, local: str) -> dict:
     for _ in range(reps):
         ours.append(_between_barriers(ours_load))
         raw.append(_between_barriers(raw_get))
+    # each timed load's read phase (open, checks, plan, reads into the optimizer state) and its
+    # DP all-gather of the model weights, from LoadResult
+    phases = [(x.read_seconds, x.param_sync_seconds) for x in results[-reps:]]
     store_planning = list(planning)  # (a local load plans nothing)
     from_disk = [_between_barriers(lambda: ucp.load(st.model, st.optimizer, st.scheduler, local))
                  for _ in range(reps)]
     tg.destroy()
     return {"ours": ours, "raw": raw, "local": from_disk, "planning": min(store_planning),
+            "ours_read": [r for r, _ in phases], "ours_param_sync": [p for _, p in phases],
             "bytes_read": r.bytes_read, "requests": r.requests, "files_opened": r.files_opened}
 
 

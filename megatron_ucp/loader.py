@@ -47,6 +47,11 @@ class LoadResult:
     bytes_read: int  # by this rank
     files_opened: int = 0  # checkpoint data files this rank opened
     requests: int = 0  # GET requests this rank issued to an object store (0 for local files)
+    # this rank's seconds from the call until every region it holds was read into the optimizer
+    # state (open, checks, plan, reads), then in megatron-core's main -> model copy and DP
+    # all-gather of the model weights (the param sync every optimizer step ends with)
+    read_seconds: float = 0.0
+    param_sync_seconds: float = 0.0
 
 
 def _check_params(source, params: list[LocalParam], strict: bool) -> None:
@@ -181,7 +186,9 @@ def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: 
                 _set_step(index, source, *shards.pop(id(lp.param)))
     for param, shard, steps in shards.values():  # regions that do not tile their shard
         _set_step(index, source, param, shard, steps)
+    t_read = time.perf_counter()
     index.copy_main_to_model(model_chunks)
+    t_sync = time.perf_counter()
     if not manifest.extra.get(RUN_HYPERPARAMETERS):  # imports without them keep the run's
         index.load_param_groups(manifest.optimizer["param_groups"])
     index.load_grad_scaler(manifest.optimizer.get("grad_scaler"))
@@ -198,7 +205,9 @@ def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: 
         restored = ()
         rng.rederive(manifest.seed, manifest.iteration)
     if dist.get_rank() == 0:
-        log.info("loaded iteration %d (%s, saved at %s) at %s in %.2fs", manifest.iteration,
-                 manifest.kind, source_layout, layout, time.perf_counter() - t0)
+        log.info("loaded iteration %d (%s, saved at %s) at %s in %.2fs (reads %.2fs, param "
+                 "all-gather %.2fs)", manifest.iteration, manifest.kind, source_layout, layout,
+                 time.perf_counter() - t0, t_read - t0, t_sync - t_read)
     return LoadResult(manifest.iteration, manifest.extra, source.dir, source_layout,
-                      restored, source.bytes_read, source.files_opened, source.requests)
+                      restored, source.bytes_read, source.files_opened, source.requests,
+                      t_read - t0, t_sync - t_read)

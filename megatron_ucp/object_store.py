@@ -32,6 +32,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import xml.etree.ElementTree as ET
+import zlib
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -533,6 +534,25 @@ class SafetensorsObject:
     def get_tensor(self, key: str) -> torch.Tensor:
         dtype, shape, begin, end = self.entries[key]
         return self._tensor(dtype, shape, begin, end)
+
+    def read_into(self, key: str, start: int, out: memoryview, crc: int | None = None) -> int | None:
+        """Bytes [start, start + len(out)) of tensor `key` copied from the fetched windows straight
+        into `out` (no tensor of their own); with `crc` (the crc32 so far), their crc32 continuing
+        it, taken piece by piece as they are copied."""
+        _dtype, _shape, begin, end = self.entries[key]
+        a, b = begin + start, begin + start + len(out)
+        if start < 0 or b > end:
+            raise self._bad(f"a read of bytes {start}-{start + len(out)} of tensor {key!r} lies "
+                            f"outside its {end - begin} bytes")
+        at = 0
+        for piece in self._bytes(a, b) if b > a else []:
+            out[at:at + len(piece)] = piece
+            if crc is not None:
+                crc = zlib.crc32(piece, crc)
+            at += len(piece)
+        if at != b - a:
+            raise self._bad(f"bytes {a}-{b} came back as {at} bytes")
+        return crc
 
     def get_slice(self, key: str) -> _Slice:
         return _Slice(self, key)

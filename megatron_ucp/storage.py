@@ -402,15 +402,18 @@ class Reader:
                   checksum: bool = False, crc: int = 0) -> int | None:
         """Elements [start, start + out.numel()) of tensor `key`, flattened, into the contiguous host
         tensor `out` (of the file's dtype); with `checksum`, their crc32 is returned, continuing
-        `crc` (the crc32 of the bytes before them: a tensor read in consecutive parts). (In an
-        object store: 1-D tensors only.)
+        `crc` (the crc32 of the bytes before them: a tensor read in consecutive parts).
 
         A local file is read with pread straight into `out`, in chunks whose crc32 is taken while
         they are in the CPU cache: no mapping of the file (whose page faults cost as much as the
-        copy) and no intermediate tensor. An object is read as `read` does, then copied."""
-        if not isinstance(location(path), Path):  # (1-D tensors: fragments)
-            out.copy_(self.read(path, key, (slice(start, start + out.numel()),)))
-            return zlib.crc32(tensor_bytes(out), crc) if checksum else None
+        copy) and no intermediate tensor. An object's bytes are copied into `out` from the windows
+        its planned load fetched."""
+        if not isinstance(location(path), Path):  # straight from the fetched windows
+            width = out.element_size()
+            got = self.open(path).read_into(key, start * width, tensor_bytes(out),
+                                            crc if checksum else None)
+            self.bytes_read += out.numel() * width
+            return got
         run = self.byte_run(path, key)
         width = out.element_size()
         first, nbytes = run.offset + start * width, out.numel() * width
@@ -457,6 +460,12 @@ class _RecordingReader(Reader):
 
     def open(self, path: Location):
         return self.real.open(path)
+
+    def read_into(self, path: Location, key: str, out: torch.Tensor, start: int = 0,
+                  checksum: bool = False, crc: int = 0) -> int | None:
+        begin = self.open(path).entries[key][2] + start * out.element_size()
+        self.ranges.setdefault(location(path), []).append((begin, begin + out.nbytes))
+        return None  # (out keeps its values: a planning pass reads nothing)
 
     def read(self, path: Location, key: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
         obj = self.open(path)

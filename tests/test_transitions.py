@@ -97,6 +97,9 @@ def check_transition(source_runs, tmp_path, src: str, dst: str, cfg: dict, dst_c
                                        "store_requests_per_rank": [r["requests"] for r in res]}
     assert rel[0] < rtol[0], (ref, got)
     assert max(rel) < rtol[1], (ref, got)
+    # the load's two phases are timed and lie within the load the scenario timed
+    assert all(0 < r["read_seconds"] and 0 <= r["param_sync_seconds"]
+               and r["read_seconds"] + r["param_sync_seconds"] <= r["load_seconds"] for r in res)
 
 
 @pytest.mark.parametrize("src,dst,dtype", list(_cases()))

@@ -219,6 +219,7 @@ def load_and_train(layout: str, cfg: dict, load_dir: str, steps: int, dump_dir: 
     return {"losses": losses, "iteration": r.iteration, "extra": r.extra, "bytes_read": r.bytes_read,
             "files_opened": r.files_opened, "requests": r.requests,
             "rng_restored": r.rng_restored, "load_seconds": load_s, "grad_scaler": scaler,
+            "read_seconds": r.read_seconds, "param_sync_seconds": r.param_sync_seconds,
             "lr": [g["lr"] for g in st.optimizer.param_groups]}
 
 

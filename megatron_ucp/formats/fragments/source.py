@@ -173,6 +173,7 @@ class FragmentSource(ReadsFiles):
         planner = super().planning_copy(reader)
         planner.verify_fragments = False
         planner._recent = OrderedDict()  # (its placeholder tensors must not reach this source's cache)
+        planner._running = {}
         return planner
 
     def check_files(self, part: int = 0, parts: int = 1) -> None:
