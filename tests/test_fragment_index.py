@@ -455,6 +455,23 @@ def test_paused_gc_collects_young_cycles_first_and_leaves_no_young_objects():
     assert len(kept) == 50_000
 
 
+def _column_split_checkpoint(d: Path, rows: int, seed: int, vocab_rows: bool = False) -> tuple[dict, dict]:
+    """w [rows, 4] saved at TP2 split along dim 1 (each rank a [rows, 2] slice: a row-parallel
+    weight): its full states and the manifest (JSON)."""
+    g = torch.Generator().manual_seed(seed)
+    full = {s: torch.randn(rows, 4, generator=g) for s in STATES}
+    ranks = [[Fragment("w", (rows, 2), [Piece(0, (0, 2 * r), (rows, 2), (2, 1))], 0, 2 * rows, 5.0,
+                       {s: full[s][:, 2 * r:2 * r + 2].reshape(-1).clone() for s in STATES})]
+             for r in range(2)]
+    for rank, held in enumerate(ranks):
+        write_rank_file(d / f"rank_{rank:05d}.safetensors", held, {}, {}, {"tp": rank})
+    m = Manifest.fragments(iteration=5, layout=Layout(tp=2), world_size=2, model={}, optimizer={
+        "param_groups": []}, scheduler=None, extra={}, seed=1)
+    m.params = build_index({"w": ParamSpec("w", (rows, 4), "float32", 1, vocab_rows=vocab_rows).to_json()},
+                           [[f.record() for f in held] for held in ranks])
+    return full, json.loads(mf.encode(m))
+
+
 def test_read_local_writes_a_range_of_column_split_slices_in_place(tmp_path):
     # w [6, 4] saved at TP2 split along dim 1 (each rank a [6, 2] slice: a row-parallel weight),
     # read at TP1 into ranges of a destination that stands for the optimizer's shard: every range
@@ -463,18 +480,8 @@ def test_read_local_writes_a_range_of_column_split_slices_in_place(tmp_path):
     from megatron_ucp.local_slice import read_local
     from megatron_ucp.param_spec import LocalParam
 
-    g = torch.Generator().manual_seed(3)
-    full = {s: torch.randn(6, 4, generator=g) for s in STATES}
-    ranks = [[Fragment("w", (6, 2), [Piece(0, (0, 2 * r), (6, 2), (2, 1))], 0, 12, 5.0,
-                       {s: full[s][:, 2 * r:2 * r + 2].reshape(-1).clone() for s in STATES})]
-             for r in range(2)]
-    for rank, held in enumerate(ranks):
-        write_rank_file(tmp_path / f"rank_{rank:05d}.safetensors", held, {}, {}, {"tp": rank})
-    m = Manifest.fragments(iteration=5, layout=Layout(tp=2), world_size=2, model={}, optimizer={
-        "param_groups": []}, scheduler=None, extra={}, seed=1)
-    m.params = build_index({"w": ParamSpec("w", (6, 4), "float32", 1, vocab_rows=True).to_json()},
-                           [[f.record() for f in held] for held in ranks])
-    source = FragmentSource(tmp_path, Manifest.from_json(json.loads(mf.encode(m)), "m"))
+    full, manifest = _column_split_checkpoint(tmp_path, 6, seed=3, vocab_rows=True)
+    source = FragmentSource(tmp_path, Manifest.from_json(manifest, "m"))
     for rows in (6, 8):
         spec = ParamSpec("w", (rows, 4), "float32", None, vocab_rows=True)
         lp = LocalParam(spec, torch.nn.Parameter(torch.empty(rows, 4)), 0, "w",
@@ -497,18 +504,7 @@ def test_a_column_split_tensor_gathered_in_blocks_is_bitwise_and_checksummed(tmp
     # refused naming the file; a read of rows the flip is not in does not see it.
     from megatron_ucp.formats.fragments import source as fragment_source
     monkeypatch.setattr(fragment_source, "GATHER_BYTES", 16)
-    g = torch.Generator().manual_seed(4)
-    full = {s: torch.randn(64, 4, generator=g) for s in STATES}
-    ranks = [[Fragment("w", (64, 2), [Piece(0, (0, 2 * r), (64, 2), (2, 1))], 0, 128, 5.0,
-                       {s: full[s][:, 2 * r:2 * r + 2].reshape(-1).clone() for s in STATES})]
-             for r in range(2)]
-    for rank, held in enumerate(ranks):
-        write_rank_file(tmp_path / f"rank_{rank:05d}.safetensors", held, {}, {}, {"tp": rank})
-    m = Manifest.fragments(iteration=5, layout=Layout(tp=2), world_size=2, model={}, optimizer={
-        "param_groups": []}, scheduler=None, extra={}, seed=1)
-    m.params = build_index({"w": ParamSpec("w", (64, 4), "float32", 1).to_json()},
-                           [[f.record() for f in held] for held in ranks])
-    manifest = json.loads(mf.encode(m))
+    full, manifest = _column_split_checkpoint(tmp_path, 64, seed=4)
     source = FragmentSource(tmp_path, Manifest.from_json(manifest, "m"))
     for offset, shape in (((0, 0), (64, 4)), ((3, 0), (50, 4)), ((7, 1), (9, 2)), ((63, 0), (1, 4))):
         for s in STATES:
