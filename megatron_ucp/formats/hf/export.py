@@ -202,7 +202,10 @@ def export(source, out: str | Path, arch: str, *, dtype: str | None = None,
     hints = run_hints(manifest, hints or {}, activation)
     if max_shard_bytes <= 0:
         raise UCPError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-    archs.check_exportable(arch, manifest.model, hints)
+    model = dict(manifest.model)
+    if arch == "nemotron_h":  # the Mamba mixers' sizes the config does not record, from the shapes
+        model.update(archs.nemotron_h_geometry(model, {n: p.spec.shape for n, p in manifest.params.items()}))
+    archs.check_exportable(arch, model, hints)
     vocab = true_vocab(manifest, vocab_size)
     if dtype is None:
         saved = manifest.params[EMBEDDING].spec.dtype
@@ -212,7 +215,6 @@ def export(source, out: str | Path, arch: str, *, dtype: str | None = None,
         raise UCPError(f"unknown dtype {dtype!r}; choose one of {[*DTYPES, *DTYPE_ALIASES]}")
     torch_dtype = DTYPES[dtype]
     planned, n_shards = plan(arch, manifest, vocab, torch_dtype, max_shard_bytes)
-    model = dict(manifest.model)
     if model.get("max_sequence_length") is None:  # an import-hf checkpoint of a RoPE model
         model["max_sequence_length"] = (_import_record(manifest).get("config") or {}).get(
             "max_position_embeddings")
