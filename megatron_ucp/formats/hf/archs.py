@@ -992,6 +992,8 @@ def megatron_args(arch: str, hf: dict, where: str, mtp_layers: int = 0) -> tuple
     """Megatron-LM style args of the megatron-core model equal to HF config `hf` (one rank), and
     what the megatron run must set that the model config does not record (activation, rope).
     mtp_layers: the multi-token prediction layers the checkpoint holds (DeepSeek-V3)."""
+    if arch == "nemotron_h":  # older names, read as transformers reads them
+        hf = {**{new: hf[old] for old, new in NEMOTRON_H_LEGACY.items() if old in hf}, **hf}
     d = {**_HF_DEFAULTS[arch], **{k: v for k, v in hf.items() if v is not None}}
 
     def refuse(field: str, why: str) -> UCPError:
@@ -1160,7 +1162,7 @@ def nemotron_h_layer_pattern(d: dict, refuse) -> str:
         pattern = d.get("hybrid_override_pattern")
         if not isinstance(pattern, str) or not pattern:
             raise refuse("layers_block_type", "a Nemotron-H config.json lists its layers")
-        types = [{v: k for k, v in NEMOTRON_H_LAYERS.items()}.get(c, c) for c in pattern]
+        types = [NEMOTRON_H_LAYERS.get(c, c) for c in pattern]
     symbols = {v: k for k, v in NEMOTRON_H_LAYERS.items()}
     odd = sorted({t for t in types if t not in symbols}, key=str)
     if odd:
@@ -1172,7 +1174,6 @@ def nemotron_h_layer_pattern(d: dict, refuse) -> str:
 def _nemotron_h_args(d: dict, args: dict, refuse) -> tuple[dict, dict]:
     """megatron-core's hybrid model (MambaModel) of a Nemotron-H config: no position embedding, no
     biases, squared-ReLU MLPs, sigmoid-routed MoE layers with expert bias and a shared expert."""
-    d = {**d, **{new: d[old] for old, new in NEMOTRON_H_LEGACY.items() if old in d and new not in d}}
     pattern = nemotron_h_layer_pattern(d, refuse)
     if d["mlp_hidden_act"] != "relu2":
         raise refuse("mlp_hidden_act", "megatron-core's hybrid MLPs are imported with squared_relu (relu2)")
