@@ -532,6 +532,7 @@ def test_nemotron_h_tied_embedding(saved, tmp_path):
      "moe_shared_expert_intermediate_size"),
     ("nemotron_h", "nemotron_h", {"moe_shared_expert_gate": True}, "moe_shared_expert_gate"),
     ("nemotron_h", "nemotron_h", {"moe_latent_size": 8}, "moe_latent_size"),
+    ("nemotron_h", "nemotron_h", {"moe_expert_capacity_factor": 1.0}, "moe_expert_capacity_factor"),
     ("nemotron_h", "nemotron_h", {"moe_router_num_groups": 3, "moe_router_group_topk": 2},
      "moe_router_group_topk"),
 ])

@@ -684,6 +684,9 @@ def _check_nemotron_h(cfg: dict, hints: dict) -> None:
     if get("moe_latent_size") is not None:
         raise _fail(arch, "moe_latent_size", get("moe_latent_size"), "latent MoE projections are not "
                     "exported")
+    if get("moe_expert_capacity_factor") is not None:
+        raise _fail(arch, "moe_expert_capacity_factor", get("moe_expert_capacity_factor"), "HF "
+                    "nemotron_h's experts drop no tokens")
     if not get("moe_shared_expert_intermediate_size"):
         raise _fail(arch, "moe_shared_expert_intermediate_size", get("moe_shared_expert_intermediate_size"),
                     "every HF nemotron_h MoE layer has a shared expert")
