@@ -66,7 +66,7 @@ MODELS = {  # name -> (arch, config class, kwargs)
         layers_block_type=["linear_attention", "moe", "full_attention", "mlp"], ssm_state_size=8,
         mamba_num_heads=8, mamba_head_dim=8, n_groups=2, n_routed_experts=3, num_experts_per_tok=2,
         moe_intermediate_size=24, moe_shared_expert_intermediate_size=16, routed_scaling_factor=2.5,
-        time_step_min=NO_DT_CLAMP)),
+        time_step_min=NO_DT_CLAMP, chunk_size=8)),
     "gpt2": ("gpt2", "GPT2Config", dict(vocab_size=100, n_embd=32, n_layer=2, n_head=4,
                                         n_positions=64, activation_function="gelu")),
     "gpt2_untied": ("gpt2", "GPT2Config", dict(vocab_size=100, n_embd=32, n_layer=2, n_head=4,
@@ -173,7 +173,7 @@ def test_round_trip_is_bitwise(saved, tmp_path, name):
             "qk_nope_head_dim", "first_k_dense_replace", "rope_interleave", "sliding_window",
             "layer_types", "swiglu_limit", "swiglu_alpha", "layers_block_type", "ssm_state_size",
             "mamba_num_heads", "mamba_head_dim", "n_groups", "conv_kernel", "time_step_min",
-            "moe_shared_expert_intermediate_size", "mlp_hidden_act", "use_conv_bias")
+            "moe_shared_expert_intermediate_size", "mlp_hidden_act", "use_conv_bias", "chunk_size")
     for k in same:
         if k in original and original[k] is not None:
             assert exported[k] == original[k], k

@@ -235,6 +235,9 @@ _NH_EXPERT: list[Entry] = [
     ("{m}mlp.experts.experts.{e}.linear_fc1.weight", "copy", ("{h}mixer.experts.{e}.up_proj.weight",), ""),
     ("{m}mlp.experts.experts.{e}.linear_fc2.weight", "copy", ("{h}mixer.experts.{e}.down_proj.weight",), ""),
 ]
+# HF settings megatron-core's model does not hold and that change no result beyond rounding (the
+# Mamba scan's chunk length): export-hf writes those of the model import-hf read, if any
+RECORDED_HF = {"nemotron_h": ("chunk_size",)}
 # tensors some HF checkpoints carry that are not parameters (recomputed buffers): skipped on import
 IGNORED_HF = {
     "llama": (r"\.rotary_emb\.inv_freq$",), "qwen2": (r"\.rotary_emb\.inv_freq$",),
@@ -606,6 +609,7 @@ def _check_deepseek_v3(cfg: dict) -> None:
 SQUARED_RELU = "megatron.core.activations.squared_relu"
 # megatron-core's Mamba mixer normalizes its gated output with this eps, whatever layernorm_epsilon
 MAMBA_NORM_EPS = 1e-5
+MAMBA_CHUNK = 128  # the Mamba mixer's scan chunk length (megatron-core's default)
 # transformers' Nemotron-H clamps softplus(dt + dt_bias) from below at time_step_min; megatron-core's
 # mixer does not clamp. Written as the smallest normal float: only an fp32/bf16 softplus that
 # underflows is raised to it (transformers' initialisation takes log(time_step_min), so not 0)
@@ -754,7 +758,7 @@ def hf_config(arch: str, cfg: dict, *, vocab: int, dtype: str, rope_theta: float
     if arch == "gpt_oss":
         return {**common, **_gpt_oss_config(cfg, rope_theta)}
     if arch == "nemotron_h":
-        return {**common, **_nemotron_h_config(cfg)}
+        return {**common, **_nemotron_h_config(cfg, tokens.get("chunk_size") or MAMBA_CHUNK)}
     if arch == "gpt2":
         return {**common, "n_positions": cfg["max_sequence_length"], "n_embd": cfg["hidden_size"],
                 "n_layer": cfg["num_layers"], "n_head": h.heads, "n_inner": cfg["ffn_hidden_size"],
@@ -840,7 +844,7 @@ def _deepseek_v3_config(cfg: dict, rope_theta: float) -> dict:
     return out
 
 
-def _nemotron_h_config(cfg: dict) -> dict:
+def _nemotron_h_config(cfg: dict, chunk_size: int) -> dict:
     h, get = Heads.of(cfg), cfg.get
     pattern = nemotron_h_pattern(cfg)
     out = {"hidden_size": cfg["hidden_size"], "layers_block_type": [NEMOTRON_H_LAYERS[c] for c in pattern],
@@ -857,7 +861,7 @@ def _nemotron_h_config(cfg: dict) -> dict:
         out.update(ssm_state_size=cfg["mamba_state_dim"], mamba_num_heads=heads, mamba_head_dim=head_dim,
                    n_groups=cfg["mamba_num_groups"], conv_kernel=cfg["mamba_conv_kernel"],
                    mamba_hidden_act="silu", use_conv_bias=True, mamba_proj_bias=False,
-                   chunk_size=128, time_step_min=NO_DT_CLAMP)
+                   chunk_size=chunk_size, time_step_min=NO_DT_CLAMP)
         if heads * head_dim % cfg["hidden_size"] == 0:  # (transformers reads heads and head_dim)
             out["expand"] = heads * head_dim // cfg["hidden_size"]
     if "E" in pattern:

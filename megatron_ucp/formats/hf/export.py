@@ -126,12 +126,14 @@ def _import_record(manifest: Manifest) -> dict:
 
 
 def _token_ids(manifest: Manifest, arch: str) -> dict:
-    """bos/eos/pad ids of the HF model this checkpoint was imported from (`import-hf`), if any."""
+    """bos/eos/pad ids of the HF model this checkpoint was imported from (`import-hf`), if any, and
+    the HF settings of that model the megatron model does not hold (`archs.RECORDED_HF`)."""
     record = _import_record(manifest)
     if record.get("arch") != arch:
         return {}
     cfg = record.get("config") or {}
-    return {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
+    keys = ("bos_token_id", "eos_token_id", "pad_token_id", *archs.RECORDED_HF.get(arch, ()))
+    return {k: cfg[k] for k in keys if k in cfg}
 
 
 def run_hints(manifest: Manifest, args_hints: dict, activation: str | None) -> dict:
