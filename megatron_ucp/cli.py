@@ -7,7 +7,8 @@ import argparse
 import sys
 
 # formats.hf.archs.ARCHS, spelled out so the parser builds without importing torch (tests/test_cli.py)
-HF_ARCHS = ("llama", "qwen2", "mixtral", "gpt2", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss")
+HF_ARCHS = ("llama", "qwen2", "mixtral", "gpt2", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss",
+            "nemotron_h")
 
 TRUST_HELP = ("unpickle Megatron-LM files with the plain unpickler (runs code from the file): only "
               "for checkpoints you trust whose pickles hold types outside megatron-ucp's allowlist")

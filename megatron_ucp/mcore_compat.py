@@ -16,6 +16,9 @@ What differs, and where it is handled:
 * Hybrid (Mamba) models: 0.16's MambaModel keeps its layer pattern as `hybrid_override_pattern`;
   0.19's HybridModel (MambaModel is a deprecated subclass) as `hybrid_layer_pattern`, taking the
   old name as a deprecated argument (the attribute is then None): `hybrid_layer_pattern`.
+  Without Triton (torch's CPU build), 0.16's `megatron.core.ssm.mamba_mixer` cannot be imported at
+  all: it imports dynamic inference's Triton kernels at module level (0.19 does not):
+  `mamba_modules` registers a stand-in for that module first.
 * MLA's Q/KV norms: 0.19 resolves them in `QKNormConfigResolver`, which wants a Q norm fused into
   `linear_q_proj` when there is no query LoRA rank (only Transformer Engine has that layer); 0.16
   builds no Q norm there: `local_mla_qk_norm_without_q_lora`.
@@ -141,3 +144,34 @@ def config_kwargs_from_args(kw: dict) -> dict:
 def hybrid_layer_pattern(model) -> str | None:
     """A hybrid model's layer pattern (`M*-E`: Mamba, attention, MLP, MoE), None for other models."""
     return getattr(model, "hybrid_layer_pattern", None) or getattr(model, "hybrid_override_pattern", None)
+
+
+# megatron-core 0.16's mamba_mixer imports these Triton kernels of dynamic (batched) inference at
+# module level; without Triton that import fails, and with it the whole Mamba mixer
+_MAMBA_INFERENCE_KERNELS = "megatron.core.inference.contexts.attention_context.triton.tensor_ops"
+
+
+def _inference_kernel(name: str):
+    def kernel(*args, **kwargs):
+        raise NotImplementedError(f"{_MAMBA_INFERENCE_KERNELS}.{name} is a Triton kernel of dynamic "
+                                  "inference and Triton is not installed (megatron-ucp registered "
+                                  "this stand-in so that megatron-core's Mamba mixer can be imported)")
+    return kernel
+
+
+def mamba_modules():
+    """megatron-core's (mamba_mixer, mamba_block) modules, importable also without Triton: where
+    Triton is missing, the inference kernels 0.16's mamba_mixer imports are registered first as
+    functions that raise (training and a structure-only rebuild never call them)."""
+    import importlib.util
+    import sys
+    import types
+
+    if importlib.util.find_spec("triton") is None and _MAMBA_INFERENCE_KERNELS not in sys.modules:
+        ops = types.ModuleType(_MAMBA_INFERENCE_KERNELS, "stand-in: see megatron_ucp.mcore_compat")
+        for name in ("tensor_get_slice_after", "tensor_masked_update", "tensor_merge"):
+            setattr(ops, name, _inference_kernel(name))
+        sys.modules[_MAMBA_INFERENCE_KERNELS] = ops
+    from megatron.core.ssm import mamba_block, mamba_mixer
+
+    return mamba_mixer, mamba_block

@@ -106,6 +106,10 @@ def check_model_config(saved: dict, current: dict, where: str) -> None:
     true_vocab = saved.get("unpadded_vocab_size")
     if true_vocab and current.get("vocab_size", 0) >= true_vocab:  # only the padding differs
         bad = [b for b in bad if b[0] != "vocab_size"]
+    # a Mamba mixer without mamba_num_heads derives its heads (expand * hidden / mamba_head_dim,
+    # expand being a layer-spec argument the config does not hold); whether they agree with a
+    # given number, the parameter shapes say (A_log, D, dt_bias: one per head), which a load checks
+    bad = [b for b in bad if not (b[0] == "mamba_num_heads" and None in b[1:])]
     if bad:
         lines = "; ".join(f"{k}: checkpoint {a!r}, model {b!r}" for k, a, b in bad)
         hint = ""

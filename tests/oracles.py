@@ -560,8 +560,8 @@ def split_qkv(t: torch.Tensor, heads: int, groups: int) -> tuple[torch.Tensor, t
 
 def hf_expected(master: dict[str, torch.Tensor], arch: str, heads: int, groups: int, vocab: int
                 ) -> dict[str, torch.Tensor]:
-    """The tensors a transformers `arch` (llama, qwen2, mixtral, qwen3, qwen3_moe, gpt2, deepseek_v3 or
-    gpt_oss) checkpoint of the
+    """The tensors a transformers `arch` (llama, qwen2, mixtral, qwen3, qwen3_moe, gpt2, deepseek_v3,
+    gpt_oss or nemotron_h) checkpoint of the
     megatron-core GPT with full master weights `master` (universal names) holds, by the textbook
     correspondences:
     megatron's fused linear_qkv rows are per query group [q heads of the group; k; v] (head_dim
@@ -637,6 +637,8 @@ def hf_expected(master: dict[str, torch.Tensor], arch: str, heads: int, groups: 
         out.update(_deepseek_v3_expected(master, vocab, len(layers)))
     elif arch == "gpt_oss":
         out.update(_gpt_oss_expected(master, heads, groups, vocab, layers))
+    elif arch == "nemotron_h":
+        out.update(_nemotron_h_expected(master, heads, groups, vocab, layers))
     else:
         raise ValueError(arch)
     return {k: v.contiguous() for k, v in out.items()}
@@ -692,6 +694,46 @@ def _deepseek_v3_expected(master: dict[str, torch.Tensor], vocab: int, layers: i
             out[h + f"mlp.experts.{rest[3]}.down_proj.weight"] = t
         else:
             out[h + _DSV3_NAMES[suffix]] = t
+    return out
+
+
+def _nemotron_h_expected(master: dict[str, torch.Tensor], heads: int, groups: int, vocab: int,
+                         layers: list[int]) -> dict:
+    """Nemotron-H's tensors (Hub layout, `backbone.`): each layer a `norm` and a `mixer`, which is
+    the Mamba-2 mixer, the attention, the MLP or the MoE, whichever the megatron layer holds.
+    Mamba-2's in_proj is [z; x; B; C; dt] and conv1d [x; B; C] on both sides (transformers splits
+    in_proj into [gate; xBC; dt] and xBC into [x; B; C]); a tied embedding is stored as lm_head too."""
+    out = {"backbone.embeddings.weight": master[WORD][:vocab],
+           "backbone.norm_f.weight": master["decoder.final_norm.weight"],
+           "lm_head.weight": master.get("output_layer.weight", master[WORD])[:vocab]}
+    for i in layers:
+        m, h = f"decoder.layers.{i}.", f"backbone.layers.{i}."
+        if m + "mixer.in_proj.weight" in master:  # Mamba-2
+            out[h + "norm.weight"] = master[m + "mixer.in_proj.layer_norm_weight"]
+            for name in ("in_proj.weight", "conv1d.weight", "conv1d.bias", "A_log", "D", "dt_bias",
+                         "norm.weight", "out_proj.weight"):
+                out[h + "mixer." + name] = master[m + "mixer." + name]
+        elif m + "self_attention.linear_qkv.weight" in master:
+            out[h + "norm.weight"] = master[m + "self_attention.linear_qkv.layer_norm_weight"]
+            q, k, v = split_qkv(master[m + "self_attention.linear_qkv.weight"], heads, groups)
+            out.update({h + "mixer.q_proj.weight": q, h + "mixer.k_proj.weight": k,
+                        h + "mixer.v_proj.weight": v,
+                        h + "mixer.o_proj.weight": master[m + "self_attention.linear_proj.weight"]})
+        elif m + "mlp.router.weight" in master:  # MoE, experts one tensor each
+            out[h + "norm.weight"] = master[m + "pre_mlp_layernorm.weight"]
+            out[h + "mixer.gate.weight"] = master[m + "mlp.router.weight"]
+            out[h + "mixer.gate.e_score_correction_bias"] = master[m + "mlp.router.expert_bias"]
+            for mine, theirs in (("linear_fc1", "up_proj"), ("linear_fc2", "down_proj")):
+                shared = master[m + f"mlp.shared_experts.{mine}.weight"]
+                out[h + f"mixer.shared_experts.{theirs}.weight"] = shared
+                experts = {int(n.split(".")[6]) for n in master if n.startswith(m + "mlp.experts.experts.")}
+                for e in sorted(experts):
+                    out[h + f"mixer.experts.{e}.{theirs}.weight"] = \
+                        master[m + f"mlp.experts.experts.{e}.{mine}.weight"]
+        else:  # MLP: up_proj, relu2, down_proj
+            out[h + "norm.weight"] = master[m + "mlp.linear_fc1.layer_norm_weight"]
+            out[h + "mixer.up_proj.weight"] = master[m + "mlp.linear_fc1.weight"]
+            out[h + "mixer.down_proj.weight"] = master[m + "mlp.linear_fc2.weight"]
     return out
 
 

@@ -20,12 +20,14 @@ transformers = pytest.importorskip("transformers")
 
 from megatron_ucp.formats import open_source  # noqa: E402
 from megatron_ucp.formats.hf import export, import_hf  # noqa: E402
+from megatron_ucp.formats.hf.archs import NO_DT_CLAMP  # noqa: E402
 from megatron_ucp.testing.launch import launch  # noqa: E402
 
 HF_SCENARIOS = "megatron_ucp.testing.hf_scenarios"
-ARCHS = ("llama", "qwen2", "gpt2", "mixtral", "qwen3", "qwen3_moe", "deepseek_v3")
+ARCHS = ("llama", "qwen2", "gpt2", "mixtral", "qwen3", "qwen3_moe", "deepseek_v3", "nemotron_h")
 TOL = 1e-4  # fp32 logits, max abs difference
-REL_TOL = 1e-5  # DeepSeek-V3, GPT-OSS: max abs difference / max abs logit
+REL_TOL = 1e-5  # DeepSeek-V3, GPT-OSS, Nemotron-H: max abs difference / max abs logit
+REL_ARCHS = ("deepseek_v3", "nemotron_h")
 TRUE_VOCAB = 250  # the model pads it to 256 (vocab rows 250..255 must not be exported)
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
             vocab_size=256, unpadded_vocab_size=TRUE_VOCAB, seq_length=32, micro_batch_size=2,
@@ -39,6 +41,15 @@ DEEPSEEK_V3_MEGATRON = {"num_experts": 4, "qk_layernorm": True, "num_query_group
     "qk_head_dim": 16, "qk_pos_emb_head_dim": 8, "v_head_dim": 16, "rope_type": "yarn",
     "rotary_scaling_factor": 4.0, "original_max_position_embeddings": 16, "mscale": 1.0,
     "mscale_all_dim": 1.0, "layernorm_epsilon": 1e-6}}
+# megatron-core's hybrid model (MambaModel; Mamba math on CPU: megatron_ucp.testing.mamba_cpu):
+# Mamba-2 (8 heads of 16, 2 groups of state 8), a MoE layer (sigmoid routing with expert bias, a
+# shared expert, top-2 of 4 scaled by 2.5), attention (GQA, no position embedding), a relu2 MLP
+NEMOTRON_H_MEGATRON = {
+    "hybrid_pattern": "ME*-", "normalization": "RMSNorm", "add_bias_linear": False, "num_query_groups": 2,
+    "position_embedding_type": "none", "activation": "squared_relu", "num_experts": 4, "extra": {
+        "mamba_state_dim": 8, "mamba_head_dim": 16, "mamba_num_groups": 2, "moe_ffn_hidden_size": 32,
+        "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+        "moe_router_topk_scaling_factor": 2.5, "moe_shared_expert_intermediate_size": 64}}
 CFGS = {
     "llama": {**BASE, **ROTARY, "untie_embeddings": True},  # GQA, untied, no biases
     "qwen2": {**BASE, **ROTARY, "extra": {"add_qkv_bias": True}},  # q/k/v biases, tied
@@ -55,6 +66,8 @@ CFGS = {
     "deepseek_v3": {**BASE, **ROTARY, **DEEPSEEK_V3_MEGATRON, "untie_embeddings": True,
                     "sequence_parallel": True,
                     "extra": {**DEEPSEEK_V3_MEGATRON["extra"], "mtp_num_layers": 1}},
+    # tied: transformers' Nemotron-H never ties, the export stores the embedding as lm_head too
+    "nemotron_h": {**BASE, **NEMOTRON_H_MEGATRON, "sequence_parallel": True},
 }
 # a transformers Llama built here (biases everywhere, tied, head_dim != hidden / heads) and the
 # megatron-core model of the same architecture (vocabulary 100 padded to 128)
@@ -87,6 +100,15 @@ NATIVE_NEW = {
              "add_qkv_bias": True, "softmax_type": "learnable", "window_size": [4, 0],
              "window_attn_skip_freq": 2, "glu_linear_offset": 1.0, "activation_func_clamp_value": 7.0,
              "kv_channels": 16}}),
+    "nemotron_h": ("NemotronHConfig", dict(
+        vocab_size=100, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, max_position_embeddings=32, layers_block_type=["linear_attention", "moe",
+                                                                    "full_attention", "mlp"],
+        ssm_state_size=8, mamba_num_heads=8, mamba_head_dim=16, n_groups=2, n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=64,
+        routed_scaling_factor=2.5, time_step_min=NO_DT_CLAMP),
+        {**BASE, **NEMOTRON_H_MEGATRON, "untie_embeddings": True, "vocab_size": 128,
+         "unpadded_vocab_size": 100}),
 }
 NATIVE_TOKENS = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(8)).tolist()
 TOKENS = torch.randint(0, TRUE_VOCAB, (2, 16), generator=torch.Generator().manual_seed(7)).tolist()
@@ -174,7 +196,7 @@ def test_export_gives_megatron_logits(runs, arch):
     print(f"{arch}: megatron TP2 vs transformers logits max abs diff {diff:.3g}")
     REPORT[f"hf-export:{arch}"] = {"max_abs_logit_diff": diff,
                                    "max_rel_logit_diff": rel_diff(hf, megatron[..., :TRUE_VOCAB])}
-    assert diff <= TOL and (arch != "deepseek_v3" or rel_diff(hf, megatron[..., :TRUE_VOCAB]) <= REL_TOL)
+    assert diff <= TOL and (arch not in REL_ARCHS or rel_diff(hf, megatron[..., :TRUE_VOCAB]) <= REL_TOL)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -187,8 +209,15 @@ def test_exported_directory(runs, arch):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == arch and cfg["vocab_size"] == TRUE_VOCAB
     assert cfg["tie_word_embeddings"] == (not CFGS[arch].get("untie_embeddings", False))
-    assert ("lm_head.weight" in index["weight_map"]) == CFGS[arch].get("untie_embeddings", False)
+    # (transformers' Nemotron-H never ties: a tied embedding is stored as lm_head too)
+    assert ("lm_head.weight" in index["weight_map"]) == (CFGS[arch].get("untie_embeddings", False)
+                                                         or arch == "nemotron_h")
     assert (out / "generation_config.json").is_file()
+    if arch == "nemotron_h":
+        assert cfg["layers_block_type"] == ["linear_attention", "moe", "full_attention", "mlp"]
+        assert (cfg["mamba_num_heads"], cfg["n_groups"], cfg["conv_kernel"], cfg["num_key_value_heads"]) \
+            == (8, 2, 4, 2)
+        return
     if arch != "gpt2":  # (multi-latent attention has a key and value per head)
         assert cfg["num_key_value_heads"] == (4 if arch == "deepseek_v3" else 2)
         assert cfg["rope_parameters"]["rope_theta"] == 10000.0
@@ -208,7 +237,7 @@ def test_import_loads_at_another_layout(runs, reloaded, arch):
     print(f"{arch}: megatron TP2 vs export -> import-hf -> load at TP1xDP2 logits max abs diff {diff:.3g}")
     rel = rel_diff(torch.load(runs / arch / "reloaded.pt")[..., :TRUE_VOCAB], megatron[..., :TRUE_VOCAB])
     REPORT[f"hf-import:{arch}"] = {"max_abs_logit_diff": diff, "max_rel_logit_diff": rel}
-    assert diff <= TOL and (arch != "deepseek_v3" or rel <= REL_TOL)
+    assert diff <= TOL and (arch not in REL_ARCHS or rel <= REL_TOL)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -220,8 +249,8 @@ def test_imported_specs_are_megatron_cores(runs, arch):
     assert src.format == "hf" and set(src.manifest.params) == set(saved.params)
     for name, p in saved.params.items():
         mine = src.manifest.params[name].spec
-        assert (mine.tp_axis, mine.tp_blocks, mine.vocab_rows, mine.buffer) == \
-            (p.spec.tp_axis, p.spec.tp_blocks, p.spec.vocab_rows, p.spec.buffer), name
+        assert (mine.tp_axis, mine.tp_blocks, mine.tp_sections, mine.vocab_rows, mine.buffer) == \
+            (p.spec.tp_axis, p.spec.tp_blocks, p.spec.tp_sections, p.spec.vocab_rows, p.spec.buffer), name
         rows = TRUE_VOCAB if p.spec.vocab_rows else p.spec.shape[0]
         assert mine.shape == (rows, *p.spec.shape[1:]), name
     assert src.manifest.extra["fresh_optimizer"] is True
@@ -270,8 +299,9 @@ def test_round_trip_through_tp2pp2(runs, reloaded, tmp_path):
 
 @pytest.mark.parametrize("arch", NATIVE_NEW)
 def test_transformers_deepseek_v3_and_gpt_oss_in_megatron(runs, reloaded, arch, tmp_path):
-    """A transformers-made DeepSeek-V3 / GPT-OSS (every tensor random: expert bias, sinks, router
-    and expert biases) computes the same in megatron-core after import-hf and megatron_ucp.load at
+    """A transformers-made DeepSeek-V3 / GPT-OSS / Nemotron-H (every tensor random: expert bias,
+    sinks, router and expert biases, A_log, D, dt_bias) computes the same in megatron-core after
+    import-hf and megatron_ucp.load at
     TP1xDP2; megatron_ucp.save of it exports back to the same safetensors bit for bit, which
     transformers runs to the megatron logits."""
     from safetensors.torch import load_file

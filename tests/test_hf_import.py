@@ -25,6 +25,7 @@ from megatron_ucp.cli import main  # noqa: E402
 from megatron_ucp.errors import UCPError  # noqa: E402
 from megatron_ucp.formats import open_source  # noqa: E402
 from megatron_ucp.formats.hf import export, import_hf  # noqa: E402
+from megatron_ucp.formats.hf.archs import NO_DT_CLAMP  # noqa: E402
 from megatron_ucp.formats.hf.source import HFSource  # noqa: E402
 from megatron_ucp.spec import ParamSpec  # noqa: E402
 
@@ -57,6 +58,15 @@ MODELS = {  # name -> (arch, config class, kwargs)
     "gpt_oss": ("gpt_oss", "GptOssConfig", {
         **ROTARY, "intermediate_size": 24, "head_dim": 8, "num_local_experts": 3, "num_experts_per_tok": 2,
         "sliding_window": 4, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+    # hybrid: Mamba-2 (2 groups of state 8, 8 heads of 8), a MoE layer (sigmoid routing with
+    # e_score_correction_bias, a shared expert, top-2 of 3 scaled by 2.5), attention, a relu2 MLP
+    "nemotron_h": ("nemotron_h", "NemotronHConfig", dict(
+        vocab_size=100, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
+        layers_block_type=["linear_attention", "moe", "full_attention", "mlp"], ssm_state_size=8,
+        mamba_num_heads=8, mamba_head_dim=8, n_groups=2, n_routed_experts=3, num_experts_per_tok=2,
+        moe_intermediate_size=24, moe_shared_expert_intermediate_size=16, routed_scaling_factor=2.5,
+        time_step_min=NO_DT_CLAMP, chunk_size=8)),
     "gpt2": ("gpt2", "GPT2Config", dict(vocab_size=100, n_embd=32, n_layer=2, n_head=4,
                                         n_positions=64, activation_function="gelu")),
     "gpt2_untied": ("gpt2", "GPT2Config", dict(vocab_size=100, n_embd=32, n_layer=2, n_head=4,
@@ -65,7 +75,8 @@ MODELS = {  # name -> (arch, config class, kwargs)
 ARCH_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                 "mixtral": "MixtralForCausalLM", "gpt2": "GPT2LMHeadModel",
                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+                "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
+                "nemotron_h": "NemotronHForCausalLM"}
 TOKENS = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(3))
 
 
@@ -160,14 +171,16 @@ def test_round_trip_is_bitwise(saved, tmp_path, name):
             "moe_intermediate_size", "norm_topk_prob", "n_routed_experts", "n_shared_experts",
             "routed_scaling_factor", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim",
             "qk_nope_head_dim", "first_k_dense_replace", "rope_interleave", "sliding_window",
-            "layer_types", "swiglu_limit", "swiglu_alpha")
+            "layer_types", "swiglu_limit", "swiglu_alpha", "layers_block_type", "ssm_state_size",
+            "mamba_num_heads", "mamba_head_dim", "n_groups", "conv_kernel", "time_step_min",
+            "moe_shared_expert_intermediate_size", "mlp_hidden_act", "use_conv_bias", "chunk_size")
     for k in same:
         if k in original and original[k] is not None:
             assert exported[k] == original[k], k
 
 
 @pytest.mark.parametrize("name", ["llama_bias", "mixtral", "gpt2_untied", "qwen3", "qwen3_moe",
-                                  "deepseek_v3", "gpt_oss"])
+                                  "deepseek_v3", "gpt_oss", "nemotron_h"])
 def test_exported_model_computes_the_same(saved, tmp_path, name):
     """The round trip through the universal form loads in transformers with the same logits."""
     import_hf(saved[name], tmp_path / "u", progress=False)
@@ -445,3 +458,107 @@ def test_deepseek_v3_expert_bias_stays_fp32(saved, tmp_path):
     name = "model.layers.1.mlp.gate.e_score_correction_bias"
     assert b[name].dtype == torch.float32 and torch.equal(a[name], b[name])
     assert b["model.norm.weight"].dtype == torch.bfloat16
+
+
+# ------------------------------------------------------------------------------- Nemotron-H
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"time_step_min": 0.001}, "config.json time_step_min=0.001: transformers clamps"),
+    ({"conv_kernel": 3}, "config.json conv_kernel=3"),
+    ({"layer_norm_epsilon": 1e-6}, "config.json layer_norm_epsilon=1e-06"),
+    ({"mlp_hidden_act": "silu"}, "config.json mlp_hidden_act='silu'"),
+    ({"mamba_hidden_act": "gelu"}, "config.json mamba_hidden_act='gelu'"),
+    ({"use_conv_bias": False}, "config.json use_conv_bias=False"),
+    ({"mamba_proj_bias": True}, "config.json mamba_proj_bias=True"),
+    ({"mlp_bias": True}, "config.json mlp_bias=True"),
+    ({"moe_latent_size": 16}, "config.json moe_latent_size=16"),
+    ({"norm_topk_prob": False}, "config.json norm_topk_prob=False"),
+    ({"sliding_window": 4}, "config.json sliding_window=4"),
+    ({"layers_block_type": ["linear_attention", "moe", "sliding_attention", "mlp"]},
+     "layers_block_type.*'sliding_attention'"),
+])
+def test_nemotron_h_import_refuses_what_megatron_core_cannot_run(saved, tmp_path, config, message):
+    bad = copy_with(saved["nemotron_h"], tmp_path / "bad", config=config)
+    with pytest.raises(UCPError, match=message):
+        import_hf(bad, tmp_path / "u", progress=False)
+    assert not (tmp_path / "u").exists()
+
+
+def test_nemotron_h_legacy_pattern_and_names(saved, tmp_path):
+    """An older Nemotron-H config.json (hybrid_override_pattern, mamba_n_groups, mamba_d_conv)
+    imports as the same model."""
+    cfg = json.loads((saved["nemotron_h"] / "config.json").read_text())
+    legacy = {k: v for k, v in cfg.items() if k not in ("layers_block_type", "n_groups", "conv_kernel")}
+    legacy.update(hybrid_override_pattern="ME*-", mamba_n_groups=2, mamba_d_conv=4)
+    (tmp_path / "legacy").mkdir()
+    shutil.copy(saved["nemotron_h"] / "model.safetensors", tmp_path / "legacy")
+    (tmp_path / "legacy" / "config.json").write_text(json.dumps(legacy))
+    model = HFSource(tmp_path / "legacy").manifest.model
+    assert model["hybrid_layer_pattern"] == "ME*-" and model["mamba_num_groups"] == 2
+
+
+def test_nemotron_h_tied_embedding(saved, tmp_path):
+    """transformers' Nemotron-H never ties lm_head: a tie_word_embeddings model stores lm_head.
+    When it is the embedding's copy, the model imports tied and exports back the same; when it
+    differs, it is an untied model (what transformers computes)."""
+    t = tensors(saved["nemotron_h"])
+    tied = copy_with(saved["nemotron_h"], tmp_path / "tied", config={"tie_word_embeddings": True},
+                     add={"lm_head.weight": t["backbone.embeddings.weight"].clone()})
+    src = HFSource(tied)
+    assert src.manifest.model["share_embeddings_and_output_weights"] is True
+    assert "output_layer.weight" not in src.manifest.params
+    out = export(src, tmp_path / "hf", "nemotron_h", progress=False)
+    b = tensors(out)
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+    assert sorted(b) == sorted(t) and all(torch.equal(b[k], tensors(tied)[k]) for k in b)
+    untied = copy_with(saved["nemotron_h"], tmp_path / "untied", config={"tie_word_embeddings": True})
+    assert HFSource(untied).manifest.model["share_embeddings_and_output_weights"] is False
+
+
+@pytest.mark.parametrize("name, arch, change, field", [
+    ("llama", "nemotron_h", {}, "hybrid_layer_pattern"),  # a GPT model has no layer pattern
+    ("nemotron_h", "llama", {}, "hybrid_layer_pattern"),
+    ("nemotron_h", "nemotron_h", {"hybrid_layer_pattern": "MG*-"}, "hybrid_layer_pattern"),
+    ("nemotron_h", "nemotron_h", {"position_embedding_type": "rope"}, "position_embedding_type"),
+    ("nemotron_h", "nemotron_h", {"gated_linear_unit": True}, "gated_linear_unit"),
+    ("nemotron_h", "nemotron_h", {"activation_func": "torch.nn.functional.gelu"}, "activation_func"),
+    ("nemotron_h", "nemotron_h", {"add_bias_linear": True}, "add_bias_linear"),
+    ("nemotron_h", "nemotron_h", {"layernorm_epsilon": 1e-6}, "layernorm_epsilon"),
+    ("nemotron_h", "nemotron_h", {"qk_layernorm": True}, "qk_layernorm"),
+    ("nemotron_h", "nemotron_h", {"moe_router_score_function": "softmax"}, "moe_router_score_function"),
+    ("nemotron_h", "nemotron_h", {"moe_router_enable_expert_bias": False}, "moe_router_enable_expert_bias"),
+    ("nemotron_h", "nemotron_h", {"moe_shared_expert_intermediate_size": None},
+     "moe_shared_expert_intermediate_size"),
+    ("nemotron_h", "nemotron_h", {"moe_shared_expert_gate": True}, "moe_shared_expert_gate"),
+    ("nemotron_h", "nemotron_h", {"moe_latent_size": 8}, "moe_latent_size"),
+    ("nemotron_h", "nemotron_h", {"moe_expert_capacity_factor": 1.0}, "moe_expert_capacity_factor"),
+    ("nemotron_h", "nemotron_h", {"moe_router_num_groups": 3, "moe_router_group_topk": 2},
+     "moe_router_group_topk"),
+])
+def test_nemotron_h_export_refuses_by_field(saved, tmp_path, name, arch, change, field):
+    src = HFSource(saved[name])
+    src.manifest.model.update(change)
+    with pytest.raises(UCPError, match=f"cannot export as HF {arch}: model config {field}="):
+        export(src, tmp_path / "hf", arch, progress=False)
+    assert not (tmp_path / "hf").exists()
+
+
+def test_nemotron_h_export_refuses_per_channel_d(saved, tmp_path):
+    """megatron-core's D_has_hdim keeps D per channel; transformers' Nemotron-H per head."""
+    import dataclasses
+
+    src = HFSource(saved["nemotron_h"])
+    entry = src.manifest.params["decoder.layers.0.mixer.D"]
+    src.manifest.params["decoder.layers.0.mixer.D"] = dataclasses.replace(
+        entry, spec=dataclasses.replace(entry.spec, shape=(64,)))
+    with pytest.raises(UCPError, match="model config D_has_hdim=True: decoder.layers.0.mixer.D has shape"):
+        export(src, tmp_path / "hf", "nemotron_h", progress=False)
+
+
+def test_nemotron_h_expert_bias_stays_fp32(saved, tmp_path):
+    out = export(HFSource(saved["nemotron_h"]), tmp_path / "hf", "nemotron_h", dtype="bf16", progress=False)
+    a, b = tensors(saved["nemotron_h"]), tensors(out)
+    name = "backbone.layers.1.mixer.gate.e_score_correction_bias"
+    assert b[name].dtype == torch.float32 and torch.equal(a[name], b[name])
+    assert b["backbone.layers.0.mixer.in_proj.weight"].dtype == torch.bfloat16

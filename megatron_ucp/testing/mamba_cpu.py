@@ -21,56 +21,31 @@ causal-conv1d 1.7.0):
 - without Triton (the CPU build of torch), megatron-core 0.16's `mamba_mixer` cannot even be
   imported: it imports the Triton kernels of dynamic (batched) inference from
   `megatron.core.inference.contexts.attention_context.triton.tensor_ops` at module level. That
-  module is registered here, before megatron-core's Mamba modules are imported, as one whose
-  functions raise: training never calls them.
+  module is registered (`mcore_compat.mamba_modules`) before megatron-core's Mamba modules are
+  imported, as one whose functions raise: training never calls them.
 
 Every parameter is megatron-core's own (in_proj, conv1d, dt_bias, A_log, D, norm, out_proj), built
 by MambaMixer itself, so a checkpoint holds exactly what it holds on a GPU; only the arithmetic
 differs (reference math instead of fused kernels). `local_mamba_stack_spec` is the hybrid stack's
-layer spec with megatron-core's local (non-TE) layers, which megatron-core 0.16 does not ship.
+layer spec with megatron-core's local (non-TE) layers, which megatron-core 0.16 does not ship
+(`megatron_rebuild.hybrid_stack_spec`).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-import types
 
 import torch
 import torch.nn.functional as F
 
-_TENSOR_OPS = "megatron.core.inference.contexts.attention_context.triton.tensor_ops"
+from megatron_ucp.formats.megatron_rebuild import hybrid_stack_spec
+from megatron_ucp.mcore_compat import mamba_modules
 
-
-def _inference_only(name: str):
-    def kernel(*args, **kwargs):
-        raise NotImplementedError(f"{_TENSOR_OPS}.{name} is a Triton kernel of dynamic inference; "
-                                  "megatron_ucp.testing.mamba_cpu runs training only (no Triton)")
-    return kernel
-
-
-if importlib.util.find_spec("triton") is None and _TENSOR_OPS not in sys.modules:  # see above
-    _ops = types.ModuleType(_TENSOR_OPS, "stand-in: see megatron_ucp.testing.mamba_cpu")
-    for _name in ("tensor_get_slice_after", "tensor_masked_update", "tensor_merge"):
-        setattr(_ops, _name, _inference_only(_name))
-    sys.modules[_TENSOR_OPS] = _ops
+mamba_mixer, mamba_block = mamba_modules()  # see above (0.16 without Triton)
 
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.extensions import transformer_engine as te_extensions  # noqa: E402
-from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.models.mamba import MambaModel  # noqa: E402, F401  (for tiny_gpt)
-from megatron.core.ssm import mamba_block, mamba_mixer  # noqa: E402
-from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules  # noqa: E402
-from megatron.core.ssm.mlp_layer import MLPLayer  # noqa: E402
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402
-from megatron.core.transformer.identity_op import IdentityOp  # noqa: E402
-from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
-from megatron.core.transformer.transformer_layer import (  # noqa: E402
-    MoETransformerLayer,
-    TransformerLayer,
-    TransformerLayerSubmodules,
-)
 from megatron.core.transformer.utils import (  # noqa: E402
     ensure_metadata_has_dp_cp_group,
     make_sharded_tensors_for_checkpoint,
@@ -232,35 +207,7 @@ if not te_extensions.HAVE_TE:  # (megatron-core 0.19 moved MambaStack to models/
 
 
 def local_mamba_stack_spec(normalization: str, num_experts: int | None, moe_grouped_gemm: bool = False,
-                           norm=None) -> ModuleSpec:
-    """The hybrid stack (MambaStack) with megatron-core's local layers: megatron-core's
-    `mamba_stack_spec` with the local GPT layer spec's modules in place of Transformer Engine's.
-
-    As the local GPT spec does for the norms TE fuses into the next linear, the Mamba layer's
-    input norm is declared under the TE spec's name (`mixer.in_proj.layer_norm_weight`), so a
-    checkpoint names it the same whichever spec trained it. `norm`: the norm class (default: the
-    local spec's for `normalization`)."""
-    dense = get_gpt_layer_local_spec(normalization=normalization).submodules
-    layer_norm = norm or dense.input_layernorm
-    attention = TransformerLayerSubmodules(
-        input_layernorm=layer_norm, self_attention=dense.self_attention, self_attn_bda=dense.self_attn_bda,
-        sharded_state_dict_keys_map={"input_layernorm.": "self_attention.linear_qkv.layer_norm_"})
-    mlp = TransformerLayerSubmodules(
-        pre_mlp_layernorm=layer_norm, mlp=dense.mlp, mlp_bda=dense.mlp_bda,
-        sharded_state_dict_keys_map={"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"})
-    moe_layer = None
-    if num_experts:
-        moe = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
-                                       normalization=normalization)
-        moe_layer = ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
-            pre_mlp_layernorm=layer_norm, mlp=moe.submodules.mlp, mlp_bda=get_bias_dropout_add))
-    return ModuleSpec(module=mamba_block.MambaStack, submodules=mamba_block.MambaStackSubmodules(
-        mamba_layer=ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
-            norm=layer_norm,
-            mixer=ModuleSpec(module=mamba_mixer.MambaMixer, submodules=mamba_mixer.MambaMixerSubmodules(
-                in_proj=ColumnParallelLinear, out_proj=RowParallelLinear)),
-            mamba_bda=get_bias_dropout_add,
-            sharded_state_dict_keys_map={"norm.": "mixer.in_proj.layer_norm_"})),
-        attention_layer=ModuleSpec(module=TransformerLayer, submodules=attention),
-        mlp_layer=ModuleSpec(module=MLPLayer, submodules=mlp),
-        moe_layer=moe_layer or IdentityOp))
+                           norm=None):
+    """The hybrid stack with megatron-core's local layers (`megatron_rebuild.hybrid_stack_spec`,
+    which the HF importer's rebuild uses too)."""
+    return hybrid_stack_spec(normalization, num_experts, moe_grouped_gemm, norm)

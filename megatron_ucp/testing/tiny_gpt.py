@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
+from megatron.core.activations import squared_relu
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
@@ -78,7 +79,9 @@ class TinyGPTConfig:
     unpadded_vocab_size: int | None = None  # true vocabulary (tokens drawn below it); None = vocab_size
     seq_length: int = 32
     swiglu: bool = False
-    activation: str = ""  # "quick_gelu": GPT-OSS's gated x * sigmoid(1.702 x); default silu / gelu
+    # "quick_gelu": GPT-OSS's gated x * sigmoid(1.702 x); "squared_relu": Nemotron-H's relu(x)^2;
+    # default silu / gelu
+    activation: str = ""
     normalization: str = "LayerNorm"
     position_embedding_type: str = "learned_absolute"
     add_bias_linear: bool = True
@@ -152,6 +155,7 @@ def _config_fields(cfg: TinyGPTConfig, layout: Layout, bf16: bool, fp16: bool, d
         is_hybrid_model=bool(cfg.hybrid_pattern),
         gated_linear_unit=cfg.swiglu,
         activation_func=quick_gelu if cfg.activation == "quick_gelu" else
+        squared_relu if cfg.activation == "squared_relu" else
         torch.nn.functional.silu if cfg.swiglu else torch.nn.functional.gelu,
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,

@@ -1,5 +1,6 @@
 """`hf`: Hugging Face transformers model directories (`config.json` + safetensors) of the Llama,
-Qwen2, Mixtral, GPT-2, Qwen3, Qwen3-MoE, DeepSeek-V3 and GPT-OSS architectures.
+Qwen2, Mixtral, GPT-2, Qwen3, Qwen3-MoE, DeepSeek-V3, GPT-OSS and Nemotron-H (hybrid Mamba)
+architectures.
 
 Read as a source (weights as fp32 master weights, fresh optimizer state: `source.HFSource`,
 `import_hf`) and written from any source (`export.export`, `export_hf`). The name maps and the

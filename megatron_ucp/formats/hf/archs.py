@@ -21,11 +21,12 @@ import torch
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.hf.transforms import Heads
 
-ARCHS = ("llama", "qwen2", "mixtral", "gpt2", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss")
+ARCHS = ("llama", "qwen2", "mixtral", "gpt2", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss", "nemotron_h")
 HF_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
             "mixtral": "MixtralForCausalLM", "gpt2": "GPT2LMHeadModel",
             "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-            "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+            "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
+            "nemotron_h": "NemotronHForCausalLM"}
 # RMSNorm, SwiGLU, rotary positions, no LayerNorm biases
 ROTARY = ("llama", "qwen2", "mixtral", "qwen3", "qwen3_moe")
 QK_NORM = ("qwen3", "qwen3_moe")  # RMSNorm over each head's q and k (megatron-core: qk_layernorm)
@@ -190,12 +191,60 @@ _GPT_OSS_EXPERTS: list[Entry] = [
     ("{m}mlp.experts.experts.{e}.linear_fc2.weight", "transpose", ("{h}mlp.experts.down_proj",), ""),
     ("{m}mlp.experts.experts.{e}.linear_fc2.bias", "copy", ("{h}mlp.experts.down_proj_bias",), ""),
 ]
+# Nemotron-H: megatron-core's hybrid model (MambaModel), one HF block per layer of its pattern, each
+# a norm and a mixer, in the Hub layout (`backbone.`, experts one tensor each; transformers 5
+# renames and fuses them when it loads). Mamba-2's in_proj [z; x; B; C; dt] and conv1d [x; B; C]
+# are in the same element order in both (HF splits [gate; xBC; dt], then xBC into [x; B; C]); A_log,
+# D, dt_bias per head; the gated norm per channel. Every layer's input norm is the layer's `norm`.
+NEMOTRON_H_LAYERS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+_NH_GLOBAL: list[Entry] = [
+    ("embedding.word_embeddings.weight", "copy", ("backbone.embeddings.weight",), ""),
+    ("decoder.final_norm.weight", "copy", ("backbone.norm_f.weight",), ""),
+    ("output_layer.weight", "copy", ("lm_head.weight",), "untied"),
+]
+_NH_MAMBA: list[Entry] = [
+    ("{m}mixer.in_proj.layer_norm_weight", "copy", ("{h}norm.weight",), ""),
+    ("{m}mixer.in_proj.weight", "copy", ("{h}mixer.in_proj.weight",), ""),
+    ("{m}mixer.conv1d.weight", "copy", ("{h}mixer.conv1d.weight",), ""),
+    ("{m}mixer.conv1d.bias", "copy", ("{h}mixer.conv1d.bias",), ""),
+    ("{m}mixer.A_log", "copy", ("{h}mixer.A_log",), ""),
+    ("{m}mixer.D", "copy", ("{h}mixer.D",), ""),
+    ("{m}mixer.dt_bias", "copy", ("{h}mixer.dt_bias",), ""),
+    ("{m}mixer.norm.weight", "copy", ("{h}mixer.norm.weight",), ""),
+    ("{m}mixer.out_proj.weight", "copy", ("{h}mixer.out_proj.weight",), ""),
+]
+_NH_ATTENTION: list[Entry] = [
+    ("{m}self_attention.linear_qkv.layer_norm_weight", "copy", ("{h}norm.weight",), ""),
+    ("{m}self_attention.linear_qkv.weight", "qkv",
+     ("{h}mixer.q_proj.weight", "{h}mixer.k_proj.weight", "{h}mixer.v_proj.weight"), ""),
+    ("{m}self_attention.linear_proj.weight", "copy", ("{h}mixer.o_proj.weight",), ""),
+]
+_NH_MLP: list[Entry] = [
+    ("{m}mlp.linear_fc1.layer_norm_weight", "copy", ("{h}norm.weight",), ""),
+    ("{m}mlp.linear_fc1.weight", "copy", ("{h}mixer.up_proj.weight",), ""),
+    ("{m}mlp.linear_fc2.weight", "copy", ("{h}mixer.down_proj.weight",), ""),
+]
+_NH_MOE: list[Entry] = [
+    ("{m}pre_mlp_layernorm.weight", "copy", ("{h}norm.weight",), ""),
+    ("{m}mlp.router.weight", "copy", ("{h}mixer.gate.weight",), ""),
+    ("{m}mlp.router.expert_bias", "copy", ("{h}mixer.gate.e_score_correction_bias",), ""),
+    ("{m}mlp.shared_experts.linear_fc1.weight", "copy", ("{h}mixer.shared_experts.up_proj.weight",), ""),
+    ("{m}mlp.shared_experts.linear_fc2.weight", "copy", ("{h}mixer.shared_experts.down_proj.weight",), ""),
+]
+_NH_EXPERT: list[Entry] = [
+    ("{m}mlp.experts.experts.{e}.linear_fc1.weight", "copy", ("{h}mixer.experts.{e}.up_proj.weight",), ""),
+    ("{m}mlp.experts.experts.{e}.linear_fc2.weight", "copy", ("{h}mixer.experts.{e}.down_proj.weight",), ""),
+]
+# HF settings megatron-core's model does not hold and that change no result beyond rounding (the
+# Mamba scan's chunk length): export-hf writes those of the model import-hf read, if any
+RECORDED_HF = {"nemotron_h": ("chunk_size",)}
 # tensors some HF checkpoints carry that are not parameters (recomputed buffers): skipped on import
 IGNORED_HF = {
     "llama": (r"\.rotary_emb\.inv_freq$",), "qwen2": (r"\.rotary_emb\.inv_freq$",),
     "mixtral": (r"\.rotary_emb\.inv_freq$",), "gpt2": (r"\.attn\.(masked_)?bias$",),
     "qwen3": (r"\.rotary_emb\.inv_freq$",), "qwen3_moe": (r"\.rotary_emb\.inv_freq$",),
     "deepseek_v3": (r"\.rotary_emb\.inv_freq$",), "gpt_oss": (r"\.rotary_emb\.inv_freq$",),
+    "nemotron_h": (),
 }
 
 
@@ -316,8 +365,35 @@ def _gpt_oss_rules(cfg: dict) -> list[Rule]:
     return out
 
 
+def nemotron_h_pattern(cfg: dict) -> str:
+    """A hybrid model's layer symbols, one per decoder layer (megatron-core 0.19's pipeline-stage
+    separators `|` dropped: they place layers, they are none)."""
+    return (cfg.get("hybrid_layer_pattern") or "").replace("|", "")
+
+
+def _nemotron_h_rules(cfg: dict) -> list[Rule]:
+    feats = features(cfg)
+    out = _fill(_NH_GLOBAL, feats)
+    if "untied" not in feats:  # HF nemotron_h never ties lm_head: the embedding is stored twice
+        out[0] = Rule(out[0].megatron, "dup", ("backbone.embeddings.weight", "lm_head.weight"))
+    for i, symbol in enumerate(nemotron_h_pattern(cfg)):
+        m, h = f"decoder.layers.{i}.", f"backbone.layers.{i}."
+        table = {"M": _NH_MAMBA, "*": _NH_ATTENTION, "-": _NH_MLP, "E": _NH_MOE}.get(symbol)
+        if table is None:
+            raise _fail("nemotron_h", "hybrid_layer_pattern", cfg.get("hybrid_layer_pattern"),
+                        f"layer {i} is {symbol!r}; HF nemotron_h has Mamba-2 (M), attention (*), "
+                        "MLP (-) and MoE (E) layers")
+        out += _fill(table, feats, m=m, h=h)
+        if symbol == "E":
+            for e in range(cfg["num_moe_experts"]):
+                out += _fill(_NH_EXPERT, feats, m=m, h=h, e=e)
+    return out
+
+
 def rules(arch: str, cfg: dict) -> list[Rule]:
     """Every universal tensor of a megatron model of config `cfg` as HF `arch` holds it."""
+    if arch == "nemotron_h":
+        return _nemotron_h_rules(cfg)
     if arch == "deepseek_v3":
         return _deepseek_v3_rules(cfg)
     if arch == "gpt_oss":
@@ -363,6 +439,15 @@ def check_exportable(arch: str, cfg: dict, hints: dict) -> None:
     ]
     allowed = {"deepseek_v3": ("multi_latent_attention", "qk_layernorm", "mtp_num_layers"),
                "gpt_oss": ("window_size", "softmax_type")}.get(arch, ())
+    if arch == "nemotron_h":
+        for field, default, why in common:
+            if _differs(get(field, default), default):
+                raise _fail(arch, field, get(field), why.format(arch=arch))
+        _check_nemotron_h(cfg, hints)
+        return
+    if get("hybrid_layer_pattern"):
+        raise _fail(arch, "hybrid_layer_pattern", get("hybrid_layer_pattern"), "a hybrid (Mamba) "
+                    "model is --arch nemotron_h")
     if arch in ("deepseek_v3", "gpt_oss"):
         for field, default, why in common:
             if field not in allowed and _differs(get(field, default), default):
@@ -521,6 +606,100 @@ def _check_deepseek_v3(cfg: dict) -> None:
                     "by its best two experts; megatron-core by its best topk / group_topk")
 
 
+SQUARED_RELU = "megatron.core.activations.squared_relu"
+# megatron-core's Mamba mixer normalizes its gated output with this eps, whatever layernorm_epsilon
+MAMBA_NORM_EPS = 1e-5
+MAMBA_CHUNK = 128  # the Mamba mixer's scan chunk length (megatron-core's default)
+# transformers' Nemotron-H clamps softplus(dt + dt_bias) from below at time_step_min; megatron-core's
+# mixer does not clamp. Written as the smallest normal float: only an fp32/bf16 softplus that
+# underflows is raised to it (transformers' initialisation takes log(time_step_min), so not 0)
+NO_DT_CLAMP = float(torch.finfo(torch.float32).tiny)
+
+
+def nemotron_h_geometry(cfg: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
+    """What megatron-core's model config does not record of a hybrid model's Mamba mixers but its
+    parameters show: the heads (when mamba_num_heads is unset: expand * hidden / head_dim) and the
+    conv1d kernel width. Refuses a per-channel D (D_has_hdim), which HF keeps per head."""
+    pattern = nemotron_h_pattern(cfg)
+    if "M" not in pattern:
+        return {}
+    m = f"decoder.layers.{pattern.index('M')}.mixer."
+    need = [m + n for n in ("A_log", "D", "conv1d.weight", "norm.weight")]
+    if any(n not in shapes for n in need):
+        return {}  # (plan names what is missing)
+    heads = shapes[m + "A_log"][0]
+    if shapes[m + "D"] != (heads,):
+        raise _fail("nemotron_h", "D_has_hdim", True, f"{m}D has shape {list(shapes[m + 'D'])}, one "
+                    f"per channel; HF nemotron_h's D has one per head ({heads})")
+    if shapes[m + "norm.weight"][0] != heads * cfg["mamba_head_dim"]:
+        raise _fail("nemotron_h", "mamba_head_dim", cfg["mamba_head_dim"], f"{heads} heads of it are not "
+                    f"the {shapes[m + 'norm.weight'][0]} channels of {m}norm.weight")
+    return {"mamba_num_heads": heads, "mamba_conv_kernel": shapes[m + "conv1d.weight"][-1]}
+
+
+def _check_nemotron_h(cfg: dict, hints: dict) -> None:
+    arch, get = "nemotron_h", cfg.get
+    pattern = nemotron_h_pattern(cfg)
+    if not pattern:
+        raise _fail(arch, "hybrid_layer_pattern", get("hybrid_layer_pattern"), "HF nemotron_h is a "
+                    "hybrid model: export megatron-core's MambaModel (a GPT model has no layer pattern)")
+    odd = sorted(set(pattern) - set(NEMOTRON_H_LAYERS))
+    if odd:
+        raise _fail(arch, "hybrid_layer_pattern", get("hybrid_layer_pattern"), f"layer symbol(s) {odd} "
+                    "have no HF nemotron_h layer; it has Mamba-2 (M), attention (*), MLP (-) and MoE (E)")
+    _require(arch, cfg, "position_embedding_type", "none", "HF nemotron_h's attention has no position "
+             "embedding")
+    _require(arch, cfg, "normalization", "RMSNorm", "HF nemotron_h uses RMSNorm")
+    _require(arch, cfg, "gated_linear_unit", False, "HF nemotron_h's MLPs and experts are not gated "
+             "(up_proj, relu2, down_proj)")
+    if get("activation_func", SQUARED_RELU) != SQUARED_RELU:
+        raise _fail(arch, "activation_func", get("activation_func"), "HF nemotron_h's MLPs use relu2 "
+                    "(megatron-core's squared_relu)")
+    if hints.get("activation") not in (None, "squared_relu"):
+        raise _fail(arch, "activation", hints["activation"], "HF nemotron_h's MLPs use relu2 "
+                    "(megatron-core's squared_relu)")
+    if get("activation_func_clamp_value") is not None:
+        raise _fail(arch, "activation_func_clamp_value", get("activation_func_clamp_value"),
+                    "HF nemotron_h does not clamp activations")
+    if get("add_bias_linear", True) or get("add_qkv_bias"):
+        raise _fail(arch, "add_bias_linear" if get("add_bias_linear", True) else "add_qkv_bias", True,
+                    "HF nemotron_h's attention has no biases (and megatron-core's add_bias_linear puts "
+                    "biases on every linear layer or none)")
+    if "M" in pattern and get("layernorm_epsilon", 1e-5) != MAMBA_NORM_EPS:
+        raise _fail(arch, "layernorm_epsilon", get("layernorm_epsilon"), "megatron-core's Mamba mixer "
+                    f"normalizes its output with eps {MAMBA_NORM_EPS}; HF nemotron_h uses "
+                    "layer_norm_epsilon for every norm")
+    h = Heads.of(cfg)
+    if "*" in pattern and h.heads % h.groups:
+        raise _fail(arch, "num_query_groups", h.groups, "does not divide num_attention_heads")
+    if "E" not in pattern:
+        return
+    topk, experts = get("moe_router_topk"), get("num_moe_experts")
+    moe = [("moe_router_score_function", "sigmoid", "HF nemotron_h's router scores are sigmoids"),
+           ("moe_router_enable_expert_bias", True, "HF nemotron_h's router adds "
+            "e_score_correction_bias to choose experts"),
+           ("moe_shared_expert_gate", False, "HF nemotron_h's shared experts are not gated"),
+           ("moe_router_pre_softmax", False, "HF nemotron_h normalizes the chosen sigmoid scores"),
+           ("moe_apply_probs_on_input", False, "HF nemotron_h weights the experts' outputs")]
+    for field, want, why in moe:
+        got = get(field)
+        if (bool(got) != want) if isinstance(want, bool) else got != want:
+            raise _fail(arch, field, got, why)
+    if get("moe_latent_size") is not None:
+        raise _fail(arch, "moe_latent_size", get("moe_latent_size"), "latent MoE projections are not "
+                    "exported")
+    if get("moe_expert_capacity_factor") is not None:
+        raise _fail(arch, "moe_expert_capacity_factor", get("moe_expert_capacity_factor"), "HF "
+                    "nemotron_h's experts drop no tokens")
+    if not get("moe_shared_expert_intermediate_size"):
+        raise _fail(arch, "moe_shared_expert_intermediate_size", get("moe_shared_expert_intermediate_size"),
+                    "every HF nemotron_h MoE layer has a shared expert")
+    groups, group_topk = get("moe_router_num_groups"), get("moe_router_group_topk")
+    if groups and groups > 1 and (topk // (group_topk or 1) != 2 or experts // groups < 2):
+        raise _fail(arch, "moe_router_group_topk", group_topk, "transformers scores an expert group "
+                    "by its best two experts; megatron-core by its best topk / group_topk")
+
+
 def _check_gpt_oss(cfg: dict) -> None:
     arch, get = "gpt_oss", cfg.get
     if get("softmax_type", "vanilla") != "learnable":
@@ -578,6 +757,8 @@ def hf_config(arch: str, cfg: dict, *, vocab: int, dtype: str, rope_theta: float
         return {**common, **_deepseek_v3_config(cfg, rope_theta)}
     if arch == "gpt_oss":
         return {**common, **_gpt_oss_config(cfg, rope_theta)}
+    if arch == "nemotron_h":
+        return {**common, **_nemotron_h_config(cfg, tokens.get("chunk_size") or MAMBA_CHUNK)}
     if arch == "gpt2":
         return {**common, "n_positions": cfg["max_sequence_length"], "n_embd": cfg["hidden_size"],
                 "n_layer": cfg["num_layers"], "n_head": h.heads, "n_inner": cfg["ffn_hidden_size"],
@@ -663,6 +844,38 @@ def _deepseek_v3_config(cfg: dict, rope_theta: float) -> dict:
     return out
 
 
+def _nemotron_h_config(cfg: dict, chunk_size: int) -> dict:
+    h, get = Heads.of(cfg), cfg.get
+    pattern = nemotron_h_pattern(cfg)
+    out = {"hidden_size": cfg["hidden_size"], "layers_block_type": [NEMOTRON_H_LAYERS[c] for c in pattern],
+           "num_attention_heads": h.heads, "num_key_value_heads": h.groups, "head_dim": h.head_dim,
+           "attention_bias": False, "attention_dropout": get("attention_dropout", 0.0),
+           "sliding_window": None, "intermediate_size": cfg["ffn_hidden_size"], "mlp_hidden_act": "relu2",
+           "mlp_bias": False, "use_bias": False, "layer_norm_epsilon": get("layernorm_epsilon", 1e-5),
+           "max_position_embeddings": get("max_sequence_length"), "residual_in_fp32": False,
+           "num_nextn_predict_layers": 0}
+    if out["max_position_embeddings"] is None:
+        del out["max_position_embeddings"]
+    if "M" in pattern:
+        heads, head_dim = cfg["mamba_num_heads"], cfg["mamba_head_dim"]
+        out.update(ssm_state_size=cfg["mamba_state_dim"], mamba_num_heads=heads, mamba_head_dim=head_dim,
+                   n_groups=cfg["mamba_num_groups"], conv_kernel=cfg["mamba_conv_kernel"],
+                   mamba_hidden_act="silu", use_conv_bias=True, mamba_proj_bias=False,
+                   chunk_size=chunk_size, time_step_min=NO_DT_CLAMP)
+        if heads * head_dim % cfg["hidden_size"] == 0:  # (transformers reads heads and head_dim)
+            out["expand"] = heads * head_dim // cfg["hidden_size"]
+    if "E" in pattern:
+        topk, groups = cfg["moe_router_topk"], get("moe_router_num_groups") or 1
+        out.update(n_routed_experts=cfg["num_moe_experts"], num_experts_per_tok=topk,
+                   moe_intermediate_size=get("moe_ffn_hidden_size") or cfg["ffn_hidden_size"],
+                   moe_shared_expert_intermediate_size=cfg["moe_shared_expert_intermediate_size"],
+                   n_shared_experts=1,
+                   routed_scaling_factor=float(get("moe_router_topk_scaling_factor") or 1.0),
+                   n_group=groups, topk_group=get("moe_router_group_topk") or 1, norm_topk_prob=topk > 1,
+                   moe_latent_size=None, output_router_logits=False)
+    return out
+
+
 def gpt_oss_layer_types(cfg: dict) -> list[str]:
     """Sliding or full attention per layer, as megatron-core's is_layer_window_attention decides."""
     window, skip = cfg.get("window_size"), cfg.get("window_attn_skip_freq")
@@ -738,6 +951,19 @@ _HF_DEFAULTS = {
                 "swiglu_alpha": QUICK_GELU_ALPHA, "swiglu_limit": 7.0, "sliding_window": 128,
                 "attention_bias": True, "head_dim": 64},
 }
+_HF_DEFAULTS["nemotron_h"] = {
+    "layer_norm_epsilon": 1e-5, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "attention_bias": False,
+    "mlp_hidden_act": "relu2", "mlp_bias": False, "mamba_hidden_act": "silu", "use_bias": False,
+    "mamba_proj_bias": False, "use_conv_bias": True, "conv_kernel": 4, "time_step_min": 0.001,
+    "ssm_state_size": 128, "mamba_num_heads": 128, "mamba_head_dim": 64, "n_groups": 8,
+    "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 7688,
+    "moe_shared_expert_intermediate_size": 7688, "routed_scaling_factor": 1.0, "n_group": 1,
+    "topk_group": 1, "norm_topk_prob": True, "intermediate_size": 21504, "num_nextn_predict_layers": 0}
+# older Nemotron-H config.json names (transformers renames them when it reads the config)
+NEMOTRON_H_LEGACY = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_expand": "expand",
+                     "mamba_dt_min": "time_step_min", "mamba_conv_bias": "use_conv_bias",
+                     "mamba_chunk_size": "chunk_size"}
 GPT2_GELUS = {"gelu": "gelu", "gelu_new": "openai_gelu", "gelu_pytorch_tanh": "openai_gelu"}
 
 
@@ -773,6 +999,8 @@ def megatron_args(arch: str, hf: dict, where: str, mtp_layers: int = 0) -> tuple
     """Megatron-LM style args of the megatron-core model equal to HF config `hf` (one rank), and
     what the megatron run must set that the model config does not record (activation, rope).
     mtp_layers: the multi-token prediction layers the checkpoint holds (DeepSeek-V3)."""
+    if arch == "nemotron_h":  # older names, read as transformers reads them
+        hf = {**{new: hf[old] for old, new in NEMOTRON_H_LEGACY.items() if old in hf}, **hf}
     d = {**_HF_DEFAULTS[arch], **{k: v for k, v in hf.items() if v is not None}}
 
     def refuse(field: str, why: str) -> UCPError:
@@ -784,6 +1012,8 @@ def megatron_args(arch: str, hf: dict, where: str, mtp_layers: int = 0) -> tuple
                 init_method_std=d.get("initializer_range", 0.02), rotary_percent=1.0)
     if arch == "deepseek_v3":
         args, run = _deepseek_v3_args(d, args, refuse, mtp_layers)
+    elif arch == "nemotron_h":
+        args, run = _nemotron_h_args(d, args, refuse)
     elif arch == "gpt_oss":
         args, run = _gpt_oss_args(d, args, refuse)
     elif arch == "gpt2":
@@ -929,6 +1159,91 @@ def _deepseek_v3_args(d: dict, args: dict, refuse, mtp_layers: int) -> tuple[dic
                 moe_router_group_topk=group_topk if groups > 1 else None,
                 mtp_num_layers=mtp_layers or None, **mla)
     return args, {"activation": "swiglu", "rotary_base": theta}
+
+
+def nemotron_h_layer_pattern(d: dict, refuse) -> str:
+    """megatron-core's hybrid layer pattern of a Nemotron-H config (layers_block_type, or the older
+    hybrid_override_pattern)."""
+    types = d.get("layers_block_type") or d.get("layer_types")
+    if types is None:
+        pattern = d.get("hybrid_override_pattern")
+        if not isinstance(pattern, str) or not pattern:
+            raise refuse("layers_block_type", "a Nemotron-H config.json lists its layers")
+        types = [NEMOTRON_H_LAYERS.get(c, c) for c in pattern]
+    symbols = {v: k for k, v in NEMOTRON_H_LAYERS.items()}
+    odd = sorted({t for t in types if t not in symbols}, key=str)
+    if odd:
+        raise refuse("layers_block_type", f"layer type(s) {odd}: megatron-core's hybrid model has "
+                     f"{sorted(symbols)}")
+    return "".join(symbols[t] for t in types)
+
+
+def _nemotron_h_args(d: dict, args: dict, refuse) -> tuple[dict, dict]:
+    """megatron-core's hybrid model (MambaModel) of a Nemotron-H config: no position embedding, no
+    biases, squared-ReLU MLPs, sigmoid-routed MoE layers with expert bias and a shared expert."""
+    pattern = nemotron_h_layer_pattern(d, refuse)
+    if d["mlp_hidden_act"] != "relu2":
+        raise refuse("mlp_hidden_act", "megatron-core's hybrid MLPs are imported with squared_relu (relu2)")
+    if d["mlp_bias"]:
+        raise refuse("mlp_bias", "HF nemotron_h's attention has no biases, and megatron-core's "
+                     "add_bias_linear puts biases on every linear layer or none")
+    if d.get("sliding_window"):
+        raise refuse("sliding_window", "sliding-window attention is not imported")
+    if d.get("moe_latent_size") is not None and "E" in pattern:
+        raise refuse("moe_latent_size", "latent MoE projections are not imported")
+    heads = d["num_attention_heads"]
+    groups = d.get("num_key_value_heads") or heads
+    if heads % groups:
+        raise refuse("num_key_value_heads", f"does not divide num_attention_heads={heads}")
+    args.update(num_layers=len(pattern), hybrid_override_pattern=pattern, is_hybrid_model=True,
+                hidden_size=d["hidden_size"], num_attention_heads=heads,
+                group_query_attention=groups != heads, num_query_groups=groups, kv_channels=d["head_dim"],
+                ffn_hidden_size=d["intermediate_size"], normalization="RMSNorm",
+                layernorm_epsilon=d["layer_norm_epsilon"], squared_relu=True, swiglu=False,
+                add_bias_linear=False, add_qkv_bias=False, position_embedding_type="none",
+                max_position_embeddings=d["max_position_embeddings"],
+                attention_dropout=d.get("attention_dropout", 0.0))
+    if "M" in pattern:
+        if d["mamba_hidden_act"] != "silu":
+            raise refuse("mamba_hidden_act", "megatron-core's Mamba mixer uses silu")
+        if d["use_bias"] or d["mamba_proj_bias"]:
+            raise refuse("use_bias" if d["use_bias"] else "mamba_proj_bias", "megatron-core's Mamba "
+                         "mixer has no in_proj / out_proj bias")
+        if not d["use_conv_bias"]:
+            raise refuse("use_conv_bias", "megatron-core's hybrid layer specs give the Mamba mixer's "
+                         "conv1d a bias")
+        if d["conv_kernel"] != 4:
+            raise refuse("conv_kernel", "megatron-core's hybrid layer specs build the Mamba mixer's "
+                         "conv1d with d_conv 4")
+        if d["time_step_min"] > NO_DT_CLAMP:
+            raise refuse("time_step_min", "transformers clamps softplus(dt + dt_bias) from below at "
+                         "time_step_min; megatron-core's Mamba mixer does not clamp it. To import the "
+                         f"model anyway, computing without the clamp, set time_step_min to {NO_DT_CLAMP!r} "
+                         "(or 0) in config.json")
+        if d["layer_norm_epsilon"] != MAMBA_NORM_EPS:
+            raise refuse("layer_norm_epsilon", f"megatron-core's Mamba mixer normalizes its output "
+                         f"with eps {MAMBA_NORM_EPS}, whatever layernorm_epsilon says")
+        mamba_heads, mamba_groups = d["mamba_num_heads"], d["n_groups"]
+        if mamba_heads % mamba_groups:
+            raise refuse("n_groups", f"does not divide mamba_num_heads={mamba_heads}")
+        args.update(mamba_state_dim=d["ssm_state_size"], mamba_head_dim=d["mamba_head_dim"],
+                    mamba_num_groups=mamba_groups, mamba_num_heads=mamba_heads)
+    if "E" in pattern:
+        topk, experts = d["num_experts_per_tok"], d["n_routed_experts"]
+        if d["norm_topk_prob"] != (topk > 1):
+            raise refuse("norm_topk_prob", f"megatron-core normalizes sigmoid routing weights exactly "
+                         f"when top-k > 1 (num_experts_per_tok={topk})")
+        n_group, topk_group = d.get("n_group") or 1, d.get("topk_group") or 1
+        if n_group > 1 and (topk // topk_group != 2 or experts // n_group < 2):
+            raise refuse("topk_group", "transformers scores an expert group by its best two experts; "
+                         "megatron-core by its best num_experts_per_tok / topk_group")
+        args.update(num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=d["moe_intermediate_size"],
+                    moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                    moe_router_topk_scaling_factor=float(d["routed_scaling_factor"]),
+                    moe_shared_expert_intermediate_size=d["moe_shared_expert_intermediate_size"],
+                    moe_router_num_groups=n_group if n_group > 1 else None,
+                    moe_router_group_topk=topk_group if n_group > 1 else None)
+    return args, {"activation": "squared_relu"}
 
 
 def gpt_oss_window(layer_types: list[str]) -> int | list[int] | None:

@@ -126,12 +126,14 @@ def _import_record(manifest: Manifest) -> dict:
 
 
 def _token_ids(manifest: Manifest, arch: str) -> dict:
-    """bos/eos/pad ids of the HF model this checkpoint was imported from (`import-hf`), if any."""
+    """bos/eos/pad ids of the HF model this checkpoint was imported from (`import-hf`), if any, and
+    the HF settings of that model the megatron model does not hold (`archs.RECORDED_HF`)."""
     record = _import_record(manifest)
     if record.get("arch") != arch:
         return {}
     cfg = record.get("config") or {}
-    return {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
+    keys = ("bos_token_id", "eos_token_id", "pad_token_id", *archs.RECORDED_HF.get(arch, ()))
+    return {k: cfg[k] for k in keys if k in cfg}
 
 
 def run_hints(manifest: Manifest, args_hints: dict, activation: str | None) -> dict:
@@ -202,7 +204,10 @@ def export(source, out: str | Path, arch: str, *, dtype: str | None = None,
     hints = run_hints(manifest, hints or {}, activation)
     if max_shard_bytes <= 0:
         raise UCPError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-    archs.check_exportable(arch, manifest.model, hints)
+    model = dict(manifest.model)
+    if arch == "nemotron_h":  # the Mamba mixers' sizes the config does not record, from the shapes
+        model.update(archs.nemotron_h_geometry(model, {n: p.spec.shape for n, p in manifest.params.items()}))
+    archs.check_exportable(arch, model, hints)
     vocab = true_vocab(manifest, vocab_size)
     if dtype is None:
         saved = manifest.params[EMBEDDING].spec.dtype
@@ -212,7 +217,6 @@ def export(source, out: str | Path, arch: str, *, dtype: str | None = None,
         raise UCPError(f"unknown dtype {dtype!r}; choose one of {[*DTYPES, *DTYPE_ALIASES]}")
     torch_dtype = DTYPES[dtype]
     planned, n_shards = plan(arch, manifest, vocab, torch_dtype, max_shard_bytes)
-    model = dict(manifest.model)
     if model.get("max_sequence_length") is None:  # an import-hf checkpoint of a RoPE model
         model["max_sequence_length"] = (_import_record(manifest).get("config") or {}).get(
             "max_position_embeddings")

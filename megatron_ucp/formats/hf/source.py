@@ -119,7 +119,8 @@ class HFSource(ReadsFiles):
         where = str(self.dir)
         self.arch = archs.arch_of(self.hf.config, where)
         mtp = archs.mtp_layers_held(self.arch, self.hf.config, self.hf.where)
-        args, run = archs.megatron_args(self.arch, self.hf.config, where, mtp_layers=mtp)
+        config = self._untie_nemotron_h(self.hf.config) if self.arch == "nemotron_h" else self.hf.config
+        args, run = archs.megatron_args(self.arch, config, where, mtp_layers=mtp)
         # HF vocabularies carry no padding rows; export-hf reads max_sequence_length back from
         # the record below
         specs, model = import_specs(args, run, args.padded_vocab_size)
@@ -137,6 +138,19 @@ class HFSource(ReadsFiles):
                                  {FRESH: True, RUN_HYPERPARAMETERS: True, RECORD: record}, seed=1234)
         self.origin = {"kind": "hf", "path": where, "arch": self.arch}
         self._last: tuple[str, torch.Tensor] | None = None
+
+    def _untie_nemotron_h(self, config: dict) -> dict:
+        """transformers' Nemotron-H never ties lm_head to the embedding, whatever
+        tie_word_embeddings says: a tied config whose lm_head differs from the embedding is an
+        untied model (one whose lm_head is the embedding's copy imports tied)."""
+        head, emb = "lm_head.weight", "backbone.embeddings.weight"
+        if (config.get("tie_word_embeddings") and head in self.hf.where and emb in self.hf.where
+                and self.hf.header(head) == self.hf.header(emb)
+                and not torch.equal(self.hf.tensor(head), self.hf.tensor(emb))):
+            log.info("%s: config.json says tie_word_embeddings, but transformers' Nemotron-H never "
+                     "ties and its lm_head differs from the embedding: importing an untied model", self.dir)
+            return {**config, "tie_word_embeddings": False}
+        return config
 
     def _check_tensors(self, specs: dict[str, ParamSpec]) -> list[str]:
         """Every tensor the model needs is there at the shape its config implies, and every tensor

@@ -16,7 +16,8 @@ touching data (`hf_shapes`), so writers can lay out their files before reading a
   columns alternate gate, up, gate, up (`gate_up[..., ::2]` is the gate); `gate_up_mix` the same
   for the bias.
 * `dup`: one tensor stored under several HF names (DeepSeek-V3's MTP layers repeat the embedding
-  and the output layer); reading them back, the copies must be equal.
+  and the output layer; Nemotron-H, which never ties, stores a tied embedding as lm_head too);
+  reading them back, the copies must be equal.
 """
 
 from __future__ import annotations
@@ -131,7 +132,8 @@ def join(kind: str, parts: list[torch.Tensor], heads: Heads, what: str = "tensor
         for p in parts[1:]:
             if not torch.equal(p, parts[0]):
                 raise UCPError(f"{what}: the HF checkpoint's copies of this tensor differ; they "
-                               "must be one tensor (the MTP layers share the main model's)")
+                               "must be one tensor (the MTP layers share the main model's; a tied "
+                               "Nemotron-H stores its embedding as lm_head too)")
         return parts[0].contiguous()
     if kind in ("conv1d", "transpose"):
         return parts[0].t().contiguous()
