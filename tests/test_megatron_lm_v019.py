@@ -125,6 +125,22 @@ def test_fsdp_sets_match_the_stored_tensors(converted, name):
     assert [g["wd_mult"] for g in manifest["optimizer"]["param_groups"]] == [1.0, 0.0]
 
 
+@pytest.mark.parametrize("change,words", [
+    ({"tensor_model_parallel_size": 2, "data_parallel_size": 1}, "only data-parallel FSDP runs"),
+    ({"swiglu": True}, "--swiglu"), ({"num_experts": 4}, "MoE")])
+def test_fsdp_runs_not_covered_are_refused_with_the_way_out(change, words):
+    import argparse
+
+    from megatron_ucp.errors import UCPError
+    from megatron_ucp.formats.megatron_fsdp.reader import open_reader, training_args
+
+    reader, _, form = open_reader(FIXTURES / "fsdp_dtensor_dp2" / "ckpt", trust_pickle=False)
+    args = argparse.Namespace(**{**vars(reader.obj("args")), **change})
+    with pytest.raises(UCPError, match=words) as e:
+        training_args(args, reader.dir, form)
+    assert "--ckpt-format fsdp_dtensor" in str(e.value) and "--ckpt-format torch_dist" in str(e.value)
+
+
 def test_cli_inspects_the_fsdp_sets(capsys):
     from megatron_ucp.cli import main
 
