@@ -319,13 +319,15 @@ class TorchDcpSource(_FsdpSource):
         for k, v in saved.items():
             g, _, field = k[len(FSDP2_GROUP_PREFIX):].partition(".")
             stored_groups.setdefault(int(g), {})[field] = v
-        by_id = {}
         with source_rank(single_rank_args(args), 0):
             chunks = build_chunks(single_rank_args(args))
             names = {id(p): n for n, p in unwrap_model(chunks[0]).named_parameters()}
             built = megatron_param_groups(chunks, args)
             by_id = [[names[id(p)] for p in g["params"]] for g in built]
             hyper = [{k: v for k, v in g.items() if k != "params"} for g in built]
+        if not stored_groups:
+            raise UCPError(f"{ckpt}: no optimizer param groups ({FSDP2_GROUP_PREFIX}*): saved "
+                           "without optimizer (--no-save-optim)? Only saves with it are read")
         if len(stored_groups) != len(by_id):
             raise UCPError(f"{ckpt}: {len(stored_groups)} optimizer param groups stored, megatron-"
                            f"core builds {len(by_id)} for the model of the args")
