@@ -175,3 +175,23 @@ def mamba_modules():
     from megatron.core.ssm import mamba_block, mamba_mixer
 
     return mamba_mixer, mamba_block
+
+
+def megatron_param_groups(model_chunks: list, args) -> list[dict]:
+    """The optimizer param groups megatron-core builds for `model_chunks` of the run `args`
+    describe, in its order ({'params': [...], 'wd_mult': ..., ...}), as Megatron-LM's training
+    builds them (OptimizerConfig from the args' fields, the standard overrides: no weight decay
+    on biases and 1-D parameters, decoupled LR). The private `_get_param_groups(model_chunks,
+    config, config_overrides)` and `get_standard_config_overrides` are the same in 0.16 and 0.19.
+    Call inside `megatron_rebuild.source_rank` (it all-gathers the group keys)."""
+    import dataclasses
+
+    from megatron.core.optimizer import (
+        OptimizerConfig,
+        _get_param_groups,
+        get_standard_config_overrides,
+    )
+
+    names = {f.name for f in dataclasses.fields(OptimizerConfig)}
+    config = OptimizerConfig(**{k: v for k, v in vars(args).items() if k in names})
+    return _get_param_groups(model_chunks, config, get_standard_config_overrides(config))

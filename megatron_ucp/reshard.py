@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 TARGET_FORMATS = {"universal": "universal", "torch": "megatron_torch",
                   "torch_dist": "megatron_torch_dist"}
 # Megatron-LM targets carry the source run's args: the source formats each can take them from
-MEGATRON_SOURCES = ("megatron_torch", "megatron_torch_dist")
+MEGATRON_SOURCES = ("megatron_torch", "megatron_torch_dist", "megatron_fsdp")
 
 
 @dataclass
@@ -194,7 +194,7 @@ def _reshard_to_megatron(load, out: Path, target: Layout | None, kind: str, targ
     """Megatron-LM -> universal (scratch next to `out`) -> Megatron-LM `target_format` at target."""
     if kind not in MEGATRON_SOURCES:
         raise UCPError(f"{load}: --target-format {target_format} needs a Megatron-LM checkpoint "
-                       "(torch or torch_dist) source, "
+                       "(torch, torch_dist or fsdp_dtensor) source, "
                        f"this is a {kind} checkpoint. A Megatron-LM checkpoint stores the run's "
                        "args (model architecture, optimizer and run settings) that the written "
                        f"checkpoint must carry; a {kind} checkpoint has no Megatron-LM args. "

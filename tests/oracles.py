@@ -544,6 +544,65 @@ def dist_shapes(ckpt: Path) -> dict[str, tuple[int, ...]]:
     return out
 
 
+# ------------------------------------ Megatron-LM --ckpt-format fsdp_dtensor / torch_dcp (FSDP)
+
+
+def fsdp_dtensor_full(ckpt: Path) -> dict[str, dict]:
+    """Universal name -> {"param", "exp_avg", "exp_avg_sq", "step"} of a bf16 Megatron-FSDP run's
+    fsdp_dtensor save, read by hand: `model.module.<name>` (Float16Module's prefix) is the fp32
+    main weight, `optimizer.state.module.module.module.<name>.<state>` (the FSDP adapter,
+    MegatronFSDP, Float16Module) its Adam state. Asserts that the save holds no other tensors
+    (its rng states aside)."""
+    meta = tensor_keys(ckpt)
+    opt = "optimizer.state.module.module.module."
+    names = [k[len("model.module."):] for k in meta if k.startswith("model.module.")]
+    wanted = {f"model.module.{n}" for n in names} | {
+        f"{opt}{n}.{s}" for n in names for s in ("exp_avg", "exp_avg_sq", "step")}
+    assert {k for k in meta if not k.startswith("rng_state.")} == wanted
+    t = load_keys(ckpt, sorted(wanted))
+    return {universal_name(n, 0, 0): {"param": t[f"model.module.{n}"],
+                                      "exp_avg": t[f"{opt}{n}.exp_avg"],
+                                      "exp_avg_sq": t[f"{opt}{n}.exp_avg_sq"],
+                                      "step": float(t[f"{opt}{n}.step"])} for n in names}
+
+
+# the parameters of the local-spec GPT layer in the model's registration order
+GPT_LAYER = ("input_layernorm.weight", "input_layernorm.bias", "self_attention.linear_proj.weight",
+             "self_attention.linear_proj.bias", "self_attention.linear_qkv.weight",
+             "self_attention.linear_qkv.bias", "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
+             "mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight",
+             "mlp.linear_fc2.bias")
+
+
+def torch_dcp_full(ckpt: Path, layers: int) -> dict[str, dict]:
+    """Universal name -> {"model", "param", "exp_avg", "exp_avg_sq", "step"} of a bf16 torch
+    FSDP2 run's torch_dcp save (dense GPT, untied output layer), read by hand. The optimizer
+    state is addressed by position: Megatron-LM's param groups are (0) the parameters with weight
+    decay, (1) the biases and 1-D parameters (no weight decay), each in the model's registration
+    order (embeddings, layers, final norm, output layer); `optimizer.fp32_from_fp16_params.<g>.<i>`
+    is the master weight of group g's i-th parameter, `optimizer.optimizer.state.<n>.*` the
+    state of the n-th parameter counted over both groups. Asserts that the save holds no other
+    tensors (its rng states aside)."""
+    model = ["embedding.word_embeddings.weight", "embedding.position_embeddings.weight",
+             *[f"decoder.layers.{i}.{p}" for i in range(layers) for p in GPT_LAYER],
+             "decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight"]
+    meta = tensor_keys(ckpt)
+    groups = [[n for n in model if len(meta[f"model.{n}"]) > 1 and not n.endswith(".bias")],
+              [n for n in model if len(meta[f"model.{n}"]) == 1 or n.endswith(".bias")]]
+    keys, n = {}, 0
+    for g, names in enumerate(groups):
+        for i, name in enumerate(names):
+            keys[name] = {"model": f"model.{name}", "param": f"optimizer.fp32_from_fp16_params.{g}.{i}",
+                          **{s: f"optimizer.optimizer.state.{n}.{s}"
+                             for s in ("exp_avg", "exp_avg_sq", "step")}}
+            n += 1
+    wanted = {k for v in keys.values() for k in v.values()}
+    assert {k for k in meta if not k.startswith("rng_state.")} == wanted
+    t = load_keys(ckpt, sorted(wanted))
+    return {universal_name(name, 0, 0): {s: float(t[k]) if s == "step" else t[k] for s, k in v.items()}
+            for name, v in keys.items()}
+
+
 # ----------------------------------------------------------------------------- Hugging Face
 
 

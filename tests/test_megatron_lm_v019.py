@@ -25,16 +25,19 @@ from oracles import (
     dist_common,
     dist_shapes,
     dp_reshardable_full,
+    fsdp_dtensor_full,
     full_tensor,
     fully_reshardable_full,
     legacy_full,
+    torch_dcp_full,
     universal_tensors,
 )
 from oracles import legacy_reference as reference
 
+from megatron_ucp import formats
 from megatron_ucp.layout import Layout
 from megatron_ucp.mcore_compat import MCORE_VERSION
-from megatron_ucp.reshard import convert_legacy, convert_torch_dist, reshard
+from megatron_ucp.reshard import convert, convert_legacy, convert_torch_dist, reshard
 from megatron_ucp.testing.launch import launch
 
 pytestmark = pytest.mark.skipif(
@@ -45,6 +48,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "megatron_lm_v019"
 LEGACY = ("torch_dp2", "torch_tp2_pp2", "torch_llama_tp2", "torch_moe_ep2")
 DIST = ("torch_dist_tp2_dp2", "torch_dist_pp2_fullyreshardable", "torch_dist_llama_tp2",
         "torch_dist_moe_ep2_fully")
+FSDP = ("fsdp_dtensor_dp2", "torch_dcp_fsdp2_dp2")  # --ckpt-format fsdp_dtensor / torch_dcp
 STATES = ("param", "exp_avg", "exp_avg_sq")
 ITER = "iter_0000006"
 
@@ -58,6 +62,7 @@ def converted(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("v019")
     out = {s: convert_legacy(FIXTURES / s / "ckpt", root / s, progress=False) for s in LEGACY}
     out.update({s: convert_torch_dist(FIXTURES / s / "ckpt", root / s, progress=False) for s in DIST})
+    out.update({s: convert(FIXTURES / s / "ckpt", root / s, progress=False) for s in FSDP})
     return out
 
 
@@ -100,6 +105,53 @@ def test_dist_sets_match_the_stored_tensors(converted, name):
         assert set(dist_shapes(ckpt)) == set(params) - {"output_layer.weight"}
 
 
+@pytest.mark.parametrize("name", FSDP)
+def test_fsdp_sets_match_the_stored_tensors(converted, name):
+    """Megatron-FSDP's fsdp_dtensor save (fp32 main weights and Adam state named per parameter)
+    and torch FSDP2's torch_dcp save (state by position in the param groups): every universal
+    tensor is the stored one, bitwise; torch_dcp's master weights cast to bf16 are its model."""
+    ckpt = FIXTURES / name / "ckpt" / ITER
+    assert formats.detect(FIXTURES / name / "ckpt") == "megatron_fsdp"
+    manifest, tensors = universal_tensors(converted[name])
+    full = fsdp_dtensor_full(ckpt) if name.startswith("fsdp") else torch_dcp_full(ckpt, layers=3)
+    assert set(full) == set(manifest["params"])
+    for n, states in full.items():
+        assert manifest["params"][n]["step"] == states["step"] == 6.0, n
+        for s in STATES:
+            assert torch.equal(tensors[f"{n}/{s}"], states[s]), (n, s)
+        if "model" in states:
+            assert torch.equal(tensors[f"{n}/param"].to(torch.bfloat16), states["model"]), n
+    assert manifest["iteration"] == 6 and manifest["scheduler"]["num_steps"] == 24
+    assert [g["wd_mult"] for g in manifest["optimizer"]["param_groups"]] == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"tensor_model_parallel_size": 2, "data_parallel_size": 1}, "only data-parallel FSDP runs"),
+    ({"swiglu": True}, "--swiglu"), ({"num_experts": 4}, "MoE")])
+def test_fsdp_runs_not_covered_are_refused_with_the_way_out(change, words):
+    import argparse
+
+    from megatron_ucp.errors import UCPError
+    from megatron_ucp.formats.megatron_fsdp.reader import open_reader, training_args
+
+    reader, _, form = open_reader(FIXTURES / "fsdp_dtensor_dp2" / "ckpt", trust_pickle=False)
+    args = argparse.Namespace(**{**vars(reader.obj("args")), **change})
+    with pytest.raises(UCPError, match=words) as e:
+        training_args(args, reader.dir, form)
+    assert "--ckpt-format fsdp_dtensor" in str(e.value) and "--ckpt-format torch_dist" in str(e.value)
+
+
+def test_cli_inspects_the_fsdp_sets(capsys):
+    from megatron_ucp.cli import main
+
+    for name, form in zip(FSDP, ("fsdp_dtensor", "torch_dcp")):
+        assert main(["inspect", str(FIXTURES / name / "ckpt")]) == 0
+        out = capsys.readouterr().out
+        assert "kind         megatron_fsdp" in out and "iteration    6" in out, out
+        assert "saved at     TP1xPP1xDP2 (2 ranks)" in out, out
+        assert "decoder.layers.2.self_attention.linear_qkv.weight" in out, (form, out)
+
+
 # (source set, target format, target layout, optimizer sharding of a torch_dist target)
 ROUND_TRIPS = [
     # TP1 -> TP2: 0.19's args carry tensor_parallel_num_weight_shards, which must follow the TP
@@ -109,6 +161,8 @@ ROUND_TRIPS = [
     ("torch_dist_llama_tp2", "torch", Layout(tp=1, pp=1, dp=2), None),
     ("torch_llama_tp2", "torch_dist", Layout(tp=1, pp=1, dp=2), "fully_reshardable"),
     ("torch_moe_ep2", "torch_dist", Layout(tp=1, pp=1, dp=4, ep=4), "fully_reshardable"),
+    ("fsdp_dtensor_dp2", "torch_dist", Layout(tp=2, pp=1, dp=1), "fully_reshardable"),
+    ("torch_dcp_fsdp2_dp2", "torch", Layout(tp=2, pp=1, dp=1), None),
     # 4 ranks rebuilt for the MoE target: ~25 s on 2 cores, so in the full matrix only
     pytest.param("torch_dist_moe_ep2_fully", "torch", Layout(tp=1, pp=1, dp=4, ep=4), None,
                  marks=pytest.mark.skipif(not FULL, reason="UCP_FULL_MATRIX=1 runs it")),

@@ -28,6 +28,8 @@ FORMATS = {
     "fragments": "megatron_ucp.formats.fragments",
     "universal": "megatron_ucp.formats.universal",
     "megatron_torch": "megatron_ucp.formats.megatron_legacy",
+    # before megatron_torch_dist: both are torch.distributed.checkpoint directories
+    "megatron_fsdp": "megatron_ucp.formats.megatron_fsdp",  # fsdp_dtensor, torch_dcp (FSDP runs)
     "megatron_torch_dist": "megatron_ucp.formats.megatron_dist",
     "hf": "megatron_ucp.formats.hf",  # Hugging Face transformers model directories
     "deepspeed": "megatron_ucp.formats.deepspeed",  # DeepSpeed universal folders (with a name map)

@@ -199,6 +199,15 @@ class DistReader:
         self._load(sd)
         return sd[key]
 
+    def objs(self, keys: list[str]) -> dict:
+        """Many stored objects at once (one pass of torch.distributed.checkpoint's loader)."""
+        missing = [k for k in keys if k not in self.meta]
+        if missing:
+            raise UCPError(f"{self.dir}: object(s) {missing[:3]} not in the checkpoint")
+        sd = {k: io.BytesIO() for k in keys}
+        self._load(sd)
+        return sd
+
     def _load(self, sd: dict) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
