@@ -187,7 +187,7 @@ def run_megatron(runner: dict, load: Path, save: Path, lay: dict, fmt: str, extr
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1",
            "TORCHDYNAMO_DISABLE": "1", "MLM_SHIM_DISTOPT_STEP_LOAD_FIX": "1",
            "MLM_SHIM_DISTOPT_UNSHARE_STEP": "1", "MLM_RESUME_KEEP_STEP": "1", "MLM_SRC": runner["src"],
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+           "PYTHONPATH": os.pathsep.join(filter(None, [runner.get("pythonpath"), str(REPO)]))}
     env.pop("MLM_HARNESS", None)  # run_pretrain_resume.py: without it, megatron-ucp's own shim
     if runner.get("harness"):
         env["MLM_HARNESS"] = runner["harness"]
@@ -204,9 +204,10 @@ def run_megatron(runner: dict, load: Path, save: Path, lay: dict, fmt: str, extr
         r"iteration\s+(\d+)/.*?lm loss: ([0-9.E+-]+)", text)}
     step = None
     error = None
-    if rc != 0:  # the first exception line any rank printed
-        found = re.search(r"^\S*(Error|Exception)\b.*$", text, re.M)
-        error = found.group(0)[:300] if found else f"exit code {rc}"
+    if rc != 0:  # the first exception any rank raised (not torchrun's ChildFailedError)
+        found = [m.group(1) for m in re.finditer(r"^(?:\[rank\d+\]: )?([\w.]*(?:Error|Exception): .*)$",
+                                                 text, re.M) if "ChildFailedError" not in m.group(1)]
+        error = found[-1][:300] if found else f"exit code {rc}"
     if rc == 0:
         try:
             src = open_source(save)
@@ -243,6 +244,11 @@ def main() -> int:
                          "it resumes its own fixtures as saved, the references of the cross-release cases")
     ap.add_argument("--other-python", default=None,
                     help="the interpreter with the other release's megatron-core")
+    ap.add_argument("--pythonpath", default=None,
+                    help="PYTHONPATH of the runs (before this checkout; the tool's own is not passed "
+                         "on), e.g. a --target directory with the triton that core_v0.16.1's "
+                         "megatron.training imports")
+    ap.add_argument("--other-pythonpath", default=None, help="the same for the other release's runs")
     ap.add_argument("--port", type=int, default=29950, help="first master port (one per run)")
     a = ap.parse_args()
     here = a.release
@@ -252,12 +258,14 @@ def main() -> int:
         if var not in os.environ:
             sys.exit(f"set {var} (see the docstring)")
     runners = {here: {"python": os.environ.get("PYTHON", sys.executable), "src": os.environ["MLM_SRC"],
-                      "harness": os.environ["MLM_HARNESS"] if here == "core_v0.16.1" else None}}
+                      "harness": os.environ["MLM_HARNESS"] if here == "core_v0.16.1" else None,
+                      "pythonpath": a.pythonpath}}
     if a.other_src:
         if not a.other_python:
             sys.exit("--other-src needs --other-python")
         runners[other] = {"python": a.other_python, "src": a.other_src,
                           "harness": os.environ["MLM_HARNESS"] if other == "core_v0.16.1" else None}
+        runners[other]["pythonpath"] = a.other_pythonpath
     work = Path(a.work)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
