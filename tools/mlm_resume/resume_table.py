@@ -263,7 +263,8 @@ def main() -> int:
     a = ap.parse_args()
     here = a.release
     other = next(r for r in RUNNABLE if r != here)
-    needed = ["MLM_SRC"] + ["MLM_HARNESS"] * ("core_v0.16.1" in (here, other if a.other_src else here))
+    uses_harness = here == "core_v0.16.1" or (a.other_src and other == "core_v0.16.1")
+    needed = ["MLM_SRC"] + (["MLM_HARNESS"] if uses_harness else [])
     for var in needed:
         if var not in os.environ:
             sys.exit(f"set {var} (see the docstring)")
@@ -274,8 +275,8 @@ def main() -> int:
         if not a.other_python:
             sys.exit("--other-src needs --other-python")
         runners[other] = {"python": a.other_python, "src": a.other_src,
-                          "harness": os.environ["MLM_HARNESS"] if other == "core_v0.16.1" else None}
-        runners[other]["pythonpath"] = a.other_pythonpath
+                          "harness": os.environ["MLM_HARNESS"] if other == "core_v0.16.1" else None,
+                          "pythonpath": a.other_pythonpath}
     work = Path(a.work)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
