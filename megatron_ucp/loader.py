@@ -30,7 +30,7 @@ from megatron_ucp.param_spec import LocalParam, local_params
 from megatron_ucp.spec import STATES
 from megatron_ucp.staging import collective_device, fill
 from megatron_ucp.storage import Location, location, plan_reads
-from megatron_ucp.validation import check_layout, check_model_config, model_config
+from megatron_ucp.validation import check_load_layout, check_model_config, model_config
 
 log = logging.getLogger(__name__)
 
@@ -145,8 +145,9 @@ def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: 
     source = open_megatron_ucp(_resolve_once(path), verify_checksums=verify_checksums)
     manifest = source.manifest
     layout = Layout.current()
-    check_layout(manifest.model, layout, str(source.dir))
-    check_model_config(manifest.model, model_config(model_chunks), str(source.dir))
+    current = model_config(model_chunks)
+    check_load_layout(manifest.model, current, layout, str(source.dir))
+    check_model_config(manifest.model, current, str(source.dir))
     params = local_params(model_chunks)
     _check_files(source)
     _check_params(source, params, strict)

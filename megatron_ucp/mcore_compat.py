@@ -22,6 +22,11 @@ What differs, and where it is handled:
 * MLA's Q/KV norms: 0.19 resolves them in `QKNormConfigResolver`, which wants a Q norm fused into
   `linear_q_proj` when there is no query LoRA rank (only Transformer Engine has that layer); 0.16
   builds no Q norm there: `local_mla_qk_norm_without_q_lora`.
+* Enums a newer release added: Megatron-LM 0.19's `args` pickle
+  `megatron.core.transformer.enums.InferenceCudaGraphScope`, which 0.16 lacks, so a 0.19
+  checkpoint would not unpickle under 0.16. `absent_enum_standin` stands in for such a class while
+  a checkpoint is read: the member becomes its plain value (only the newer release reads that
+  argument), so a 0.19 checkpoint converts under 0.16 for Megatron-LM 0.16 to resume.
 
 Checked and found the same on both releases (Megatron-LM core_v0.16.1 and core_v0.19.0 fixtures):
 the `--ckpt-format torch` files (`model_optim_rng.pt` param groups, `distrib_optim.pt` flat
@@ -36,7 +41,10 @@ difference, handled where the format is read (formats/megatron_dist).
 
 from __future__ import annotations
 
+import functools
 import importlib
+from collections.abc import Callable
+from typing import Any
 
 import megatron.core
 
@@ -86,6 +94,27 @@ MLA_QK_NORM_CONFIG = _optional("megatron.core.transformer.mla_qk_norm_config")
 def local_mla_qk_norm_without_q_lora() -> bool:
     """Whether the local spec builds MLA with qk_layernorm and no q_lora_rank (0.16: kv norm only)."""
     return MLA_QK_NORM_CONFIG is None
+
+
+@functools.cache  # one stand-in per name: the unpickler matches it by identity
+def absent_enum_standin(qualified_name: str) -> Callable[[Any], Any] | None:
+    """For the unpickler: a stand-in for `qualified_name` when it names a megatron-core global
+    that this release lacks (an enum a newer release added), else None. A pickled enum member is
+    the call `EnumClass(value)`; the stand-in returns the value itself."""
+    module, _, name = qualified_name.rpartition(".")
+    if not module.startswith("megatron.core.") or not name.isidentifier():
+        return None
+    if _optional(module, name) is not None:
+        return None  # this release has it: the allowlist decides
+
+    def enum_member_value(value: Any) -> Any:
+        if not isinstance(value, (int, str, float, bool, type(None))):
+            raise TypeError(f"{qualified_name} is not in {release_name()} and was not pickled as an "
+                            f"enum member (called with {type(value).__name__})")
+        return value
+
+    enum_member_value.__qualname__ = f"absent_enum_standin[{qualified_name}]"
+    return enum_member_value
 
 
 def release_name() -> str:

@@ -422,8 +422,11 @@ def install() -> None:
     # training.py imported get_forward_backward_func by name; ours hands back megatron-core's
     # unless --overlap-recompute is set
     training.get_forward_backward_func = get_forward_backward_func
-    arguments.parse_args = _wrap_parse_args(arguments.parse_args)
-    initialize.parse_args = _wrap_parse_args(initialize.parse_args)
+    # core_v0.16.1's initialize imported parse_args by name; core_v0.19.0's has none (its
+    # parse_and_validate_args calls arguments.parse_args)
+    for module in (arguments, initialize):
+        if hasattr(module, "parse_args"):
+            module.parse_args = _wrap_parse_args(module.parse_args)
 
 
 def run_script(script: str, argv: list[str]) -> None:

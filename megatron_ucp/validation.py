@@ -121,6 +121,16 @@ def check_model_config(saved: dict, current: dict, where: str) -> None:
                        "change)." + hint)
 
 
+PIPELINE_SPLIT = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")
+
+
+def check_load_layout(saved: dict, current: dict, layout: Layout, where: str = "checkpoint") -> None:
+    """`check_layout` for a load into a built model (`current`: its `model_config`): the checkpoint
+    says the architecture, the model its own pipeline split (the saved one was the saving run's;
+    3 layers saved at PP1 load into stages of 2 + 1)."""
+    check_layout({**saved, **{k: current.get(k) for k in PIPELINE_SPLIT}}, layout, where)
+
+
 def check_layout(cfg: dict, layout: Layout, where: str = "checkpoint") -> None:
     """Raise if `layout` cannot hold the model described by `cfg` (a manifest's `model`)."""
     problems = []

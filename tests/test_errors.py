@@ -20,7 +20,7 @@ from megatron_ucp.formats import open_source
 from megatron_ucp.layout import Layout
 from megatron_ucp.storage import Reader
 from megatron_ucp.testing.launch import LaunchError, launch
-from megatron_ucp.validation import check_layout, check_model_config
+from megatron_ucp.validation import check_layout, check_load_layout, check_model_config
 
 ITER = "iter_0000002"
 FINAL_LN = "decoder.final_layernorm.weight"  # replicated: held by rank 0, read by every rank
@@ -100,6 +100,18 @@ def test_pp_not_dividing_layers(source):
     msg = raises_ucp(lambda: check_layout(saved_model(source), Layout(pp=3)))
     assert "num_layers=4 is not divisible by PP=3" in msg and "TP1xPP3xDP1" in msg, msg
     assert "num_attention_heads" not in msg and "num_query_groups" not in msg
+
+
+def test_load_layout_takes_the_models_pipeline_split():
+    """A load checks the target against the built model's own pipeline split: 3 layers saved
+    without one load into PP2 stages of 2 + 1 (stock Megatron-LM core_v0.19.0 with
+    --decoder-first-pipeline-num-layers 2 was refused: "num_layers=3 is not divisible by PP=2")."""
+    saved = {"num_attention_heads": 4, "num_layers": 3, "num_layers_in_first_pipeline_stage": None}
+    split = {**saved, "num_layers_in_first_pipeline_stage": 2}
+    check_load_layout(saved, split, Layout(pp=2))
+    check_load_layout(split, split, Layout(pp=1))
+    msg = raises_ucp(lambda: check_load_layout(split, saved, Layout(pp=2)))
+    assert "num_layers=3 is not divisible by PP=2" in msg, msg
 
 
 def test_tp_not_dividing_query_groups_only():

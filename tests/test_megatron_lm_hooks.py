@@ -249,3 +249,38 @@ def _save_hook_then_load_hook(save_dir: str, empty: str, missing_error: str) -> 
 
 if __name__ == "__main__":
     pytest.main([__file__, "-q"])
+
+
+def test_install_hooks_megatron_training(monkeypatch):
+    """install() on the megatron.training the environment has (megatron-core 0.19's wheel ships
+    core_v0.19.0's; 0.16's none): the hooks replace save/load/finalize where the training loop
+    looks them up, and Megatron-LM's own parse_args takes `--ckpt-format universal` (core_v0.19.0's
+    initialize has no parse_args to wrap: install() failed there with AttributeError)."""
+    pytest.importorskip("megatron.training.training", reason="no megatron.training (Megatron-LM) here")
+    import sys
+
+    import megatron.training.arguments as arguments
+    import megatron.training.async_utils as async_utils
+    import megatron.training.checkpointing as ckpt
+    import megatron.training.initialize as initialize
+    import megatron.training.training as training
+
+    names = ("save_checkpoint", "load_checkpoint", "maybe_finalize_async_save", "parse_args",
+             "get_forward_backward_func")
+    for module in (arguments, async_utils, ckpt, initialize, training):  # restored after the test
+        for name in names:
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, getattr(module, name))
+    monkeypatch.setattr(megatron_lm, "_ORIGINALS", {})
+    megatron_lm.install()
+    megatron_lm.install()  # idempotent
+    for module in (ckpt, training):
+        assert module.save_checkpoint is megatron_lm.save_checkpoint
+        assert module.load_checkpoint is megatron_lm.load_checkpoint
+    for module in (async_utils, training):
+        assert module.maybe_finalize_async_save is megatron_lm.maybe_finalize_async_save
+    assert megatron_lm._ORIGINALS["save_checkpoint"] is not megatron_lm.save_checkpoint
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--ckpt-format", "universal", "--async-save"])
+    args = arguments.parse_args()
+    assert (args.ckpt_format, args.ucp_save, args.universal_checkpoint, args.async_save) == \
+        ("universal", False, False, True)

@@ -7,6 +7,8 @@ allowlist of what Megatron-LM writes; anything else is refused unless the caller
 
 from __future__ import annotations
 
+import argparse
+import enum
 import pathlib
 import pickle
 import shutil
@@ -19,7 +21,10 @@ from oracles import assert_holds_universal, assert_universal_is_dump, legacy_ful
 from megatron_ucp import UCPError
 from megatron_ucp.checks import diff, verify
 from megatron_ucp.formats import open_source
-from megatron_ucp.reshard import convert, convert_legacy, convert_torch_dist
+from megatron_ucp.formats.megatron_common import torch_load
+from megatron_ucp.layout import Layout
+from megatron_ucp.mcore_compat import MCORE_VERSION
+from megatron_ucp.reshard import convert, convert_legacy, convert_torch_dist, reshard
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "megatron_lm"
 LEGACY = FIXTURES / "torch_tp2_pp2" / "ckpt"
@@ -79,3 +84,39 @@ def test_own_formats_never_unpickle(source_runs, tmp_path, no_unpickling, monkey
     assert all(d.max_abs == 0 for d in diff(saved, udir))
     monkeypatch.undo()  # the saving run's dump is a pickle: the independent check reads it
     assert assert_universal_is_dump(udir, source["dump"]) > 0
+
+
+class _NewerScope(enum.Enum):  # an enum a newer megatron-core added (0.19's InferenceCudaGraphScope)
+    none = 0
+    block = 2
+
+
+def test_enum_of_a_newer_megatron_core_reads_as_its_value(tmp_path, monkeypatch):
+    """args that pickle an enum this megatron-core lacks read with the member's value in its place;
+    anything else outside the allowlist is still refused (the test above)."""
+    import megatron.core.transformer.enums as enums
+
+    name = "NewerScopeForUnpicklingTest"
+    _NewerScope.__module__, _NewerScope.__qualname__ = enums.__name__, name
+    with monkeypatch.context() as m:  # pickled by reference while the class exists
+        m.setattr(enums, name, _NewerScope, raising=False)
+        torch.save({"args": argparse.Namespace(scope=_NewerScope.block, layers=3)}, tmp_path / "f.pt")
+    assert not hasattr(enums, name)
+    args = torch_load(tmp_path / "f.pt", "")["args"]
+    assert (args.scope, args.layers) == (2, 3)
+
+
+@pytest.mark.skipif(MCORE_VERSION[:2] >= (0, 19), reason="megatron-core 0.19 has the enum")
+def test_core_v0_19_checkpoint_converts_under_0_16_for_0_16_to_load(tmp_path):
+    """Megatron-LM core_v0.19.0's args pickle InferenceCudaGraphScope (absent from 0.16): its
+    checkpoints read under megatron-core 0.16, and what is written there unpickles with plain
+    torch.load, as Megatron-LM 0.16 loads it (it resumes: tools/mlm_resume)."""
+    v019 = FIXTURES.parent / "megatron_lm_v019"
+    src = open_source(v019 / "torch_dp2" / "ckpt")
+    assert src.step(next(iter(src.manifest.params))) == 6.0
+    out = reshard(v019 / "torch_dist_tp2_dp2" / "ckpt", tmp_path / "out", Layout(tp=1, pp=1, dp=2),
+                  "torch", progress=False)
+    saved = torch.load(Path(out.output) / "iter_0000006" / "mp_rank_00" / "model_optim_rng.pt",
+                       map_location="cpu", weights_only=False)
+    assert saved["args"].inference_cuda_graph_scope == 1 and saved["args"].tensor_model_parallel_size == 1
+    assert all(d.max_abs == 0 for d in diff(v019 / "torch_dist_tp2_dp2" / "ckpt", out.output))

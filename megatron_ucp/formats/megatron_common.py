@@ -127,15 +127,24 @@ def unpickle(load: Callable[[bool], Any], where: Path | str, trust_pickle: bool,
     `holds` says, in the refusal, what the format's files are expected to hold."""
     if trust_pickle:
         return load(False)
-    try:
-        with torch.serialization.safe_globals(allowed_globals()):
-            return load(True)
-    except pickle.UnpicklingError as e:
-        found = re.search(r"GLOBAL ([\w.]+)", str(e))
-        what = found.group(1) if found else "an object of a type outside the allowlist"
-        raise UCPError(f"{where}: refusing to unpickle {what}: it is none of the types {holds}, "
-                       "and unpickling it could run code from the file. If you trust this "
-                       f"checkpoint, pass {TRUST_PICKLE}") from None
+    standins: list[tuple[Callable, str]] = []  # enums of a newer megatron-core (mcore_compat)
+    while True:
+        try:
+            with torch.serialization.safe_globals([*allowed_globals(), *standins]):
+                return load(True)
+        except pickle.UnpicklingError as e:
+            found = re.search(r"GLOBAL ([\w.]+)", str(e))
+            what = found.group(1) if found else "an object of a type outside the allowlist"
+            if found and all(name != what for _, name in standins):
+                from megatron_ucp.mcore_compat import absent_enum_standin  # imports megatron.core
+
+                standin = absent_enum_standin(what)
+                if standin is not None:
+                    standins.append((standin, what))
+                    continue
+            raise UCPError(f"{where}: refusing to unpickle {what}: it is none of the types {holds}, "
+                           "and unpickling it could run code from the file. If you trust this "
+                           f"checkpoint, pass {TRUST_PICKLE}") from None
 
 
 def torch_load(path: Path, what: str, trust_pickle: bool = False, holds: str = MEGATRON_HOLDS) -> Any:

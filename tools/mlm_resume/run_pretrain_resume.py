@@ -120,6 +120,26 @@ if os.environ.get("MLM_RESUME_KEEP_STEP") == "1":
 
         DistributedOptimizer.load_state_dict = load_state_dict_unshared_step
     print("> [resume] dp_reshardable step fix active (load-only)")
+if os.environ.get("MLM_UCP_INSTALL") == "1":  # --ckpt-format universal without (or with) the patch
+    import megatron_ucp
+    import megatron_ucp.saver as saver
+    from megatron_ucp import megatron_lm
+
+    megatron_lm.install()
+    _finalize = megatron_ucp.finalize
+
+    def finalize_logged(blocking: bool = True) -> bool:
+        """megatron_ucp.finalize, saying when it commits a pending save (and whether the training
+        loop's call was the blocking one at the end of training)."""
+        pending = saver._PENDING
+        done = _finalize(blocking=blocking)
+        if pending is not None and done and torch.distributed.get_rank() == 0:
+            print(f"> [resume] megatron-ucp async save of iteration {pending.iteration} committed by "
+                  f"maybe_finalize_async_save(blocking={blocking})", flush=True)
+        return done
+
+    megatron_ucp.finalize = finalize_logged
+    print("> [resume] megatron_ucp.megatron_lm.install() in effect")
 script = os.path.join(src, "pretrain_gpt.py")
 sys.argv = [script] + sys.argv[1:]
 runpy.run_path(script, run_name="__main__")

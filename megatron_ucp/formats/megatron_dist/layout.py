@@ -247,9 +247,13 @@ class _ObjectPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         key = read_item.dest_index.fqn  # DistReader loads flat {key: BytesIO} dicts
-        self.original_state_dict[key] = unpickle(
-            lambda weights_only: torch.load(value, weights_only=weights_only),
-            f"{self.reader.dir} [{key}]", self.reader.trust_pickle)
+
+        def load(weights_only: bool):
+            value.seek(0)  # unpickle may retry (stand-ins for a newer megatron-core's enums)
+            return torch.load(value, weights_only=weights_only)
+
+        self.original_state_dict[key] = unpickle(load, f"{self.reader.dir} [{key}]",
+                                                 self.reader.trust_pickle)
 
 
 def storage_keys(model) -> dict[int, tuple[str, tuple[int, ...]]]:

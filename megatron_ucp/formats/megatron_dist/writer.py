@@ -157,8 +157,11 @@ def write(source, save_dir: str | Path, target: Layout, args_template, *,
     for k, v in objects.items():
         state_dict[k] = object_value(v)
     if rng_state is not None:
-        # with expert parallelism Megatron-LM keeps one rng shard per (PP, TP, DP) rank
-        dps = [(d, target.dp) for d in range(target.dp)] if target.ep > 1 else [None]
+        # one rng shard per (PP, TP) rank; with expert parallelism Megatron-LM core_v0.16.x keeps
+        # one per (PP, TP, DP) rank instead (0.13-0.15 and 0.17-0.19: per (PP, TP)), and a load
+        # wants the keys its own release writes: both forms, so that any of them resumes (a
+        # load ignores stored keys it does not ask for)
+        dps = [None] + ([(d, target.dp) for d in range(target.dp)] if target.ep > 1 else [])
         for pp_rank in range(target.pp):
             for tp_rank in range(target.tp):
                 rs = object_value(rng_for(rng_state, (pp_rank, tp_rank)))
