@@ -194,7 +194,7 @@ def _reshard_to_megatron(load, out: Path, target: Layout | None, kind: str, targ
     """Megatron-LM -> universal (scratch next to `out`) -> Megatron-LM `target_format` at target."""
     if kind not in MEGATRON_SOURCES:
         raise UCPError(f"{load}: --target-format {target_format} needs a Megatron-LM checkpoint "
-                       "(torch, torch_dist or fsdp_dtensor) source, "
+                       "(torch, torch_dist, fsdp_dtensor or torch_dcp) source, "
                        f"this is a {kind} checkpoint. A Megatron-LM checkpoint stores the run's "
                        "args (model architecture, optimizer and run settings) that the written "
                        f"checkpoint must carry; a {kind} checkpoint has no Megatron-LM args. "

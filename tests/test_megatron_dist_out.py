@@ -167,7 +167,8 @@ def test_legacy_source_reshard_to_torch_dist(tmp_path):
 
 
 def test_reshard_torch_dist_refusals(universal, tmp_path):
-    with pytest.raises(UCPError, match=r"needs a Megatron-LM checkpoint \(torch or torch_dist\) source"):
+    with pytest.raises(UCPError, match=r"needs a Megatron-LM checkpoint \(torch, torch_dist, "
+                                       r"fsdp_dtensor or torch_dcp\) source"):
         reshard(universal, tmp_path / "x", Layout(dp=2), target_format="torch_dist",
                 progress=False)
     with pytest.raises(UCPError, match="target layout"):

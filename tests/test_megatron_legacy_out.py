@@ -165,8 +165,9 @@ def test_reshard_target_format_torch(universal, tmp_path):
 
 
 def test_reshard_torch_needs_megatron_source(universal, tmp_path):
-    with pytest.raises(UCPError, match=r"needs a Megatron-LM checkpoint \(torch or torch_dist\) "
-                       r"source, this is a universal checkpoint.*no Megatron-LM args"):
+    with pytest.raises(UCPError, match=r"needs a Megatron-LM checkpoint \(torch, torch_dist, "
+                       r"fsdp_dtensor or torch_dcp\) source, this is a universal checkpoint"
+                       r".*no Megatron-LM args"):
         reshard(universal["torch_dp2"], tmp_path / "x", Layout(dp=2), target_format="torch",
                 progress=False)
     with pytest.raises(UCPError, match="needs a target layout"):
