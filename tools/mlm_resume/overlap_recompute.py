@@ -27,7 +27,8 @@ the output gradient / inline in the backward); each must equal what the plan or 
         --patched-src /tmp/mlm019_lynx --work /tmp/ucp_overlap --json overlap.json
 
 (MLM_SRC: a core_v0.19.0 tree with megatron/core moved aside, as for resume_table.py;
-`--patched-src`: a copy with the patch applied by `patch -p1`.)
+`--patched-src`: a copy with the patch applied by `patch -p1`.) core_v0.16.1 runs the same with
+.venv, its tree, `MLM_HARNESS` and `--pythonpath` as resume_table.py does (and its own patch).
 """
 
 from __future__ import annotations
@@ -120,6 +121,9 @@ def main() -> int:
                     help="a core_v0.19.0 tree with patches/megatron-lm-core_v0.19.0-universal.patch "
                          "applied (megatron/core moved aside): also run the patch route")
     ap.add_argument("--only", default=None, help="regex on the run name (the `none` run always runs)")
+    ap.add_argument("--pythonpath", default=None,
+                    help="PYTHONPATH of the runs (before this checkout), e.g. the triton that "
+                         "core_v0.16.1's megatron.training imports (tools/mlm_resume/README.md)")
     ap.add_argument("--port", type=int, default=29880)
     a = ap.parse_args()
     if "MLM_SRC" not in os.environ:
@@ -130,7 +134,9 @@ def main() -> int:
     python = os.environ.get("PYTHON", sys.executable)
 
     def runner(src: str, install: bool) -> dict:
-        return {"python": python, "src": src, "harness": None,
+        # MLM_HARNESS: core_v0.16.1's fixture harness shim, as in resume_table.py
+        return {"python": python, "src": src, "harness": os.environ.get("MLM_HARNESS"),
+                "pythonpath": a.pythonpath,
                 "env": {"MLM_UCP_INSTALL": "1" if install else "0", "MLM_RECOMPUTE_COUNTS": "1"}}
 
     plan_files = {}
