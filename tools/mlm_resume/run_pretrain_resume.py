@@ -24,6 +24,11 @@ each parameter's `step` from the load template (the fresh optimizer's, 0) over t
 load_state_dict has just restored from the saved param groups, so every dp_reshardable resume,
 of Megatron-LM's own checkpoints too, restarts Adam's bias correction at step 0. The fix drops
 that template `step`; the legacy step fix then keeps the restored one.
+
+MLM_RECOMPUTE_COUNTS=1 (overlap_recompute.py) counts, per rank, the recomputation that ran: each
+TransformerLayer's forwards re-run under grad inside a checkpoint recomputation, megatron-core's
+CheckpointFunction backwards, and megatron-ucp's --overlap-recompute runtime counters; one JSON
+line "> [recompute] {...}" at exit. Counting only; no value changes.
 """
 
 import os
@@ -120,6 +125,49 @@ if os.environ.get("MLM_RESUME_KEEP_STEP") == "1":
 
         DistributedOptimizer.load_state_dict = load_state_dict_unshared_step
     print("> [resume] dp_reshardable step fix active (load-only)")
+if os.environ.get("MLM_RECOMPUTE_COUNTS") == "1":  # overlap_recompute.py: which recomputation ran
+    import atexit
+    from collections import Counter
+
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from megatron_ucp.recompute import runtime as recompute_runtime
+
+    _counts = Counter()  # ("layer", index) -> recomputed forwards; "CheckpointFunction" -> backwards
+    _stage = []
+    _checkpoint_backward = tp_random.CheckpointFunction.backward
+    _layer_forward = TransformerLayer.forward
+
+    def checkpoint_backward_counted(ctx, *grads):
+        _counts["CheckpointFunction"] += 1  # megatron's full layers and selective groups
+        return _checkpoint_backward(ctx, *grads)
+
+    def layer_forward_counted(self, *args, **kwargs):
+        # a forward under grad inside a checkpoint recomputation (megatron's CheckpointFunction
+        # backward or megatron-ucp's deferred one); the first forward of a full layer is no_grad
+        if tp_random.is_checkpointing() and torch.is_grad_enabled():
+            _counts[("layer", self.layer_number - 1)] += 1
+        if not _stage:
+            _stage.append(parallel_state.get_pipeline_model_parallel_rank())
+        return _layer_forward(self, *args, **kwargs)
+
+    tp_random.CheckpointFunction.backward = staticmethod(checkpoint_backward_counted)
+    TransformerLayer.forward = layer_forward_counted
+
+    def report_recompute_counts() -> None:
+        import json
+
+        ucp = recompute_runtime.recompute_counts()
+        print("> [recompute] " + json.dumps({
+            "rank": int(os.environ.get("RANK", 0)), "stage": _stage[0] if _stage else None,
+            "layer_forwards_recomputed": {k[1]: v for k, v in sorted(_counts.items(), key=str)
+                                          if isinstance(k, tuple)},
+            "megatron_checkpoint_backwards": _counts["CheckpointFunction"],
+            "ucp_in_p2p_wait": ucp["in_wait"], "ucp_inline": ucp["inline"]}), flush=True)
+
+    atexit.register(report_recompute_counts)
 if os.environ.get("MLM_UCP_INSTALL") == "1":  # --ckpt-format universal without (or with) the patch
     import megatron_ucp
     import megatron_ucp.saver as saver
