@@ -247,16 +247,14 @@ def _save_hook_then_load_hook(save_dir: str, empty: str, missing_error: str) -> 
     assert math.isclose(got, ref, rel_tol=1e-5), (ref, got)  # fp32, TP2 -> DP2: reduction order only
 
 
-if __name__ == "__main__":
-    pytest.main([__file__, "-q"])
-
-
 def test_install_hooks_megatron_training(monkeypatch):
     """install() on the megatron.training the environment has (megatron-core 0.19's wheel ships
     core_v0.19.0's; 0.16's none): the hooks replace save/load/finalize where the training loop
     looks them up, and Megatron-LM's own parse_args takes `--ckpt-format universal` (core_v0.19.0's
     initialize has no parse_args to wrap: install() failed there with AttributeError)."""
-    pytest.importorskip("megatron.training.training", reason="no megatron.training (Megatron-LM) here")
+    # (a release skip: megatron-core 0.19's wheel ships megatron.training, 0.16's does not)
+    pytest.importorskip("megatron.training.training",
+                        reason="release: this megatron-core wheel ships no megatron.training (Megatron-LM)")
     import sys
 
     import megatron.training.arguments as arguments
@@ -284,3 +282,7 @@ def test_install_hooks_megatron_training(monkeypatch):
     args = arguments.parse_args()
     assert (args.ckpt_format, args.ucp_save, args.universal_checkpoint, args.async_save) == \
         ("universal", False, False, True)
+
+
+if __name__ == "__main__":
+    pytest.main([__file__, "-q"])
