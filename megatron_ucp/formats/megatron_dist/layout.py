@@ -111,6 +111,23 @@ def model_parallel_ranks(args) -> Iterator[tuple[int, list]]:
                 yield ps.get_model_parallel_group().rank(), wrap_ddp(build_chunks(args), args)
 
 
+class ReadsDcp:
+    """What a source reading torch.distributed.checkpoint files through `self.reader` (a
+    DistReader) reports of its reads, and its Adam steps (from its manifest): the torch_dist and
+    the FSDP sources share it."""
+
+    @property
+    def bytes_read(self) -> int:
+        return self.reader.bytes_read
+
+    @property
+    def files_opened(self) -> int:
+        return len({s.relative_path for s in self.reader.metadata.storage_data.values()})
+
+    def step(self, name: str) -> float:
+        return self.manifest.params[name].step
+
+
 class DistReader:
     """Loads single keys of a torch_dist checkpoint without a process group, with a small cache.
 

@@ -48,6 +48,7 @@ from megatron_ucp.formats.megatron_dist.layout import (
     READ_SHARDINGS,
     DistReader,
     Param,
+    ReadsDcp,
     bucket_key,
     flattened_shape,
     flattened_state_key,
@@ -87,7 +88,7 @@ def read_common(load_dir: str | Path, trust_pickle: bool = False) -> tuple[Path,
     return ckpt, common, args
 
 
-class TorchDistSource:
+class TorchDistSource(ReadsDcp):
     """A Megatron-LM torch_dist checkpoint read as universal tensors.
 
     `load_dir` is a `--save` root (with latest_checkpointed_iteration.txt) or an iter directory.
@@ -155,17 +156,6 @@ class TorchDistSource:
         self._last: tuple[tuple[str, str], torch.Tensor] | None = None
         log.info("planned %d parameters of %s (%s) in %.2fs", len(self.plan), ckpt, sharding,
                  time.perf_counter() - t0)
-
-    @property
-    def bytes_read(self) -> int:
-        return self.reader.bytes_read
-
-    @property
-    def files_opened(self) -> int:
-        return len({s.relative_path for s in self.reader.metadata.storage_data.values()})
-
-    def step(self, name: str) -> float:
-        return self.manifest.params[name].step
 
     def read(self, name: str, state: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
         if self._last is None or self._last[0] != (name, state):

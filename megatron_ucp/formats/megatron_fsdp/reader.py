@@ -44,7 +44,7 @@ from megatron_ucp.formats.megatron_common import (
     resolve_iteration,
     world,
 )
-from megatron_ucp.formats.megatron_dist.layout import DistReader
+from megatron_ucp.formats.megatron_dist.layout import DistReader, ReadsDcp
 from megatron_ucp.formats.megatron_fsdp.layout import (
     FSDP2_GROUP_PREFIX,
     FSDP2_MASTER_PREFIX,
@@ -144,7 +144,7 @@ def _split_state_key(key: str) -> tuple[str, str]:
     return strip_wrappers(name), state
 
 
-class _FsdpSource:
+class _FsdpSource(ReadsDcp):
     """What both forms share: the args, the model plan, the run state, reading by stored key."""
 
     format = "megatron_fsdp"  # its name in the `formats` registry
@@ -192,17 +192,6 @@ class _FsdpSource:
             {"param_groups": groups, "grad_scaler": None}, scheduler(self.reader),
             {"consumed_samples": int(getattr(args, "consumed_train_samples", 0) or 0)},
             int(getattr(args, "seed", 1234)))
-
-    @property
-    def bytes_read(self) -> int:
-        return self.reader.bytes_read
-
-    @property
-    def files_opened(self) -> int:
-        return len({s.relative_path for s in self.reader.metadata.storage_data.values()})
-
-    def step(self, name: str) -> float:
-        return self.manifest.params[name].step
 
     def read(self, name: str, state: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
         if self._last is None or self._last[0] != (name, state):
