@@ -11,6 +11,7 @@ from pathlib import Path
 from megatron_ucp import formats
 from megatron_ucp.formats import manifest as mf
 from megatron_ucp.object_store import ObjectPath, list_objects
+from megatron_ucp.storage import location
 
 
 def inspect(path: str | Path, trust_pickle: bool = False) -> str:
@@ -21,7 +22,7 @@ def inspect(path: str | Path, trust_pickle: bool = False) -> str:
     else:
         source = formats.open_source(path, progress=False, verify_checksums=False,
                                      trust_pickle=trust_pickle)
-        ckpt, m = Path(source.dir), source.manifest
+        ckpt, m = location(source.dir), source.manifest
         kind = f"{source.format} (read as universal tensors)"
     params = m.params
     numel = sum(math.prod(p.shape) for p in params.values())

@@ -54,7 +54,7 @@ MAX_RETRIES = int(os.environ.get("MEGATRON_UCP_S3_MAX_RETRIES", "5"))
 RETRY_SECONDS = float(os.environ.get("MEGATRON_UCP_S3_RETRY_SECONDS", "60"))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class ObjectPath:
     """`scheme://bucket/key`: a key prefix ("directory") or an object, with the path operations the
     library uses. It is deliberately not os.PathLike: no local file call can take it by mistake."""
@@ -750,3 +750,41 @@ def download_tree(prefix: ObjectPath, local: str | os.PathLike) -> None:
         with open(dest, "wb") as f:
             for start in range(0, size, PART_BYTES):
                 f.write(get_ranges(obj, [start], [min(size, start + PART_BYTES)])[0])
+
+
+# --- torch.distributed.checkpoint directories in a store (Megatron-LM torch_dist, FSDP forms) -----
+def _join(pieces: Sequence[tuple[int, int, memoryview]], begin: int, end: int, where: ObjectPath) -> bytes:
+    """Bytes [begin, end) of an object from fetched pieces (sorted, not overlapping)."""
+    out, at = bytearray(), begin
+    for a, b, data in pieces:
+        if a <= at < b:
+            out += data[at - a:min(end, b) - a]
+            at = min(end, b)
+    if at < end:
+        raise UCPError(f"{where}: bytes {begin}-{end} did not come back; the object is shorter than "
+                       "its .metadata says (truncated): restore it or use another iteration")
+    return bytes(out)
+
+
+class DcpObjectReader:
+    """The byte side of torch.distributed.checkpoint's FileSystemReader for a prefix in a store:
+    `.metadata` read once; a load's items are fetched per object as merged ranged GETs (several in
+    flight) before the loader reads them, so no item becomes a request of its own. Made by
+    `storage.dcp_reader`, which wraps it in FileSystemReader's planning and decoding."""
+
+    def __init__(self, prefix: ObjectPath):
+        self.prefix = prefix
+        self.fetched: dict[ObjectPath, list[tuple[int, int, memoryview]]] = {}
+        self.requests = 0
+        self.objects_fetched = 0  # (load, object) pairs: merged ranges make one GET of each
+
+    def fetch(self, items: dict[str, list[tuple[int, int]]]) -> None:
+        """Fetch these byte ranges of these objects (name relative to the prefix -> ranges)."""
+        self.fetched = {}
+        for name, ranges in items.items():
+            self.requests += merged_requests(ranges)
+            self.objects_fetched += 1
+            self.fetched[self.prefix / name] = fetch_ranges(self.prefix / name, sorted(ranges))
+
+    def slice(self, path: ObjectPath, offset: int, length: int) -> bytes:
+        return _join(self.fetched[path], offset, offset + length, path)

@@ -13,6 +13,7 @@ import contextlib
 import copy
 import errno
 import functools
+import io
 import json
 import math
 import os
@@ -31,11 +32,13 @@ from safetensors import safe_open
 from megatron_ucp.errors import UCPError
 from megatron_ucp.object_store import (
     PREFETCH_THREADS,
+    DcpObjectReader,
     ObjectPath,
     ObjectWriter,
     SafetensorsObject,
     StagedPrefix,
     is_url,
+    list_dir,
     upload_tree,
 )
 
@@ -135,13 +138,98 @@ def location(path: str | Path | ObjectPath) -> Location:
 
 
 def local_only(path: str | Path | ObjectPath, what: str) -> Path:
-    """`path` as a local path, for a reader or writer that needs a filesystem; a URL is refused."""
+    """`path` as a local path, for a writer that needs a filesystem; a URL is refused."""
     loc = location(path)
     if isinstance(loc, ObjectPath):
-        raise UCPError(f"{loc}: {what} reads and writes local files only; copy the checkpoint to a "
-                       "local directory first (megatron_ucp.save/load, verify, inspect, diff, "
-                       "convert, reshard and export-hf take object-store URLs)")
+        raise UCPError(f"{loc}: {what} writes local files only; write to a local directory (and "
+                       "copy it to the store after). Every format is read from object-store URLs; "
+                       "saves, universal checkpoints and export-hf are also written to them")
     return loc
+
+
+@functools.cache
+def _dcp_reader_class() -> type:
+    """FileSystemReader for a local directory or a store prefix (built on first use: importing
+    torch.distributed.checkpoint is not free)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class StoreFiles(FileSystem):
+        """FileSystemReader's file calls, answered by the store for object paths: a data object is
+        a handle whose items `DcpReader.read_data` fetched; `.metadata` is read whole."""
+
+        def __init__(self, objects: DcpObjectReader):
+            self.objects = objects
+
+        @contextlib.contextmanager
+        def create_stream(self, path, mode: str):
+            if not isinstance(path, ObjectPath):
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+            elif path in self.objects.fetched:
+                yield path
+            else:
+                yield io.BytesIO(path.read_bytes())
+
+        def concat_path(self, path, suffix: str):
+            return path / suffix if isinstance(path, ObjectPath) else super().concat_path(path, suffix)
+
+    class DcpReader(FileSystemReader):
+        """`.metadata` parsed once (a source loads key by key); in a store, each load's items are
+        fetched as merged ranged GETs first (`object_store.DcpObjectReader`)."""
+
+        def __init__(self, directory: Location):
+            super().__init__(directory if isinstance(directory, Path) else ".")
+            self._metadata = None
+            self.objects = None
+            if isinstance(directory, ObjectPath):
+                self.objects = DcpObjectReader(directory)
+                self.fs, self.path = StoreFiles(self.objects), directory
+
+        def read_metadata(self, *args, **kwargs):
+            if self._metadata is None:
+                self._metadata = super().read_metadata(*args, **kwargs)
+            return self._metadata
+
+        def read_data(self, plan, planner):
+            if self.objects is None:
+                return super().read_data(plan, planner)
+            items: dict[str, list[tuple[int, int]]] = {}
+            for item in plan.items:
+                info = self.storage_data[item.storage_index]
+                items.setdefault(info.relative_path, []).append((info.offset, info.offset + info.length))
+            self.objects.fetch(items)
+            try:
+                return super().read_data(plan, planner)
+            finally:
+                self.objects.fetched = {}
+
+        def _slice_file(self, file, sinfo):
+            if isinstance(file, ObjectPath):
+                return io.BytesIO(self.objects.slice(file, sinfo.offset, sinfo.length))
+            return super()._slice_file(file, sinfo)
+
+    return DcpReader
+
+
+def size_of(path: Location) -> int:
+    """A file's or an object's size in bytes."""
+    return path.size() if isinstance(path, ObjectPath) else path.stat().st_size
+
+
+def names_in(directory: Location) -> list[str]:
+    """The names of the files directly in a local directory or under a store prefix (one listing)."""
+    if isinstance(directory, ObjectPath):
+        return [key.rsplit("/", 1)[-1] for key in list_dir(directory)[0]]
+    try:
+        return [p.name for p in directory.iterdir() if p.is_file()]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def dcp_reader(directory: Location):
+    """torch.distributed.checkpoint's reader of a checkpoint directory, local or in a store."""
+    return _dcp_reader_class()(directory)
 
 
 class ByteRun(NamedTuple):
@@ -491,8 +579,11 @@ def plan_reads(source: ReadsFiles, reads: Callable[[ReadsFiles], None]) -> None:
         source.reader.open(path).plan(ranges, start=i < PREFETCH_THREADS)
 
 
-def fsync_path(path: Path) -> None:
-    """fsync a file or a directory (a directory: its entries, e.g. a rename into it)."""
+def fsync_path(path: Location) -> None:
+    """fsync a file or a directory (a directory: its entries, e.g. a rename into it). An object is
+    durable once its upload completed: nothing to do."""
+    if isinstance(path, ObjectPath):
+        return
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -596,25 +687,27 @@ class StagedDir:
         shutil.rmtree(self.partial, ignore_errors=True)
 
 
-def group_staged_dir(out: Path) -> StagedDir:
-    """The staged directory of a job of the torch.distributed process group (every process writes
-    its files into it): rank 0 creates it; every rank gets it, or raises rank 0's error."""
+def group_staged(out: Location, marker: str) -> StagedDir | StagedPrefix:
+    """The staged directory (or store prefix, committed by `marker`) of a job of the
+    torch.distributed process group, every process writing its files into it: rank 0 creates it;
+    every rank gets it, or raises rank 0's error. A directory must be one every process sees (a
+    shared filesystem); a store prefix is seen by every host."""
     import torch.distributed as dist
 
-    staged = StagedDir(out)
+    job = staged(out, marker)
     problem: list = [None]
     if dist.get_rank() == 0:
         try:
-            staged.create()
+            job.create()
         except (UCPError, OSError) as e:
             problem = [str(e)]
     dist.broadcast_object_list(problem, src=0)
     if problem[0]:
         raise UCPError(problem[0])
-    return staged
+    return job
 
 
-def commit_group_job(staged: StagedDir, what: str, result, error: str | None,
+def commit_group_job(staged: StagedDir | StagedPrefix, what: str, result, error: str | None,
                      finish: Callable[[list], None]) -> None:
     """End a job of the process group: rank 0 gathers every rank's (result, error); when none
     failed it runs `finish(results)` (metadata, checks, `staged.commit`), else it aborts. Every

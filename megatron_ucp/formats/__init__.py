@@ -20,7 +20,6 @@ from types import ModuleType
 
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats import manifest as mf
-from megatron_ucp.object_store import ObjectPath
 from megatron_ucp.storage import location
 
 # name -> package; the first two are megatron-ucp's own, whose manifest.json names the format
@@ -50,14 +49,12 @@ def detect(path: str | Path) -> str:
     path = location(path)  # an unsupported URL scheme is an error here
     if mf.is_checkpoint(path):
         return mf.read_checkpoint(path)[1].kind
-    if isinstance(path, ObjectPath):  # in a store only megatron-ucp's own formats are read
-        mf.resolve(path)  # says what is wrong (no `latest`, a save that never committed, ...)
     for name in FORMATS:
-        if name not in OWN and get(name).detect(Path(path)):
+        if name not in OWN and get(name).detect(path):
             return name
     from megatron_ucp.formats.megatron_common import TRACKER, resolve_iteration
 
-    if (Path(path) / TRACKER).exists():  # a Megatron-LM save root whose tracker names no checkpoint:
+    if (path / TRACKER).exists():  # a Megatron-LM save root whose tracker names no checkpoint:
         resolve_iteration(path, lambda _: False, "Megatron-LM")  # raises, saying what it names
     try:
         mf.resolve(path)  # says what is wrong with a megatron-ucp path (no `latest`, a .partial, ...)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import io
 import pickle
 import re
 from collections.abc import Callable
@@ -19,7 +20,8 @@ import torch
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.manifest import check_same_params, not_committed
 from megatron_ucp.layout import Layout
-from megatron_ucp.storage import local_only, refuse_non_empty
+from megatron_ucp.object_store import ObjectPath
+from megatron_ucp.storage import Location, location, refuse_non_empty
 from megatron_ucp.validation import check_layout
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -54,7 +56,7 @@ def resolve_iteration(path: str | Path, is_iteration: Callable[[Path], bool],
     """(iteration directory, iteration) from a Megatron-LM save root (its tracker file names the
     iteration) or an iteration directory itself; the iteration is None when a directory's name
     does not say it (the caller reads it from the files)."""
-    path = local_only(path, f"reading a Megatron-LM {fmt} checkpoint")
+    path = location(path)
     if is_iteration(path):
         match = re.fullmatch(r"iter_(\d{7})", path.name)
         return path, int(match.group(1)) if match else 0 if path.name == RELEASE else None
@@ -75,7 +77,7 @@ def resolve_iteration(path: str | Path, is_iteration: Callable[[Path], bool],
 
 def holds_checkpoint(path: str | Path, is_iteration: Callable[[Path], bool]) -> bool:
     """`path` is an iteration directory, or a save root whose tracker names one."""
-    path = Path(path)
+    path = location(path)
     if is_iteration(path):
         return True
     try:
@@ -147,19 +149,20 @@ def unpickle(load: Callable[[bool], Any], where: Path | str, trust_pickle: bool,
                            f"checkpoint, pass {TRUST_PICKLE}") from None
 
 
-def torch_load(path: Path, what: str, trust_pickle: bool = False, holds: str = MEGATRON_HOLDS) -> Any:
-    """torch.load on CPU, memory-mapped so a large checkpoint is not read into RAM at once, with
-    the restricted unpickler (`unpickle`)."""
+def torch_load(path: Location, what: str, trust_pickle: bool = False, holds: str = MEGATRON_HOLDS) -> Any:
+    """torch.load on CPU, memory-mapped so a large checkpoint is not read into RAM at once (an
+    object in a store: fetched whole, as torch.load reads every byte of it anyway), with the
+    restricted unpickler (`unpickle`)."""
     if not path.exists():
         raise UCPError(f"{path} is missing; {what}")
+    if isinstance(path, ObjectPath):
+        data = path.read_bytes()
 
-    def load(weights_only: bool) -> Any:
-        try:
-            return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
-        except RuntimeError as e:
-            if "mmap" not in str(e):
-                raise
-            return torch.load(path, map_location="cpu", weights_only=weights_only)  # non-zip format
+        def load(weights_only: bool) -> Any:
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
+    else:
+        def load(weights_only: bool) -> Any:
+            return _load_file(path, weights_only)
 
     try:
         return unpickle(load, path, trust_pickle, holds)
@@ -171,6 +174,15 @@ def torch_load(path: Path, what: str, trust_pickle: bool = False, holds: str = M
     except Exception as e:
         raise UCPError(f"{path} cannot be read ({type(e).__name__}: {e}); the file is truncated or "
                        "corrupt: restore it from the source or convert another iteration") from e
+
+
+def _load_file(path: Path, weights_only: bool) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
+    except RuntimeError as e:
+        if "mmap" not in str(e):
+            raise
+        return torch.load(path, map_location="cpu", weights_only=weights_only)  # non-zip format
 
 
 # ------------------------------------------------------------------------ the run's layout

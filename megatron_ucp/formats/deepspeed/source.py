@@ -33,7 +33,7 @@ from megatron_ucp.formats.megatron_rebuild import import_specs
 from megatron_ucp.layout import Layout
 from megatron_ucp.progress import Progress
 from megatron_ucp.spec import ParamSpec
-from megatron_ucp.storage import local_only, location, refuse_non_empty
+from megatron_ucp.storage import location, refuse_non_empty, size_of
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ HOLDS = ("a DeepSpeed universal checkpoint's zero/<param>/*.pt files hold (tenso
 def resolve(path: str | Path) -> Path:
     """The folder holding `zero/`: `path` itself, its `latest_universal` target, or the parent of
     a `zero` folder."""
-    path = local_only(path, "import-deepspeed")
+    path = location(path)
     if (path / ZERO).is_dir():
         return path
     if (path / LATEST).is_file():
@@ -96,7 +96,7 @@ class DSUniversalDir:
         obj = torch_load(path, f"ds_to_universal writes {stem}.pt for every parameter with "
                          "optimizer state; the folder is incomplete: convert the DeepSpeed checkpoint "
                          "again (ds_to_universal --inject_missing_state)", self.trust_pickle, HOLDS)
-        self.bytes_read += path.stat().st_size
+        self.bytes_read += size_of(path)
         self.files_opened += 1
         return obj
 

@@ -13,20 +13,24 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from megatron_ucp import object_store
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.hf import archs, transforms
 from megatron_ucp.formats.hf.archs import Rule
 from megatron_ucp.formats.manifest import Manifest
 from megatron_ucp.formats.megatron_common import null_tokenizer_vocab
+from megatron_ucp.object_store import ObjectPath
 from megatron_ucp.progress import Progress, bar
 from megatron_ucp.storage import (
     DTYPE_NAMES,
     DTYPE_TO_ST,
+    Location,
     Reader,
     SafetensorsWriter,
     location,
@@ -239,27 +243,31 @@ def export(source, out: str | Path, arch: str, *, dtype: str | None = None,
     return out
 
 
-def _write_metadata(out_dir: Path, planned: list[Planned], n_shards: int, total: int, config: dict) -> None:
+def _write_metadata(out_dir: Location, planned: list[Planned], n_shards: int, total: int, config: dict,
+                    check: Callable[[], None] = lambda: None) -> None:
+    """The index and configs; config.json last, after `check`: it is what makes a directory (a
+    store prefix: its create-only put is the commit) an HF model."""
     weight_map = {name: shard_name(s, n_shards) for p in planned for (name, _), s in zip(p.outputs, p.shards)}
     _write_json(out_dir / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
-    _write_json(out_dir / CONFIG_FILE, config)
     _write_json(out_dir / GENERATION_FILE, generation_config(config))
+    check()
+    _write_json(out_dir / CONFIG_FILE, config, create_only=True)
 
 
 def _export_distributed(source, out: Path, planned: list[Planned], n_shards: int, config: dict) -> Path:
     """`export` as one job of the process group (torchrun; gloo is enough): the shards planned as
     one process plans them, each process writes and fsyncs a balanced set of them into rank 0's
-    staged directory (a filesystem every process sees), reading only the universal tensors they
-    need; rank 0 writes the index and configs, checks and commits once; every rank returns or
-    raises its outcome. The output is byte for byte the single-process export."""
+    staged directory (a filesystem every process sees) or uploads them to the store prefix,
+    reading only the universal tensors they need; rank 0 writes the index, checks, and commits
+    once with config.json last (in a store: its create-only put); every rank returns or raises its
+    outcome. The output is byte for byte the single-process export."""
     import torch.distributed as dist
 
     from megatron_ucp.formats.universal.writer import balanced
-    from megatron_ucp.storage import commit_group_job, fsync_path, group_staged_dir, local_only
+    from megatron_ucp.storage import commit_group_job, fsync_path, group_staged
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    out = local_only(out, "a distributed export (its processes write one shared directory)")
-    staged = group_staged_dir(out)
+    staged = group_staged(out, CONFIG_FILE)
     shard_bytes = [0] * n_shards
     for p in planned:
         for (_, shape), shard in zip(p.outputs, p.shards):
@@ -274,8 +282,8 @@ def _export_distributed(source, out: Path, planned: list[Planned], n_shards: int
         error = f"rank {rank}: {type(e).__name__}: {e}"
 
     def finish(totals: list) -> None:  # rank 0
-        _write_metadata(staged.partial, planned, n_shards, sum(totals), config)
-        check_written(staged.partial, planned, n_shards)
+        _write_metadata(staged.partial, planned, n_shards, sum(totals), config,
+                        lambda: check_written(staged.partial, planned, n_shards))
         staged.commit()
 
     commit_group_job(staged, f"exporting to {out}", total, error, finish)
@@ -354,8 +362,12 @@ def _open_shard(out_dir: Path, planned: list[Planned], shard: int, n_shards: int
     return SafetensorsWriter(out_dir / shard_name(shard, n_shards), entries, {"format": "pt"})
 
 
-def _write_json(path: Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+def _write_json(path: Location, obj: dict, create_only: bool = False) -> None:
+    text = json.dumps(obj, indent=2, sort_keys=True) + "\n"
+    if isinstance(path, ObjectPath):
+        object_store.put(path, text.encode(), create_only=create_only)
+    else:
+        path.write_text(text)
 
 
 def export_hf(src: str | Path, out: str | Path, arch: str, *, dtype: str | None = None,

@@ -25,9 +25,9 @@ from megatron_ucp.spec import ParamSpec
 from megatron_ucp.storage import (
     DTYPE_NAMES,
     ST_TO_DTYPE,
+    Location,
     Reader,
     ReadsFiles,
-    local_only,
     location,
     refuse_non_empty,
 )
@@ -40,8 +40,8 @@ FRESH = "fresh_optimizer"  # manifest `extra` key: the optimizer state is new (z
 RECORD = "hf_import"  # manifest `extra` key: where the weights came from (arch, HF config)
 
 
-def is_hf_dir(path: Path) -> bool:
-    path = Path(path)
+def is_hf_dir(path: str | Location) -> bool:
+    path = location(path)
     return (path / CONFIG_FILE).is_file() and (
         (path / INDEX_FILE).is_file() or any(path.glob("*.safetensors")))
 
@@ -51,7 +51,7 @@ class HFDir(ReadsFiles):
     headers, data read on demand."""
 
     def __init__(self, path: str | Path):
-        self.dir = local_only(path, "import-hf")
+        self.dir = location(path)
         if not (self.dir / CONFIG_FILE).is_file():
             raise UCPError(f"{self.dir}: no {CONFIG_FILE}; pass a Hugging Face model directory "
                            "(save_pretrained output)")

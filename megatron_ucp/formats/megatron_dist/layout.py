@@ -36,6 +36,7 @@ from megatron_ucp.formats.megatron_rebuild import (
     wrap_ddp,
 )
 from megatron_ucp.param_spec import declared_state_dict, local_params
+from megatron_ucp.storage import dcp_reader, location, names_in
 
 COMMON_FILE = "common.pt"
 COMMON_STATE_KEY = "common_state/shard_0_1"  # megatron-core 0.19: the common state, in the .distcp files
@@ -52,7 +53,7 @@ METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
 
 
 def is_iteration(path: Path) -> bool:
-    return (Path(path) / METADATA_FILE).exists()
+    return (location(path) / METADATA_FILE).exists()
 
 
 def state_key(state: str, model_key: str) -> str:
@@ -137,14 +138,10 @@ class DistReader:
     """
 
     def __init__(self, ckpt_dir: Path, cache_entries: int = 8, trust_pickle: bool = False):
-        from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import (
-            CachedMetadataFileSystemReader,
-        )
-
         self.dir = ckpt_dir
         self.trust_pickle = trust_pickle
         # one reader for every load: .metadata is parsed once, not once per key
-        self.storage = CachedMetadataFileSystemReader(str(ckpt_dir))
+        self.storage = dcp_reader(ckpt_dir)
         try:
             self.metadata = self.storage.read_metadata()
         except Exception as e:  # noqa: BLE001 - any unreadable .metadata is the same user error
@@ -152,7 +149,7 @@ class DistReader:
                            "file is damaged: restore it or convert another iteration") from e
         self.meta = self.metadata.state_dict_metadata
         files = sorted({s.relative_path for s in self.metadata.storage_data.values()})
-        missing = [f for f in files if not (ckpt_dir / f).exists()]
+        missing = sorted(set(files) - set(names_in(ckpt_dir)))
         if missing:
             raise UCPError(f"{ckpt_dir}: data file(s) {', '.join(missing)} listed in .metadata are "
                            "missing; the checkpoint is incomplete (copy them back or use another "

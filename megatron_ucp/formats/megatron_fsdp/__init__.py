@@ -15,6 +15,7 @@ from megatron_ucp.formats.megatron_fsdp.reader import (
     run_fields,
 )
 from megatron_ucp.progress import Progress
+from megatron_ucp.storage import dcp_reader
 
 NAME = "megatron_fsdp"
 
@@ -26,9 +27,7 @@ def detect(path: Path) -> bool:
         return False
     try:
         ckpt, _ = resolve_iteration(path, is_iteration, "--ckpt-format fsdp_dtensor / torch_dcp")
-        from torch.distributed.checkpoint import FileSystemReader
-
-        keys = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+        keys = dcp_reader(ckpt).read_metadata().state_dict_metadata
     except Exception:  # noqa: BLE001 - an unreadable .metadata: left to the torch_dist reader's message
         return False
     return kind_of_keys(keys) is not None

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megatron_ucp.storage import location
+
 METADATA_FILE = ".metadata"
 DIST_METADATA_JSON = "metadata.json"  # what makes a DCP directory megatron-core's torch_dist
 FSDP_DTENSOR = "fsdp_dtensor"
@@ -34,7 +36,7 @@ FSDP2_GROUP_PREFIX = "optimizer.optimizer.param_groups."
 
 def is_iteration(path: Path) -> bool:
     """A torch.distributed.checkpoint directory that is not megatron-core's torch_dist."""
-    path = Path(path)
+    path = location(path)
     return (path / METADATA_FILE).exists() and not (path / DIST_METADATA_JSON).exists()
 
 

@@ -52,6 +52,7 @@ from megatron_ucp.mcore_compat import missing_module_hint
 from megatron_ucp.param_spec import local_params
 from megatron_ucp.progress import Progress, bar
 from megatron_ucp.spec import STATES, ParamSpec, Piece
+from megatron_ucp.storage import size_of
 
 log = logging.getLogger(__name__)
 _LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
@@ -140,7 +141,7 @@ class LegacySource:
             ({"consumed_samples": int(args.consumed_train_samples)}
              if getattr(args, "consumed_train_samples", None) is not None else {}),
             int(getattr(args, "seed", 1234)))
-        self.bytes_read = sum((d / f).stat().st_size for d in found for f in (MODEL_FILE, OPTIM_FILE))
+        self.bytes_read = sum(size_of(d / f) for d in found for f in (MODEL_FILE, OPTIM_FILE))
         self.files_opened = 2 * len(found)
         self._last: tuple[tuple[str, str], torch.Tensor] | None = None
         log.info("rebuilt Megatron-LM iteration %d (%s, %d rank dirs, %d parameters) in %.2fs",

@@ -25,6 +25,7 @@ from megatron_ucp.progress import Progress, bar
 from megatron_ucp.spec import ParamSpec, states_of
 from megatron_ucp.storage import (
     ByteRun,
+    Location,
     Reader,
     SafetensorsWriter,
     crc32,
@@ -154,15 +155,15 @@ def _write_distributed(source, out: Path, specs: dict[str, ParamSpec], max_file_
     """`write` as one job of the process group (torchrun; gloo is enough): the files are planned as
     `--workers N` plans them for N = max(workers, world size), so the output is byte for byte that
     of the single-process `workers=N` conversion; each process writes and fsyncs a balanced set of
-    them into rank 0's staged directory (a filesystem every process sees), rank 0 writes the RNG
-    file and the manifest, checks and commits once; every rank returns or raises its outcome."""
+    them into rank 0's staged directory (a filesystem every process sees) or uploads them to the
+    store prefix, rank 0 writes the RNG file, checks, and commits once with the manifest (in a
+    store: its create-only put); every rank returns or raises its outcome."""
     import torch.distributed as dist
 
-    from megatron_ucp.storage import commit_group_job, fsync_path, group_staged_dir, local_only
+    from megatron_ucp.storage import commit_group_job, fsync_path, group_staged
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    out = local_only(out, "a distributed conversion (its processes write one shared directory)")
-    staged = group_staged_dir(out)
+    staged = group_staged(out, mf.MANIFEST)
     files = _plan_files(specs, max_file_bytes, max(workers, world))
     sizes = [sum(4 * math.prod(specs[n].shape) * len(states_of(specs[n])) for n in names) for names in files]
     entries: dict[str, dict[str, TensorEntry]] = {}
@@ -183,8 +184,9 @@ def _write_distributed(source, out: Path, specs: dict[str, ParamSpec], max_file_
             write_rng(staged.partial, {r: source.rng(r) for r in ranks})
         params = {n: ParamEntry(specs[n], source.step(n), tensors=entries[n])
                   for n in source.manifest.params}
-        mf.write(staged.partial, Manifest.universal(source.manifest, params, source.origin))
-        check_written(staged.partial, specs, source)
+        manifest = Manifest.universal(source.manifest, params, source.origin)
+        check_written(staged.partial, specs, source, manifest)
+        mf.write(staged.partial, manifest)
         staged.commit(fsync_files=False)
         log.info("%d parameters, %.1f MiB read by %d processes, written to %s", len(params),
                  sum(r[1] for r in results) / 2**20, world, out)
@@ -206,12 +208,15 @@ def without_padding(spec: ParamSpec, true_vocab: int | None) -> ParamSpec:
     return spec
 
 
-def check_written(out_dir: Path, specs: dict[str, ParamSpec], source) -> None:
-    """Before a universal directory is committed: its manifest parses (every field validated) and
-    names exactly the source's parameters, at their shapes and Adam steps; each state is one full
-    fp32 tensor in its file's header and no data file holds a tensor the manifest does not name.
-    So every element of every universal tensor is written exactly once."""
-    written = mf.read(out_dir).params
+def check_written(out_dir: Location, specs: dict[str, ParamSpec], source,
+                  manifest: Manifest | None = None) -> None:
+    """Before a universal directory is committed: its manifest (the one written there, or the one
+    about to be, encoded and parsed back) parses (every field validated) and names exactly the
+    source's parameters, at their shapes and Adam steps; each state is one full fp32 tensor in its
+    file's header and no data file holds a tensor the manifest does not name. So every element of
+    every universal tensor is written exactly once."""
+    written = (mf.read(out_dir) if manifest is None else
+               Manifest.from_json(json.loads(mf.encode(manifest)), str(out_dir / mf.MANIFEST))).params
     mf.check_same_params(out_dir, written, specs)
     reader, named = Reader(), {}
     for name, p in written.items():

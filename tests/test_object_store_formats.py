@@ -1,0 +1,98 @@
+"""The other formats read from an object store (S3 on the SeaweedFS server, tests/seaweed.py):
+Megatron-LM torch_dist and torch checkpoints, Hugging Face directories and DeepSpeed universal
+folders uploaded to the bucket as they are on disk. What `convert` / `import-hf` /
+`import-deepspeed` make of the URL equals, bitwise, what they make of the local copy, and a
+torch_dist read fetches merged byte ranges (a few requests per data file, not one per tensor).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import RELEASE_SKIP
+from test_deepspeed_import import DS_DIR, TINY_MAP
+from test_hf_import import build
+
+import megatron_ucp as ucp
+from megatron_ucp import formats, object_store
+from megatron_ucp.cli import main as cli
+from megatron_ucp.formats import open_source
+from megatron_ucp.mcore_compat import MCORE_VERSION
+from megatron_ucp.spec import states_of
+from megatron_ucp.storage import location
+
+FIXTURES = Path(__file__).parent / "fixtures" / "megatron_lm"
+MCORE19 = pytest.mark.skipif(MCORE_VERSION[:2] < (0, 19), reason=f"{RELEASE_SKIP}core_v0.19.0's checkpoints "
+                             "pickle megatron-core 0.19 enums (the 0.19 run reads them)")
+
+
+def uploaded(local: Path, url: str) -> str:
+    object_store.upload_tree(local, location(url), [])
+    return url
+
+
+def universal(root) -> dict[str, torch.Tensor]:
+    """Every tensor of a universal checkpoint, and every step."""
+    return universal_of(open_source(root))
+
+
+def universal_of(src) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in src.manifest.params.items():
+        out[f"{name}/step"] = torch.tensor(src.step(name))
+        for state in states_of(p.spec):
+            out[f"{name}/{state}"] = src.read(name, state, (0,) * len(p.shape), p.shape)
+    return out
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("fixture,fmt", [
+    ("torch_dist_tp2_dp2", "megatron_torch_dist"), ("torch_dist_dsmoe_ep2_fully", "megatron_torch_dist"),
+    ("torch_tp2_pp2", "megatron_torch"),
+    pytest.param("../megatron_lm_v019/torch_dist_tp2_dp2", "megatron_torch_dist", marks=MCORE19),
+    pytest.param("../megatron_lm_v019/fsdp_dtensor_dp2", "megatron_fsdp", marks=MCORE19),
+    pytest.param("../megatron_lm_v019/torch_dcp_fsdp2_dp2", "megatron_fsdp", marks=MCORE19)])
+def test_megatron_lm_checkpoint_converts_from_the_bucket(fixture, fmt, s3_prefix, tmp_path, capsys):
+    local = FIXTURES / fixture / "ckpt"
+    url = uploaded(local, f"{s3_prefix}/{Path(fixture).name}")
+    assert formats.detect(url) == fmt
+    assert cli(["inspect", url]) == 0
+    assert f"kind         {fmt} (read as universal tensors)" in capsys.readouterr().out
+    from_bucket = ucp.convert(url, tmp_path / "from_bucket", progress=False)
+    assert_same(universal(from_bucket), universal(ucp.convert(local, tmp_path / "local", progress=False)))
+    if fmt != "megatron_torch":  # each stored key's items: one ranged GET per data object
+        source = formats.open_source(url)
+        assert_same(universal_of(source), universal(from_bucket))
+        objects = source.reader.storage.objects
+        assert 0 < objects.requests == objects.objects_fetched
+        assert objects.objects_fetched < sum(len(m.chunks) for m in source.reader.meta.values()
+                                             if hasattr(m, "chunks"))
+    # into the bucket too, committed like a save
+    assert cli(["convert", url, url + "-universal", "--no-progress"]) == 0
+    assert_same(universal(url + "-universal"), universal(from_bucket))
+
+
+def test_hf_directory_imports_from_the_bucket(s3_prefix, tmp_path):
+    local = tmp_path / "hf"
+    build("llama").save_pretrained(local)
+    url = uploaded(local, f"{s3_prefix}/hf")
+    assert formats.detect(url) == "hf"
+    assert cli(["import-hf", url, str(tmp_path / "from_bucket"), "--no-progress"]) == 0
+    assert cli(["import-hf", str(local), str(tmp_path / "local"), "--no-progress"]) == 0
+    assert_same(universal(tmp_path / "from_bucket"), universal(tmp_path / "local"))
+
+
+def test_deepspeed_folder_imports_from_the_bucket(s3_prefix, tmp_path):
+    url = uploaded(DS_DIR, f"{s3_prefix}/ds")
+    assert cli(["import-deepspeed", url, str(tmp_path / "from_bucket"), "--name-map", str(TINY_MAP),
+                "--no-progress"]) == 0
+    assert cli(["import-deepspeed", str(DS_DIR), str(tmp_path / "local"), "--name-map", str(TINY_MAP),
+                "--no-progress"]) == 0
+    assert_same(universal(tmp_path / "from_bucket"), universal(tmp_path / "local"))
