@@ -22,7 +22,7 @@ dict, fully_reshardable optimizer, loaded at the other layout) through multi-sto
 
 The server and the ranks share this machine's cores: the figures say how much our layer costs over
 the client, not what a real store delivers.
-(`pip install -e .[dev]` installs s3fs and multi-storage-client.)
+(`pip install -e .[dev]` installs s3fs; `.[msc-anchor]` multi-storage-client.)
 """
 
 from __future__ import annotations
@@ -91,8 +91,8 @@ def _msc_anchor(args, cfg: dict, tmp: Path, endpoint: str) -> dict:
     try:
         import multistorageclient  # noqa: F401
     except ImportError:
-        return {"error": "multi-storage-client is not installed (pip install -e .[dev] installs "
-                         "multi-storage-client==1.3.1)"}
+        return {"error": "multi-storage-client is not installed (pip install -e .[msc-anchor], or "
+                         "pip install --target DIR multi-storage-client==1.3.1 and PYTHONPATH=DIR)"}
     config = tmp / "msc.json"  # a profile for the same bucket and server
     config.write_text(json.dumps({"profiles": {"bench": {
         "storage_provider": {"type": "s3", "options": {"base_path": "ckpt", "endpoint_url": endpoint,

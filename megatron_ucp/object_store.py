@@ -757,9 +757,10 @@ def _join(pieces: Sequence[tuple[int, int, memoryview]], begin: int, end: int, w
     """Bytes [begin, end) of an object from fetched pieces (sorted, not overlapping)."""
     out, at = bytearray(), begin
     for a, b, data in pieces:
-        if a <= at < b:
-            out += data[at - a:min(end, b) - a]
-            at = min(end, b)
+        if a <= at < min(b, a + len(data)):  # (a piece past the object's end comes back short)
+            piece = data[at - a:min(end, b) - a]
+            out += piece
+            at += len(piece)
     if at < end:
         raise UCPError(f"{where}: bytes {begin}-{end} did not come back; the object is shorter than "
                        "its .metadata says (truncated): restore it or use another iteration")

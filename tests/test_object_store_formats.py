@@ -7,6 +7,7 @@ torch_dist read fetches merged byte ranges (a few requests per data file, not on
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -96,3 +97,19 @@ def test_deepspeed_folder_imports_from_the_bucket(s3_prefix, tmp_path):
     assert cli(["import-deepspeed", str(DS_DIR), str(tmp_path / "local"), "--name-map", str(TINY_MAP),
                 "--no-progress"]) == 0
     assert_same(universal(tmp_path / "from_bucket"), universal(tmp_path / "local"))
+
+
+def test_damaged_torch_dist_in_the_bucket_is_named(s3_prefix, tmp_path):
+    """A data object cut short, or missing, is an error naming its URL; nothing is written."""
+    local = FIXTURES / "torch_dist_tp2_dp2" / "ckpt"
+    url = uploaded(local, f"{s3_prefix}/cut")
+    iteration = location(url) / "iter_0000006"
+    data = sorted(p for p in iteration.iterdir() if p.name.endswith(".distcp"))[0]
+    whole = data.read_bytes()
+    object_store.put(data, whole[:len(whole) // 2])
+    with pytest.raises(ucp.UCPError, match=re.escape(str(data)) + ": bytes .* did not come back"):
+        ucp.convert(url, tmp_path / "out", progress=False)
+    object_store.delete([data])
+    with pytest.raises(ucp.UCPError, match=f"{data.name}.*missing"):
+        ucp.convert(url, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
