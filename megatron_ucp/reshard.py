@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from megatron_ucp.formats import manifest as mf
 from megatron_ucp.layout import Layout
 from megatron_ucp.object_store import ObjectPath, download_tree, list_objects
 from megatron_ucp.progress import Progress
-from megatron_ucp.storage import local_only, location, refuse_non_empty, staged_dir
+from megatron_ucp.storage import Location, location, refuse_non_empty, staged_dir
 from megatron_ucp.validation import check_layout
 
 log = logging.getLogger(__name__)
@@ -150,7 +151,6 @@ def reshard(load: str | Path, save: str | Path, target: Layout | None = None,
         raise UCPError(f"--target-format {target_format} runs as one process; run it without "
                        "torchrun (the universal target can be written by a distributed job)")
     if target_format != "universal":
-        out = local_only(out, f"reshard --target-format {target_format}")
         kind = formats.detect(load)
         options = {k: v for k, v in (("sharding", optim_sharding),
                                      ("expert_tensor_parallel", expert_tensor_parallel)) if v}
@@ -188,10 +188,12 @@ def reshard(load: str | Path, save: str | Path, target: Layout | None = None,
                           target_format=target_format)
 
 
-def _reshard_to_megatron(load, out: Path, target: Layout | None, kind: str, target_format: str,
+def _reshard_to_megatron(load, out: Location, target: Layout | None, kind: str, target_format: str,
                          progress: Progress, first: int | None, last: int | None,
                          workers: int, trust_pickle: bool, options: dict) -> mf.Manifest:
-    """Megatron-LM -> universal (scratch next to `out`) -> Megatron-LM `target_format` at target."""
+    """Megatron-LM -> universal (scratch next to `out`; for a store prefix, under TMPDIR) ->
+    Megatron-LM `target_format` at target (in a store: written locally, then uploaded with the
+    tracker file last, `storage.staged_dir`)."""
     if kind not in MEGATRON_SOURCES:
         raise UCPError(f"{load}: --target-format {target_format} needs a Megatron-LM checkpoint "
                        "(torch, torch_dist, fsdp_dtensor or torch_dcp) source, "
@@ -204,7 +206,8 @@ def _reshard_to_megatron(load, out: Path, target: Layout | None, kind: str, targ
         raise UCPError(f"--target-format {target_format}: writing a Megatron-LM checkpoint needs a "
                        "target layout (rank files, flat buffers and args depend on it); pass "
                        "target=Layout(...) (CLI: --target-tp/--target-pp/--target-dp ...)")
-    scratch = out.with_name(f".{out.name}.universal")
+    scratch = (Path(tempfile.mkdtemp(prefix="megatron-ucp-scratch-")) / "universal"
+               if isinstance(out, ObjectPath) else out.with_name(f".{out.name}.universal"))
     if scratch.exists():  # left by a conversion killed after its commit (or before its cleanup)
         log.warning("removing %s, the scratch copy of an interrupted conversion", scratch)
         shutil.rmtree(scratch, ignore_errors=True)
@@ -224,5 +227,5 @@ def _reshard_to_megatron(load, out: Path, target: Layout | None, kind: str, targ
             num_floating_point_operations_so_far=src["num_floating_point_operations_so_far"],
             first_stage_layers=first, last_stage_layers=last, progress=progress, **options)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        shutil.rmtree(scratch.parent if isinstance(out, ObjectPath) else scratch, ignore_errors=True)
     return source.manifest

@@ -137,16 +137,6 @@ def location(path: str | Path | ObjectPath) -> Location:
     return Path(text)
 
 
-def local_only(path: str | Path | ObjectPath, what: str) -> Path:
-    """`path` as a local path, for a writer that needs a filesystem; a URL is refused."""
-    loc = location(path)
-    if isinstance(loc, ObjectPath):
-        raise UCPError(f"{loc}: {what} writes local files only; write to a local directory (and "
-                       "copy it to the store after). Every format is read from object-store URLs; "
-                       "saves, universal checkpoints and export-hf are also written to them")
-    return loc
-
-
 @functools.cache
 def _dcp_reader_class() -> type:
     """FileSystemReader for a local directory or a store prefix (built on first use: importing

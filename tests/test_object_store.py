@@ -22,9 +22,7 @@ from megatron_ucp import object_store
 from megatron_ucp.cli import main as cli
 from megatron_ucp.formats import manifest as mf
 from megatron_ucp.formats import open_source
-from megatron_ucp.layout import Layout
 from megatron_ucp.object_store import ObjectPath
-from megatron_ucp.reshard import reshard
 from megatron_ucp.storage import location
 from megatron_ucp.testing.launch import launch
 
@@ -63,13 +61,6 @@ def test_megatron_lm_load_hook_does_not_read_a_bad_url_as_no_checkpoint():
 
     with pytest.raises(ucp.UCPError, match="unsupported URL scheme"):
         _find_checkpoint("hdfs://nn/ckpt")
-
-
-def test_local_only_writers_refuse_urls(s3_saved):
-    _, _, url = s3_saved
-    with pytest.raises(ucp.UCPError, match="reshard --target-format torch writes local files only"):
-        reshard(url, url + "-megatron", Layout(tp=1, dp=1), target_format="torch", progress=False)
-    assert not location(url + "-megatron").exists()
 
 
 # ------------------------------------------------------------------ the store primitives

@@ -20,7 +20,9 @@ import megatron_ucp as ucp
 from megatron_ucp import formats, object_store
 from megatron_ucp.cli import main as cli
 from megatron_ucp.formats import open_source
+from megatron_ucp.layout import Layout
 from megatron_ucp.mcore_compat import MCORE_VERSION
+from megatron_ucp.reshard import reshard
 from megatron_ucp.spec import states_of
 from megatron_ucp.storage import location
 
@@ -113,3 +115,20 @@ def test_damaged_torch_dist_in_the_bucket_is_named(s3_prefix, tmp_path):
     with pytest.raises(ucp.UCPError, match=f"{data.name}.*missing"):
         ucp.convert(url, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("target_format", ["torch_dist", "torch"])
+def test_megatron_lm_target_written_into_the_bucket(target_format, s3_prefix, tmp_path):
+    """`reshard --target-format torch_dist / torch` into a prefix (what Megatron-LM then loads
+    through msc://): written and checked locally, uploaded with the tracker file last; read back
+    from the bucket it holds what the same reshard to disk holds, bitwise."""
+    source = FIXTURES / "torch_dist_tp2_dp2" / "ckpt"
+    url = f"{s3_prefix}/{target_format}"
+    target = Layout(tp=1, dp=2)
+    reshard(source, url, target, target_format=target_format, progress=False)
+    reshard(source, tmp_path / "local", target, target_format=target_format, progress=False)
+    assert location(url + "/latest_checkpointed_iteration.txt").read_text() == "6"
+    assert formats.detect(url) == f"megatron_{target_format}"
+    assert_same(universal(ucp.convert(url, tmp_path / "u_bucket", progress=False)),
+                universal(ucp.convert(tmp_path / "local", tmp_path / "u_local", progress=False)))
+    assert object_store.incomplete_uploads(location(url)) == []

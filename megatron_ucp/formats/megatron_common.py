@@ -352,7 +352,7 @@ def prepare_export(fmt: str, source, save_dir: str | Path, target: Layout, args_
         raise UCPError(f"writing a Megatron-LM {fmt} checkpoint needs Megatron-LM args (model "
                        "architecture, optimizer and run settings); pass the args of a Megatron-LM "
                        "checkpoint of this model")
-    out = Path(save_dir)
+    out = location(save_dir)
     refuse_non_empty(out)
     manifest = source.manifest
     args = target_args(args_template, target, first_stage_layers, last_stage_layers,

@@ -54,6 +54,22 @@ def _wait_up(port: int, proc: subprocess.Popen, log: Path, timeout: float = 60.0
     raise ServerError(f"weed's S3 port {port} did not come up:\n{log.read_text()[-3000:]}")
 
 
+def _wait_bucket(proc: subprocess.Popen, log: Path, timeout: float = 60.0) -> None:
+    """Until the bucket `-bucket` creates answers a LIST: weed mini creates it after its S3 port is
+    up, and a first request in between gets NoSuchBucket."""
+    from megatron_ucp.object_store import ObjectPath, StoreError, list_dir
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            list_dir(ObjectPath("s3", BUCKET))
+            return
+        except StoreError as e:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise ServerError(f"bucket {BUCKET} did not come up ({e}):\n{log.read_text()[-3000:]}") from e
+        time.sleep(0.2)
+
+
 @contextlib.contextmanager
 def seaweedfs(workdir: Path) -> Iterator[tuple[str, str]]:
     """(endpoint URL, `s3://ckpt`) of a fresh SeaweedFS server whose data lives in `workdir`; the
@@ -76,6 +92,7 @@ def seaweedfs(workdir: Path) -> Iterator[tuple[str, str]]:
         os.environ.update(AWS_ACCESS_KEY_ID=ACCESS, AWS_SECRET_ACCESS_KEY=SECRET, AWS_ENDPOINT_URL=endpoint,
                           AWS_REGION="us-east-1", AWS_ALLOW_HTTP="true")
         os.environ.pop("AWS_ENDPOINT_URL_S3", None)
+        _wait_bucket(proc, log)
         yield endpoint, f"s3://{BUCKET}"
     finally:
         for k, v in saved.items():
