@@ -42,7 +42,7 @@ from megatron_ucp.layout import Layout  # noqa: E402
 from megatron_ucp.object_store import download_tree  # noqa: E402
 from megatron_ucp.storage import location  # noqa: E402
 from megatron_ucp.testing.launch import LaunchError, launch  # noqa: E402
-from megatron_ucp.testing.s3_server import seaweedfs  # noqa: E402
+from megatron_ucp.testing.s3_server import seaweedfs, write_msc_config  # noqa: E402
 
 
 def _summary(per_rank: list[dict], nbytes: int) -> dict:
@@ -93,14 +93,7 @@ def _msc_anchor(args, cfg: dict, tmp: Path, endpoint: str) -> dict:
     except ImportError:
         return {"error": "multi-storage-client is not installed (pip install -e .[msc-anchor], or "
                          "pip install --target DIR multi-storage-client==1.3.1 and PYTHONPATH=DIR)"}
-    config = tmp / "msc.json"  # a profile for the same bucket and server
-    config.write_text(json.dumps({"profiles": {"bench": {
-        "storage_provider": {"type": "s3", "options": {"base_path": "ckpt", "endpoint_url": endpoint,
-                                                       "region_name": "us-east-1"}},
-        "credentials_provider": {"type": "S3Credentials", "options": {
-            "access_key": os.environ["AWS_ACCESS_KEY_ID"],
-            "secret_key": os.environ["AWS_SECRET_ACCESS_KEY"]}}}}}))
-    env = {"MSC_CONFIG": str(config)}
+    env = write_msc_config(tmp / "msc.json", endpoint, "bench")  # a profile for the same bucket
     job = {"cfg": cfg, "url": "msc://bench/mcore", "reps": args.reps}
     try:
         saves = launch(Layout.parse(args.save_layout).world_size, "bench._s3_rank:msc_save_bench",

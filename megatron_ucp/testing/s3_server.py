@@ -4,6 +4,7 @@ package) on 127.0.0.1 with free ports, stopped by its pid (tests/seaweed.py, ben
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -52,6 +53,19 @@ def _wait_up(port: int, proc: subprocess.Popen, log: Path, timeout: float = 60.0
             pass
         time.sleep(0.2)
     raise ServerError(f"weed's S3 port {port} did not come up:\n{log.read_text()[-3000:]}")
+
+
+def write_msc_config(path: Path, endpoint: str, profile: str) -> dict[str, str]:
+    """A multi-storage-client config at `path` whose profile `profile` is this server's bucket
+    (`msc://PROFILE/KEY` = `s3://ckpt/KEY`), credentials from the AWS_* variables; returns the
+    environment that points MSC at it."""
+    path.write_text(json.dumps({"profiles": {profile: {
+        "storage_provider": {"type": "s3", "options": {"base_path": BUCKET, "endpoint_url": endpoint,
+                                                       "region_name": "us-east-1"}},
+        "credentials_provider": {"type": "S3Credentials", "options": {
+            "access_key": os.environ["AWS_ACCESS_KEY_ID"],
+            "secret_key": os.environ["AWS_SECRET_ACCESS_KEY"]}}}}}))
+    return {"MSC_CONFIG": str(path)}
 
 
 def _wait_bucket(proc: subprocess.Popen, log: Path, timeout: float = 60.0) -> None:

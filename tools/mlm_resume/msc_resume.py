@@ -41,7 +41,7 @@ from megatron_ucp.formats import open_source  # noqa: E402
 from megatron_ucp.layout import Layout  # noqa: E402
 from megatron_ucp.reshard import reshard  # noqa: E402
 from megatron_ucp.spec import states_of  # noqa: E402
-from megatron_ucp.testing.s3_server import seaweedfs  # noqa: E402
+from megatron_ucp.testing.s3_server import seaweedfs, write_msc_config  # noqa: E402
 
 TARGET = dict(tp=1, pp=1, dp=2)
 
@@ -67,14 +67,7 @@ def main() -> int:
     runner = {"src": os.environ["MLM_SRC"], "python": sys.executable, "harness": os.environ["MLM_HARNESS"],
               "pythonpath": os.pathsep.join(filter(None, [args.msc, args.pythonpath]))}
     with seaweedfs(work / "seaweedfs") as (endpoint, bucket):
-        config = work / "msc.json"  # a profile `ckpt` for the same bucket and server
-        config.write_text(json.dumps({"profiles": {"ckpt": {
-            "storage_provider": {"type": "s3", "options": {"base_path": "ckpt", "endpoint_url": endpoint,
-                                                           "region_name": "us-east-1"}},
-            "credentials_provider": {"type": "S3Credentials", "options": {
-                "access_key": os.environ["AWS_ACCESS_KEY_ID"],
-                "secret_key": os.environ["AWS_SECRET_ACCESS_KEY"]}}}}}))
-        runner["env"] = {"MSC_CONFIG": str(config)}
+        runner["env"] = write_msc_config(work / "msc.json", endpoint, "ckpt")  # msc://ckpt/K = s3://ckpt/K
         target = Layout(tp=TARGET["tp"], pp=TARGET["pp"], dp=TARGET["dp"])
         reshard(fixture, f"{bucket}/run/converted", target, target_format="torch_dist",
                 optim_sharding="dp_reshardable", progress=False)
