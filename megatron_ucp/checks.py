@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from megatron_ucp import formats, object_store
+from megatron_ucp.errors import UCPError
 from megatron_ucp.formats import manifest as mf
 from megatron_ucp.object_store import ObjectPath
 from megatron_ucp.storage import location
@@ -22,6 +23,15 @@ from megatron_ucp.storage import location
 def verify(path: str | Path) -> str:
     """Checksums of every tensor and exact coverage of every parameter; raises UCPError. Saves
     that never committed (`.iter_*.partial` under a save root) are reported."""
+    if not mf.is_checkpoint(path):
+        try:
+            fmt = formats.detect(path)
+        except UCPError:
+            fmt = None  # (open_megatron_ucp below says what the path lacks)
+        if fmt is not None:
+            raise UCPError(f"{path}: a {fmt} checkpoint carries no checksums, so verify (which checks "
+                           "megatron-ucp's own checkpoints) has nothing to check; `megatron-ucp "
+                           "inspect` reads its metadata, `convert` reads every tensor")
     source = formats.open_megatron_ucp(path, verify_checksums=True)
     n = source.verify()
     m = source.manifest

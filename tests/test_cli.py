@@ -46,6 +46,12 @@ def test_inspect_reads_megatron_lm_checkpoints(fixture, kind, capsys):
     assert "iteration    6" in out
 
 
+def test_verify_says_a_megatron_lm_checkpoint_has_no_checksums(capsys):
+    assert main(["verify", str(FIXTURES / "torch_dist_tp2_dp2" / "ckpt")]) == 2
+    err = capsys.readouterr().err
+    assert "a megatron_torch_dist checkpoint carries no checksums" in err and "inspect" in err
+
+
 def test_inspect_refuses_what_is_no_checkpoint(tmp_path, capsys):
     assert main(["inspect", str(tmp_path)]) == 2
     assert "unknown checkpoint format" in capsys.readouterr().err
