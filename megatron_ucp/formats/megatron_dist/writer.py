@@ -85,11 +85,16 @@ def write(source, save_dir: str | Path, target: Layout, args_template, *,
     manifest = source.manifest
     if sharding not in SHARDINGS:
         raise UCPError(f"torch_dist optimizer sharding {sharding!r}: choose one of {list(SHARDINGS)}")
-    moe = bool(getattr(args, "num_experts", None))
+    # a second (expert) DistributedOptimizer only where megatron-core gives the experts their own
+    # buffers (expert parallelism; 0.19 also an expert TP other than the TP); at EP1 they share
+    # the dense buffers and optimizer
+    moe = bool(getattr(args, "num_experts", None)) and _expert_buffers(args)
     if moe and sharding == "dp_reshardable":
-        raise UCPError("dp_reshardable torch_dist export supports dense GPT models; write a MoE "
-                       "model in the fully_reshardable form (--target-optim-sharding "
-                       "fully_reshardable), which Megatron-LM loads at any layout")
+        raise UCPError("dp_reshardable torch_dist export supports dense GPT models and MoE models "
+                       f"whose experts share the dense buffers (expert parallel 1; target {target}); "
+                       "write this MoE layout in the fully_reshardable form "
+                       "(--target-optim-sharding fully_reshardable), which Megatron-LM loads at "
+                       "any layout")
     if sharding == "dp_reshardable" and (target.vpp or target.cp > 1 or getattr(
             args, "overlap_param_gather_with_optimizer_step", False)):
         raise UCPError(f"dp_reshardable torch_dist export supports TP/PP/DP targets (got {target}); "
@@ -208,6 +213,14 @@ def write(source, save_dir: str | Path, target: Layout, args_template, *,
     log.info("wrote Megatron-LM torch_dist iteration %d at %s (%s, %d parameters) into %s in %.2fs",
              iteration, target, sharding, len(plan), out, time.perf_counter() - t0)
     return out
+
+
+def _expert_buffers(args) -> bool:
+    """Whether megatron-core DDP keeps expert-parallel buffers on any target model-parallel rank
+    (read off the model rebuilt there, meta tensors)."""
+    if getattr(args, "expert_model_parallel_size", 1) > 1:
+        return True
+    return any(c.expert_parallel_buffers for _, chunks in model_parallel_ranks(args) for c in chunks)
 
 
 def _dp_reshardable_state(source, args, groups: list[dict], progress: Progress) -> dict:
