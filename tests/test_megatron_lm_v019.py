@@ -189,10 +189,12 @@ def test_dsv3_sets_match_independent_assembly(converted, name):
 
 
 # (set, target format, layout, torch_dist optimizer form): the other format at another layout;
-# the EP1 MoE targets keep the experts in the dense buffers, one DistributedOptimizer
+# the EP1 MoE targets keep the experts in the dense buffers, one DistributedOptimizer; at EP2 they
+# get the expert optimizer, whose param groups the EP1 run never had (the dense ones, for experts)
 DSV3_TRIPS = [("torch_dist_dsv3_pp2", "torch", Layout(tp=1, pp=1, dp=2), None),
               ("torch_dist_dsv3_pp2", "torch_dist", Layout(tp=2, pp=1, dp=1), "fully_reshardable"),
-              ("torch_dsv3_pp2", "torch_dist", Layout(tp=1, pp=1, dp=2), "dp_reshardable")]
+              ("torch_dsv3_pp2", "torch_dist", Layout(tp=1, pp=1, dp=2), "dp_reshardable"),
+              ("torch_dsv3_pp2", "torch_dist", Layout(tp=1, pp=1, dp=2, ep=2), "fully_reshardable")]
 
 
 @pytest.mark.parametrize("src,fmt,lay,sharding", DSV3_TRIPS,
@@ -203,16 +205,23 @@ def test_dsv3_written_at_another_layout_reads_back_bitwise(converted, tmp_path, 
     again = convert(out, tmp_path / "u", progress=False)
     m1, t1 = universal_tensors(converted[src])
     m2, t2 = universal_tensors(again)
-    assert (m2["layout"]["tp"], m2["layout"]["pp"], m2["layout"]["dp"]) == (lay.tp, lay.pp, lay.dp)
+    assert (m2["layout"]["tp"], m2["layout"]["pp"], m2["layout"]["dp"], m2["layout"]["ep"]) == \
+        (lay.tp, lay.pp, lay.dp, lay.ep)
     assert t1.keys() == t2.keys() and all(torch.equal(t, t2[k]) for k, t in t1.items())
     assert {n: p["step"] for n, p in m2["params"].items()} == {n: p["step"] for n, p in m1["params"].items()}
-    if lay.tp == 1:  # the written files by hand too (the oracles read TP1)
+    if lay.tp == lay.ep == 1:  # the written files by hand too (the oracles read TP1 EP1)
         assert assert_holds_universal(dsv3_full(out), converted[src], torch.bfloat16) > 0
-    if fmt == "torch_dist":  # one optimizer: at EP1 megatron-core builds no expert optimizer
+    if fmt == "torch_dist":
         (common,) = [load(p) for p in (out / ITER).glob("common.pt")]
         assert common["content_metadata"]["distrib_optim_sharding_type"] == sharding
         opt = common["optimizer"]
-        assert not any(isinstance(k, int) for k in opt), sorted(opt)
+        if lay.ep == 1:  # one optimizer: at EP1 megatron-core builds no expert optimizer
+            assert not any(isinstance(k, int) for k in opt), sorted(opt)
+        else:  # ChainedOptimizer {0: dense, 1: expert}; the expert groups: the dense hyper-parameters
+            dense, expert = (opt[i]["optimizer"]["param_groups"] for i in (0, 1))
+            flags = [g["is_expert_parallel"] for g in dense + expert]
+            assert flags == [False] * len(dense) + [True] * len(dense)
+            assert [{**g, "is_expert_parallel": False} for g in expert] == dense
 
 
 @pytest.mark.parametrize("change,words", [

@@ -153,10 +153,13 @@ CASES = [
     ("torch_dist_pp2_fullyreshardable", "torch", dict(tp=2, pp=1, dp=1), None, []),
     ("torch_dist_llama_tp2", "torch", dict(tp=1, pp=2, dp=1, first=2), None, []),
     ("torch_dist_moe_ep2_fully", "torch", dict(tp=1, pp=1, dp=4, ep=4), None, ["--micro-batch-size", "1"]),
-    # DeepSeek-V3 shape (core_v0.19.0 only), PP2 (stage 1: layers 1-2 + MTP) -> DP2, and -> PP2 split
-    # the other way (stage 0: layers 0-1); EP1 (the EP1 source has no expert optimizer groups to
-    # give an EP > 1 target) and TP1 (MoE at TP > 1: see above)
+    # DeepSeek-V3 shape (core_v0.19.0 only), PP2 (stage 1: layers 1-2 + MTP) -> DP2, -> PP2 split
+    # the other way (stage 0: layers 0-1), -> EP2 DP2 (the EP1 run's experts move from the dense
+    # buffers and groups into the expert optimizer's); TP1 (MoE at TP > 1: see above)
     ("torch_dist_dsv3_pp2", "torch", dict(tp=1, pp=1, dp=2), None, []),
+    ("torch_dist_dsv3_pp2", "torch", dict(tp=1, pp=1, dp=2, ep=2), None, []),
+    ("torch_dsv3_pp2", "torch_dist", dict(tp=1, pp=1, dp=2, ep=2), "fully_reshardable",
+     ["--dist-ckpt-optim-fully-reshardable"]),
     ("torch_dist_dsv3_pp2", "torch_dist", dict(tp=1, pp=2, dp=1, first=2), "dp_reshardable", []),
     ("torch_dist_dsv3_pp2", "torch", dict(tp=1, pp=1, dp=2), None, ["--no-load-optim"]),  # control
     ("torch_dsv3_pp2", "torch_dist", dict(tp=1, pp=1, dp=2), "dp_reshardable", []),

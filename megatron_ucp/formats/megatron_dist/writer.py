@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.megatron_common import (
     TRACKER,
+    chained_groups,
     check_export,
     iteration_dir_name,
     prepare_export,
@@ -174,8 +175,8 @@ def write(source, save_dir: str | Path, target: Layout, args_template, *,
                     state_dict[rng_shard_key(pp_rank, tp_rank, target.pp, target.tp, dp)] = rs
 
     opt = manifest.optimizer
-    chained = [[torch_group(g, step) for g in opt.get("param_groups", []) if g.get("optimizer", 0) == i]
-               for i in range(2 if moe else 1)]  # MoE: dense and expert optimizers
+    chained = [[torch_group(g, step) for g in groups]  # MoE: dense and expert optimizers
+               for groups in chained_groups(opt.get("param_groups", []), 2 if moe else 1)]
     groups = chained[0]
     if not all(chained):
         raise UCPError(f"{source.dir}: the universal manifest has no optimizer param groups"
