@@ -123,7 +123,8 @@ CASES = [
     ("torch_llama_tp2", "torch_dist", dict(tp=1, pp=1, dp=2), "dp_reshardable", []),
     ("torch_llama_tp2", "torch", dict(tp=1, pp=2, dp=1, first=2), None, []),
     # MoE at TP > 1 needs sequence parallelism, which megatron-core's local (non-TE) LayerNorm
-    # refuses, and EP1 with linear biases fails in stock Megatron-LM: so EP2 -> EP4 (DP4, one
+    # refuses, and EP1 with linear biases fails in stock Megatron-LM (an in-place add on a view,
+    # tests/fixtures/megatron_lm_v019/README.md "Model families"): so EP2 -> EP4 (DP4, one
     # sample per micro-batch to keep the global batch of 4)
     ("torch_moe_ep2", "torch_dist", dict(tp=1, pp=1, dp=4, ep=4), "fully_reshardable",
      ["--micro-batch-size", "1", "--dist-ckpt-optim-fully-reshardable"]),
