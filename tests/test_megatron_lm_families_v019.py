@@ -4,7 +4,8 @@ core_v0.19.0 on CPU (tests/fixtures/megatron_lm_v019/README.md, "Model families"
 * GPT-OSS: learnable attention sinks, a sliding window on every other layer, YaRN RoPE, the
   clamped SwiGLU (quick GEGLU), GQA with biases, every layer MoE with biases on the experts and the
   router, EP2 (`torch_dist` fully_reshardable and `--ckpt-format torch`); the same attention with
-  a dense MLP at TP2 (the sinks split over TP; torch_dist dp_reshardable, Megatron-LM's default);
+  a dense MLP at TP2 (the sinks split over TP; torch_dist dp_reshardable, Megatron-LM's default)
+  and at DP2 (`--ckpt-format torch`);
 * Qwen3: QK-norm, GQA, SwiGLU, no biases, TP2 (torch_dist dp_reshardable).
 
 (1) Read: every universal tensor (master weight, both Adam moments) equals the fixture's own
@@ -42,7 +43,7 @@ pytestmark = pytest.mark.skipif(
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron_lm_v019"
 SETS = ("torch_dist_gptoss_ep2_fully", "torch_gptoss_ep2", "torch_dist_gptoss_dense_tp2",
-        "torch_dist_qwen3_tp2")
+        "torch_gptoss_dense_dp2", "torch_dist_qwen3_tp2")
 OSS_ATTENTION = ["decoder.layers.0.self_attention.core_attention.softmax_offset",
                  "decoder.layers.3.self_attention.linear_qkv.bias",
                  "decoder.layers.2.self_attention.linear_proj.bias", "output_layer.weight"]
@@ -55,13 +56,14 @@ EXPECTED = {  # parameters that make each family what it is (universal names)
                              "decoder.layers.2.self_attention.k_layernorm.weight", "output_layer.weight"],
 }
 EXPECTED["torch_gptoss_ep2"] = EXPECTED["torch_dist_gptoss_ep2_fully"]
+EXPECTED["torch_gptoss_dense_dp2"] = EXPECTED["torch_dist_gptoss_dense_tp2"]
 OSS_CONFIG = {"softmax_type": "learnable", "window_size": [7, 0], "window_attn_skip_freq": 2,
               "position_embedding_type": "yarn", "yarn_rotary_scaling_factor": 4.0,
               "yarn_original_max_position_embeddings": 8, "glu_linear_offset": 1.0,
               "activation_func_clamp_value": 7.0, "add_bias_linear": True,
               "activation_func": "megatron.core.fusions.fused_bias_geglu.quick_gelu"}
 CONFIG = {"torch_dist_gptoss_ep2_fully": OSS_CONFIG, "torch_gptoss_ep2": OSS_CONFIG,
-          "torch_dist_gptoss_dense_tp2": OSS_CONFIG,
+          "torch_dist_gptoss_dense_tp2": OSS_CONFIG, "torch_gptoss_dense_dp2": OSS_CONFIG,
           "torch_dist_qwen3_tp2": {"qk_layernorm": True, "num_query_groups": 2, "add_bias_linear": False}}
 
 
@@ -120,6 +122,7 @@ TARGETS = [
     # the sinks from TP2 to DP2, both formats
     ("torch_dist_gptoss_dense_tp2", "torch", Layout(tp=1, dp=2), None, None),
     ("torch_dist_gptoss_dense_tp2", "torch_dist", Layout(tp=1, dp=2), None, "dp_reshardable"),
+    ("torch_gptoss_dense_dp2", "torch_dist", Layout(tp=2, dp=1), None, "dp_reshardable"),
     ("torch_dist_qwen3_tp2", "torch", Layout(tp=1, dp=2), None, None),
 ]
 

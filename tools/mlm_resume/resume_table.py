@@ -106,7 +106,8 @@ REFERENCE_FLAGS = {"torch_dist_qwen3moe_ep2_fully": FULLY, "torch_dist_dsmoe_ep2
                    "torch_dist_pp2_fullyreshardable": FULLY, "torch_dist_moe_ep2_fully": FULLY}
 MODEL_FLAGS.update(torch_dist_llama_tp2=LLAMA, torch_dist_moe_ep2_fully=MOE,
                    torch_dist_gptoss_ep2_fully=GPT_OSS_MOE, torch_gptoss_ep2=GPT_OSS_MOE,
-                   torch_dist_gptoss_dense_tp2=GPT_OSS, torch_dist_qwen3_tp2=QWEN3)
+                   torch_dist_gptoss_dense_tp2=GPT_OSS, torch_gptoss_dense_dp2=GPT_OSS,
+                   torch_dist_qwen3_tp2=QWEN3)
 REFERENCE_FLAGS["torch_dist_gptoss_ep2_fully"] = FULLY
 # fixture -> its layout at save (Megatron flags)
 SOURCE_LAYOUT = {
@@ -125,6 +126,7 @@ SOURCE_LAYOUT = {
     "torch_dist_gptoss_ep2_fully": dict(fmt="torch_dist", tp=1, pp=1, dp=2, ep=2),
     "torch_gptoss_ep2": dict(fmt="torch", tp=1, pp=1, dp=2, ep=2),
     "torch_dist_gptoss_dense_tp2": dict(fmt="torch_dist", tp=2, pp=1, dp=1),
+    "torch_gptoss_dense_dp2": dict(fmt="torch", tp=1, pp=1, dp=2),
     "torch_dist_qwen3_tp2": dict(fmt="torch_dist", tp=2, pp=1, dp=1),
 }
 # (fixture, target format, target layout, optimizer sharding for torch_dist, extra Megatron flags)
@@ -159,7 +161,7 @@ CASES = [
     ("torch_dist_moe_ep2_fully", "torch", dict(tp=1, pp=1, dp=4, ep=4), None, ["--micro-batch-size", "1"]),
     # core_v0.19.0's GPT-OSS shape (YaRN: 0.16.1 has no --position-embedding-type yarn). Its biased
     # experts do not train at EP1 and its MoE not at TP > 1 on CPU (see above): EP2 -> EP4 and
-    # torch_dist -> torch at EP2; the sinks TP2 -> TP1 on the dense variant
+    # torch_dist -> torch at EP2; the sinks TP2 -> TP1 and DP2 -> TP2 on the dense variants
     ("torch_dist_gptoss_ep2_fully", "torch_dist", dict(tp=1, pp=1, dp=4, ep=4), "fully_reshardable",
      ["--micro-batch-size", "1", "--dist-ckpt-optim-fully-reshardable"]),
     ("torch_dist_gptoss_ep2_fully", "torch", dict(tp=1, pp=1, dp=2, ep=2), None, []),
@@ -170,6 +172,8 @@ CASES = [
     ("torch_dist_gptoss_dense_tp2", "torch", dict(tp=1, pp=1, dp=2), None, []),
     ("torch_dist_gptoss_dense_tp2", "torch_dist", dict(tp=1, pp=2, dp=1), "dp_reshardable", []),
     ("torch_dist_gptoss_dense_tp2", "torch", dict(tp=1, pp=1, dp=2), None, ["--no-load-optim"]),
+    ("torch_gptoss_dense_dp2", "torch_dist", dict(tp=2, pp=1, dp=1), "dp_reshardable", []),  # sinks DP -> TP2
+    ("torch_gptoss_dense_dp2", "torch", dict(tp=2, pp=1, dp=1), None, []),
     ("torch_dist_qwen3_tp2", "torch", dict(tp=1, pp=1, dp=2), None, []),
     ("torch_dist_qwen3_tp2", "torch_dist", dict(tp=1, pp=2, dp=1, first=2), "dp_reshardable", []),
 ]
