@@ -106,6 +106,7 @@ REFERENCE_FLAGS = {"torch_dist_qwen3moe_ep2_fully": FULLY, "torch_dist_dsmoe_ep2
                    "torch_dist_pp2_fullyreshardable": FULLY, "torch_dist_moe_ep2_fully": FULLY}
 MODEL_FLAGS.update(torch_dist_llama_tp2=LLAMA, torch_dist_moe_ep2_fully=MOE,
                    torch_dist_gptoss_ep2_fully=GPT_OSS_MOE, torch_gptoss_ep2=GPT_OSS_MOE,
+                   torch_dist_gptoss_ep2=GPT_OSS_MOE,
                    torch_dist_gptoss_dense_tp2=GPT_OSS, torch_gptoss_dense_dp2=GPT_OSS,
                    torch_dist_qwen3_tp2=QWEN3)
 REFERENCE_FLAGS["torch_dist_gptoss_ep2_fully"] = FULLY
@@ -125,6 +126,7 @@ SOURCE_LAYOUT = {
     "v015_tp2_dp2_flat": dict(fmt="torch_dist", tp=2, pp=1, dp=2),
     "torch_dist_gptoss_ep2_fully": dict(fmt="torch_dist", tp=1, pp=1, dp=2, ep=2),
     "torch_gptoss_ep2": dict(fmt="torch", tp=1, pp=1, dp=2, ep=2),
+    "torch_dist_gptoss_ep2": dict(fmt="torch_dist", tp=1, pp=1, dp=2, ep=2),
     "torch_dist_gptoss_dense_tp2": dict(fmt="torch_dist", tp=2, pp=1, dp=1),
     "torch_gptoss_dense_dp2": dict(fmt="torch", tp=1, pp=1, dp=2),
     "torch_dist_qwen3_tp2": dict(fmt="torch_dist", tp=2, pp=1, dp=1),
@@ -169,6 +171,10 @@ CASES = [
     ("torch_gptoss_ep2", "torch_dist", dict(tp=1, pp=1, dp=4, ep=4), "fully_reshardable",
      ["--micro-batch-size", "1", "--dist-ckpt-optim-fully-reshardable"]),
     ("torch_gptoss_ep2", "torch", dict(tp=1, pp=1, dp=2, ep=2), None, ["--micro-batch-size", "1"]),
+    # a MoE run's dp_reshardable save (megatron-ucp writes MoE torch_dist fully_reshardable)
+    ("torch_dist_gptoss_ep2", "torch_dist", dict(tp=1, pp=1, dp=4, ep=4), "fully_reshardable",
+     ["--micro-batch-size", "1", "--dist-ckpt-optim-fully-reshardable"]),
+    ("torch_dist_gptoss_ep2", "torch", dict(tp=1, pp=1, dp=2, ep=2), None, []),
     ("torch_dist_gptoss_dense_tp2", "torch", dict(tp=1, pp=1, dp=2), None, []),
     ("torch_dist_gptoss_dense_tp2", "torch_dist", dict(tp=1, pp=2, dp=1), "dp_reshardable", []),
     ("torch_dist_gptoss_dense_tp2", "torch", dict(tp=1, pp=1, dp=2), None, ["--no-load-optim"]),
