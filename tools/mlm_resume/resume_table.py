@@ -150,6 +150,8 @@ CASES = [
     # sample per micro-batch to keep the global batch of 4)
     ("torch_moe_ep2", "torch_dist", dict(tp=1, pp=1, dp=4, ep=4), "fully_reshardable",
      ["--micro-batch-size", "1", "--dist-ckpt-optim-fully-reshardable"]),
+    ("torch_moe_ep2", "torch_dist", dict(tp=1, pp=1, dp=4, ep=4), "dp_reshardable",
+     ["--micro-batch-size", "1"]),  # megatron-ucp's MoE dp_reshardable export
     # the same layout with one sample per micro-batch: what the EP4 rows' micro-batch alone changes
     ("torch_moe_ep2", "torch", dict(tp=1, pp=1, dp=2, ep=2), None, ["--micro-batch-size", "1"]),
     ("torch_dist_qwen3moe_ep2_fully", "torch_dist", dict(tp=1, pp=1, dp=4, ep=4), "fully_reshardable",
@@ -175,6 +177,8 @@ CASES = [
     ("torch_dist_gptoss_ep2", "torch_dist", dict(tp=1, pp=1, dp=4, ep=4), "fully_reshardable",
      ["--micro-batch-size", "1", "--dist-ckpt-optim-fully-reshardable"]),
     ("torch_dist_gptoss_ep2", "torch", dict(tp=1, pp=1, dp=2, ep=2), None, []),
+    ("torch_dist_gptoss_ep2", "torch_dist", dict(tp=1, pp=1, dp=4, ep=4), "dp_reshardable",
+     ["--micro-batch-size", "1"]),  # megatron-ucp's MoE dp_reshardable export
     ("torch_dist_gptoss_dense_tp2", "torch", dict(tp=1, pp=1, dp=2), None, []),
     ("torch_dist_gptoss_dense_tp2", "torch_dist", dict(tp=1, pp=2, dp=1), "dp_reshardable", []),
     ("torch_dist_gptoss_dense_tp2", "torch", dict(tp=1, pp=1, dp=2), None, ["--no-load-optim"]),
