@@ -29,7 +29,8 @@ from torch.distributed.checkpoint import FileSystemReader
 
 STATES = ("param", "exp_avg", "exp_avg_sq")
 COLUMN = ("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias",
-          "linear_fc1.weight", "linear_fc1.bias")  # split on dim 0 over TP
+          "linear_fc1.weight", "linear_fc1.bias",
+          "core_attention.softmax_offset")  # split on dim 0 over TP (the sinks: one per head)
 ROW = ("linear_proj.weight", "linear_fc2.weight")  # split on dim 1
 WORD = "embedding.word_embeddings.weight"
 
@@ -243,6 +244,12 @@ def legacy_reference(ckpt: Path) -> dict[str, dict]:
     return out
 
 
+def gated(args) -> bool:
+    """Whether linear_fc1 holds gate rows then up rows on each TP rank (SwiGLU, GPT-OSS's
+    quick GEGLU)."""
+    return bool(args.swiglu or getattr(args, "quick_geglu", False))
+
+
 def legacy_full(ckpt: Path) -> dict[str, dict]:
     """Universal name -> {"model": full training-dtype weight, state: full fp32 tensor, "step"}
     of a `--ckpt-format torch` save, assembled by hand."""
@@ -250,8 +257,8 @@ def legacy_full(ckpt: Path) -> dict[str, dict]:
     out = {}
     for name, copies in legacy_reference(ckpt).items():
         (step,) = copies["step"]
-        out[name] = {"model": full_tensor(name, copies["weight"], args.swiglu), "step": step,
-                     **{s: full_tensor(name, copies[s], args.swiglu) for s in STATES}}
+        out[name] = {"model": full_tensor(name, copies["weight"], gated(args)), "step": step,
+                     **{s: full_tensor(name, copies[s], gated(args)) for s in STATES}}
     return out
 
 
@@ -405,8 +412,10 @@ def flattened_full(ckpt: Path, names: list[str]) -> dict[str, dict]:
 # one dense GPT layer's parameters in the legacy state-dict order (linear_proj is registered
 # before linear_qkv)
 LAYER = ("self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias",
+         "self_attention.core_attention.softmax_offset",  # learnable sinks (softmax_type learnable)
          "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
          "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+         "self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight",  # QK-norm
          "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias",
          "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
          "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")
@@ -468,7 +477,7 @@ def dp_reshardable_full(ckpt: Path, shapes: dict[str, tuple]) -> dict[str, dict]
     assert flats == set(flat_keys), sorted(flats ^ set(flat_keys))
     model = load_keys(ckpt, sorted({model_key(n)[0] for n in copies}))
     return {n: {"model": model[model_key(n)[0]][model_key(n)[1]],
-                **{s: full_tensor(n, c[s], args.swiglu) for s in STATES}} for n, c in copies.items()}
+                **{s: full_tensor(n, c[s], gated(args)) for s in STATES}} for n, c in copies.items()}
 
 
 # ------------------------------------- Megatron-LM DeepSeek-V3 shape (MLA, MoE, MTP), TP1 EP1

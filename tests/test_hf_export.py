@@ -79,7 +79,8 @@ NATIVE_CFG = {**BASE, **ROTARY, "add_bias_linear": True, "vocab_size": 128,
               "unpadded_vocab_size": 100, "extra": {"kv_channels": 32}}
 # transformers-made DeepSeek-V3 and GPT-OSS (every tensor random, the expert bias included) and
 # the megatron-core models they import as (vocabulary 100 padded to 128). GPT-OSS: not trained in
-# megatron-core, whose 0.16.1 cannot backpropagate through experts with biases (upstream)
+# megatron-core, which cannot backpropagate through experts with biases at EP1, the layout here
+# (0.16.1 and 0.19.2; at EP > 1 it can: tests/fixtures/megatron_lm_v019/README.md)
 NATIVE_NEW = {
     "deepseek_v3": ("DeepseekV3Config", dict(
         vocab_size=100, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,

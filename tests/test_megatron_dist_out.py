@@ -358,10 +358,20 @@ def test_moe_legacy_and_torch_dist_sources_agree(tmp_path):
         assert_same_universal(u_legacy, again, lay)
 
 
+def test_moe_dp_reshardable_export_reads_back_bitwise(tmp_path):
+    """A MoE model in Megatron-LM's default optimizer form (the ChainedOptimizer's `chained_0.`
+    dense and `chained_1.` expert buckets; megatron-core 0.16 and 0.19 lay them out alike, the
+    stock 0.19 save in tests/test_megatron_lm_families_v019.py) reads back bitwise."""
+    u = convert_legacy(MOE_LEGACY, tmp_path / "u", progress=False)
+    out = tmp_path / "out"
+    reshard(MOE_LEGACY, out, Layout(ep=4, dp=4), target_format="torch_dist",
+            optim_sharding="dp_reshardable", progress=False)
+    keys = DistReader(resolve_iter_dir(out)).meta
+    assert any(k.startswith("chained_1.optimizer.distributed.dp_group_idx_3.") for k in keys)
+    assert_same_universal(u, convert_torch_dist(out, tmp_path / "u2", progress=False), Layout(ep=4, dp=4))
+
+
 def test_moe_and_etp_refusals(tmp_path):
-    with pytest.raises(UCPError, match="dp_reshardable torch_dist export supports dense GPT models"):
-        reshard(MOE_LEGACY, tmp_path / "a", Layout(ep=2, dp=2), target_format="torch_dist",
-                optim_sharding="dp_reshardable", progress=False)
     with pytest.raises(UCPError, match="expert-data-parallel rank 0 alone"):
         reshard(MOE_LEGACY, tmp_path / "b", Layout(tp=2, ep=2), target_format="torch",
                 expert_tensor_parallel=1, progress=False)

@@ -36,10 +36,12 @@ DEEPSEEK_MOE_UNGATED = {**DEEPSEEK_MOE, "extra": {**DEEPSEEK_MOE["extra"], "moe_
 # embedding. Untied: megatron-core 0.16.1 cannot declare a tied MTP model at PP > 1 (below).
 MTP = {**ROPE, "extra": {"mtp_num_layers": 1}}
 # GPT-OSS: learnable attention sinks (one per head, split over TP), sliding-window attention on
-# every other layer, q/k/v biases. Not its router and expert biases: megatron-core 0.16.1 cannot
-# train SequentialMLP experts with biases (at expert TP 1 MLP.forward adds the bias in place to the
-# view _ReduceFromModelParallelRegion returns, which autograd refuses; at expert TP > 1 MoELayer
-# asserts "Bias in Moe is only supported when ETP==1"); GPT-OSS runs them in TE's grouped GEMM.
+# every other layer, q/k/v biases. Not its router and expert biases: megatron-core (0.16.1 and
+# 0.19.2) cannot train SequentialMLP experts with biases at EP1 (MLP.forward adds the bias in place
+# to the tensor _ReduceFromModelParallelRegion returns as-is for a group of size 1, which autograd
+# refuses; at EP > 1 the experts skip that reduce and train: stock Megatron-LM does, see
+# tests/fixtures/megatron_lm_v019/README.md "Model families"), and these transitions start at DP2
+# (EP1); at expert TP > 1 TransformerConfig asserts "Bias in Moe is only supported when ETP==1".
 GPT_OSS = {**ROPE, "num_experts": 4, "extra": {
     "add_qkv_bias": True, "softmax_type": "learnable", "window_size": [4, 0], "window_attn_skip_freq": 2}}
 # DeepSeek-V3's attention: MLA with a query LoRA rank and YaRN RoPE (megatron-core's defaults for

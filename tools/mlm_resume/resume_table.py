@@ -97,6 +97,17 @@ DSV3 = ("--swiglu --normalization RMSNorm --position-embedding-type rope "
         "--moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-num-groups 2 "
         "--moe-router-group-topk 1 --moe-router-topk-scaling-factor 2.5 "
         "--moe-shared-expert-intermediate-size 32 --mtp-num-layers 1").split()
+# GPT-OSS's shape (tests/fixtures/megatron_lm_v019/README.md, "Model families"): sinks, sliding
+# windows, YaRN, the clamped SwiGLU, biases; its MoE (biased experts and router) at EP > 1 only
+GPT_OSS = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --group-query-attention "
+           "--num-query-groups 2 --kv-channels 8 --ffn-hidden-size 64 --normalization RMSNorm "
+           "--untie-embeddings-and-output-weights --softmax-type learnable --window-size 7,0 "
+           "--window-attn-skip-freq 2 --quick-geglu --glu-linear-offset 1.0 "
+           "--activation-func-clamp-value 7.0 --position-embedding-type yarn --rotary-scaling-factor 4.0 "
+           "--yarn-original-max-position-embeddings 8 --yarn-beta-fast 32 --yarn-beta-slow 1 "
+           "--no-rope-fusion").split()
+GPT_OSS_MOE = [*GPT_OSS, *MOE, "--moe-ffn-hidden-size", "32"]
+QWEN3 = [*LLAMA, "--qk-layernorm"]
 MODEL_FLAGS = {"torch_llama_tp2": LLAMA, "torch_moe_ep2": MOE, "torch_dist_qwen3moe_ep2_fully": QWEN3_MOE,
                "torch_dist_dsmoe_ep2_fully": DEEPSEEK_MOE, "torch_dist_mtp_pp2_fully": MTP}
 # extra flags of the reference run (the fixture resumed at its own layout)
@@ -106,7 +117,12 @@ REFERENCE_FLAGS = {"torch_dist_qwen3moe_ep2_fully": FULLY, "torch_dist_dsmoe_ep2
                    "torch_dist_pp2_fullyreshardable": FULLY, "torch_dist_moe_ep2_fully": FULLY}
 MODEL_FLAGS.update(torch_dist_llama_tp2=LLAMA, torch_dist_moe_ep2_fully=MOE,
                    torch_dist_dsv3_pp2=[*DSV3, "--q-lora-rank", "16", "--qk-layernorm"],
-                   torch_dsv3_pp2=DSV3)
+                   torch_dsv3_pp2=DSV3,
+                   torch_dist_gptoss_ep2_fully=GPT_OSS_MOE, torch_gptoss_ep2=GPT_OSS_MOE,
+                   torch_dist_gptoss_ep2=GPT_OSS_MOE,
+                   torch_dist_gptoss_dense_tp2=GPT_OSS, torch_gptoss_dense_dp2=GPT_OSS,
+                   torch_dist_qwen3_tp2=QWEN3)
+REFERENCE_FLAGS["torch_dist_gptoss_ep2_fully"] = FULLY
 # fixture -> its layout at save (Megatron flags)
 SOURCE_LAYOUT = {
     "torch_dp2": dict(fmt="torch", tp=1, pp=1, dp=2),
@@ -123,6 +139,12 @@ SOURCE_LAYOUT = {
     "v015_tp2_dp2_flat": dict(fmt="torch_dist", tp=2, pp=1, dp=2),
     "torch_dist_dsv3_pp2": dict(fmt="torch_dist", tp=1, pp=2, dp=1, last=2),
     "torch_dsv3_pp2": dict(fmt="torch", tp=1, pp=2, dp=1, last=2),
+    "torch_dist_gptoss_ep2_fully": dict(fmt="torch_dist", tp=1, pp=1, dp=2, ep=2),
+    "torch_gptoss_ep2": dict(fmt="torch", tp=1, pp=1, dp=2, ep=2),
+    "torch_dist_gptoss_ep2": dict(fmt="torch_dist", tp=1, pp=1, dp=2, ep=2),
+    "torch_dist_gptoss_dense_tp2": dict(fmt="torch_dist", tp=2, pp=1, dp=1),
+    "torch_gptoss_dense_dp2": dict(fmt="torch", tp=1, pp=1, dp=2),
+    "torch_dist_qwen3_tp2": dict(fmt="torch_dist", tp=2, pp=1, dp=1),
 }
 # (fixture, target format, target layout, optimizer sharding for torch_dist, extra Megatron flags)
 CASES = [
@@ -138,10 +160,13 @@ CASES = [
     ("torch_llama_tp2", "torch_dist", dict(tp=1, pp=1, dp=2), "dp_reshardable", []),
     ("torch_llama_tp2", "torch", dict(tp=1, pp=2, dp=1, first=2), None, []),
     # MoE at TP > 1 needs sequence parallelism, which megatron-core's local (non-TE) LayerNorm
-    # refuses, and EP1 with linear biases fails in stock Megatron-LM: so EP2 -> EP4 (DP4, one
+    # refuses, and EP1 with linear biases fails in stock Megatron-LM (an in-place add on a view,
+    # tests/fixtures/megatron_lm_v019/README.md "Model families"): so EP2 -> EP4 (DP4, one
     # sample per micro-batch to keep the global batch of 4)
     ("torch_moe_ep2", "torch_dist", dict(tp=1, pp=1, dp=4, ep=4), "fully_reshardable",
      ["--micro-batch-size", "1", "--dist-ckpt-optim-fully-reshardable"]),
+    ("torch_moe_ep2", "torch_dist", dict(tp=1, pp=1, dp=4, ep=4), "dp_reshardable",
+     ["--micro-batch-size", "1"]),  # megatron-ucp's MoE dp_reshardable export
     # the same layout with one sample per micro-batch: what the EP4 rows' micro-batch alone changes
     ("torch_moe_ep2", "torch", dict(tp=1, pp=1, dp=2, ep=2), None, ["--micro-batch-size", "1"]),
     ("torch_dist_qwen3moe_ep2_fully", "torch_dist", dict(tp=1, pp=1, dp=4, ep=4), "fully_reshardable",
@@ -166,6 +191,29 @@ CASES = [
     ("torch_dsv3_pp2", "torch_dist", dict(tp=1, pp=2, dp=1, first=2), "fully_reshardable",
      ["--dist-ckpt-optim-fully-reshardable"]),
     ("torch_dsv3_pp2", "torch_dist", dict(tp=1, pp=1, dp=2), "dp_reshardable", ["--no-load-optim"]),
+    # core_v0.19.0's GPT-OSS shape (YaRN: 0.16.1 has no --position-embedding-type yarn). Its biased
+    # experts do not train at EP1 and its MoE not at TP > 1 on CPU (see above): EP2 -> EP4 and
+    # torch_dist -> torch at EP2; the sinks TP2 -> TP1 and DP2 -> TP2 on the dense variants
+    ("torch_dist_gptoss_ep2_fully", "torch_dist", dict(tp=1, pp=1, dp=4, ep=4), "fully_reshardable",
+     ["--micro-batch-size", "1", "--dist-ckpt-optim-fully-reshardable"]),
+    ("torch_dist_gptoss_ep2_fully", "torch", dict(tp=1, pp=1, dp=2, ep=2), None, []),
+    ("torch_dist_gptoss_ep2_fully", "torch", dict(tp=1, pp=1, dp=2, ep=2), None, ["--no-load-optim"]),
+    ("torch_gptoss_ep2", "torch_dist", dict(tp=1, pp=1, dp=4, ep=4), "fully_reshardable",
+     ["--micro-batch-size", "1", "--dist-ckpt-optim-fully-reshardable"]),
+    ("torch_gptoss_ep2", "torch", dict(tp=1, pp=1, dp=2, ep=2), None, ["--micro-batch-size", "1"]),
+    # a MoE run's dp_reshardable save (megatron-ucp writes MoE torch_dist fully_reshardable)
+    ("torch_dist_gptoss_ep2", "torch_dist", dict(tp=1, pp=1, dp=4, ep=4), "fully_reshardable",
+     ["--micro-batch-size", "1", "--dist-ckpt-optim-fully-reshardable"]),
+    ("torch_dist_gptoss_ep2", "torch", dict(tp=1, pp=1, dp=2, ep=2), None, []),
+    ("torch_dist_gptoss_ep2", "torch_dist", dict(tp=1, pp=1, dp=4, ep=4), "dp_reshardable",
+     ["--micro-batch-size", "1"]),  # megatron-ucp's MoE dp_reshardable export
+    ("torch_dist_gptoss_dense_tp2", "torch", dict(tp=1, pp=1, dp=2), None, []),
+    ("torch_dist_gptoss_dense_tp2", "torch_dist", dict(tp=1, pp=2, dp=1), "dp_reshardable", []),
+    ("torch_dist_gptoss_dense_tp2", "torch", dict(tp=1, pp=1, dp=2), None, ["--no-load-optim"]),
+    ("torch_gptoss_dense_dp2", "torch_dist", dict(tp=2, pp=1, dp=1), "dp_reshardable", []),  # sinks DP -> TP2
+    ("torch_gptoss_dense_dp2", "torch", dict(tp=2, pp=1, dp=1), None, []),
+    ("torch_dist_qwen3_tp2", "torch", dict(tp=1, pp=1, dp=2), None, []),
+    ("torch_dist_qwen3_tp2", "torch_dist", dict(tp=1, pp=2, dp=1, first=2), "dp_reshardable", []),
 ]
 # Across releases: the resuming release (--release) -> cases whose fixture another release wrote:
 # (fixture's release, fixture, target format, target layout, optimizer sharding, extra flags). The

@@ -1264,10 +1264,9 @@ def _gpt_oss_args(d: dict, args: dict, refuse) -> tuple[dict, dict]:
     theta = float(params.get("rope_theta", d["rope_theta"]))
     kind = params.get("rope_type") or (d.get("rope_scaling") or {}).get("rope_type") or "default"
     if kind != "default":
-        raise refuse("rope_parameters.rope_type", f"{kind!r}: megatron-core 0.16.1's GPTModel runs "
-                     "YaRN without its attention factor (it drops the mscale its YarnRotaryEmbedding "
-                     "returns) and the model config does not record YaRN's settings; only default "
-                     "RoPE is imported for GPT-OSS")
+        raise refuse("rope_parameters.rope_type", f"{kind!r}: GPT-OSS's YaRN settings are not "
+                     "mapped onto megatron-core's (position_embedding_type 'yarn', config.yarn_*); "
+                     "only default RoPE is imported for GPT-OSS")
     if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
         raise refuse("partial_rotary_factor", "partial rotary embeddings are not imported")
     if not d["attention_bias"]:

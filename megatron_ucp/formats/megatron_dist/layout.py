@@ -8,7 +8,9 @@ one-element list) and writes no `common.pt` (its loader reads either). Model ten
 at global shape with layers stacked
 (`decoder.layers.self_attention.linear_qkv.weight` is [layers, ...]); the optimizer state is either
 `fully_reshardable` (`optimizer.state.<state>.<model key>`, global shape), `dp_reshardable` (each
-model-parallel rank's flat DistributedOptimizer buckets, `optimizer.distributed.dp_group_idx_<k>.*`)
+model-parallel rank's flat DistributedOptimizer buckets, `optimizer.distributed.dp_group_idx_<k>.*`;
+a MoE run's ChainedOptimizer prefixes them `chained_0.` (dense) and `chained_1.` (experts, one
+per expert tensor-model-pipeline rank))
 or, from megatron-core 0.13-0.15, `fully_sharded_model_space` (the `flattened_range` form,
 `optimizer.state.<fp32_param|exp_avg|exp_avg_sq>.<model key>`, see `flattened_shape`).
 Which stacked index holds which universal parameter is read off the model rebuilt from `args`.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
+import re
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,14 +86,47 @@ def flattened_shape(model_shape: tuple[int, ...], stored_shape: tuple[int, ...])
     return local if math.prod(local) == stored_shape[-1] else None
 
 
-def bucket_key(mp_rank: int, buffer: int, dtypes: tuple, bucket: int) -> str:
-    """dp_reshardable: the key prefix of one flat bucket of a model-parallel rank's buffer."""
-    return (f"optimizer.distributed.dp_group_idx_{mp_rank}.gbuf_idx_{buffer}."
+def bucket_key(mp_rank: int, buffer: int, dtypes: tuple, bucket: int, chained: str = "") -> str:
+    """dp_reshardable: the key prefix of one flat bucket of a model-parallel rank's buffer.
+    chained: a MoE run's ChainedOptimizer prefix, `chained_0.` (dense) or `chained_1.` (experts,
+    whose mp_rank is the rank in the expert tensor-model-pipeline group: ETP x EP x PP)."""
+    return (f"{chained}optimizer.distributed.dp_group_idx_{mp_rank}.gbuf_idx_{buffer}."
             f"dtype_({dtypes[0]}, {dtypes[1]}).bucket_idx_{bucket}")
 
 
-def param_groups_key(mp_rank: int) -> str:
-    return f"optimizer.distributed.dp_group_idx_{mp_rank}.optimizer/shard_0_1"
+def param_groups_key(mp_rank: int, chained: str = "") -> str:
+    return f"{chained}optimizer.distributed.dp_group_idx_{mp_rank}.optimizer/shard_0_1"
+
+
+# a key of the optimizer's state (a MoE run's dp_reshardable buckets carry a `chained_<i>.` prefix)
+OPTIMIZER_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.")
+# the two optimizers of a MoE run's ChainedOptimizer (dp_reshardable)
+DENSE, EXPERT = "chained_0.", "chained_1."
+
+
+def optimizer_ranks(args) -> Iterator[tuple[int | None, int | None, list]]:
+    """A MoE run (dp_reshardable): (dense model-parallel rank or None, expert model-parallel rank
+    or None, its chunks inside megatron-core DDP) for every global rank that stores a dense bucket
+    (data-parallel rank 0) or an expert bucket (expert-data-parallel rank 0), each rank once per
+    index: the `dp_group_idx` of the two optimizers (megatron-core's get_megatron_optimizer: the
+    rank in the model-parallel group, and in the expert tensor-model-pipeline group)."""
+    from megatron.core import parallel_state as ps
+
+    lay = layout(args)
+    dense_seen: set[int] = set()
+    expert_seen: set[int] = set()
+    for rank in range(lay.world_size):
+        with source_rank(args, rank):
+            dense = ps.get_model_parallel_group().rank() if ps.get_data_parallel_rank() == 0 else None
+            expert = (ps.get_expert_tensor_model_pipeline_parallel_group().rank()
+                      if ps.get_expert_data_parallel_rank() == 0 else None)
+            dense = None if dense in dense_seen else dense
+            expert = None if expert in expert_seen else expert
+            if dense is None and expert is None:
+                continue
+            dense_seen.add(dense)
+            expert_seen.add(expert)
+            yield dense, expert, wrap_ddp(build_chunks(args), args)
 
 
 def model_parallel_ranks(args) -> Iterator[tuple[int, list]]:

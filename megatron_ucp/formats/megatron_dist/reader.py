@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Iterator
 from itertools import product
 from pathlib import Path
 
@@ -44,7 +45,10 @@ from megatron_ucp.formats.megatron_common import (
 from megatron_ucp.formats.megatron_dist.layout import (
     COMMON_FILE,
     COMMON_STATE_KEY,
+    DENSE,
+    EXPERT,
     FLATTENED,
+    OPTIMIZER_KEY,
     READ_SHARDINGS,
     DistReader,
     Param,
@@ -54,6 +58,7 @@ from megatron_ucp.formats.megatron_dist.layout import (
     flattened_state_key,
     is_iteration,
     model_parallel_ranks,
+    optimizer_ranks,
     param_groups_key,
     plan_model,
     state_key,
@@ -61,6 +66,7 @@ from megatron_ucp.formats.megatron_dist.layout import (
 from megatron_ucp.param_spec import local_params
 from megatron_ucp.progress import Progress
 from megatron_ucp.spec import STATES, ParamSpec
+from megatron_ucp.storage import Location
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +114,8 @@ class TorchDistSource(ReadsDcp):
         if sharding not in READ_SHARDINGS:
             raise UCPError(f"{ckpt}: optimizer sharding {sharding!r} is not supported (expected "
                            f"one of {', '.join(READ_SHARDINGS)} from --use-distributed-optimizer)")
-        if getattr(args, "num_experts", None) and sharding == FLATTENED:
+        moe = bool(getattr(args, "num_experts", None))
+        if moe and sharding == FLATTENED:
             raise UCPError(f"{ckpt}: a MoE run (num_experts={args.num_experts}) saved with the "
                            f"{sharding} optimizer; its expert state is not mapped: save the "
                            "run with --dist-ckpt-optim-fully-reshardable or --ckpt-format torch and "
@@ -127,16 +134,26 @@ class TorchDistSource(ReadsDcp):
             step = group_step([g for _, g in groups], str(ckpt))
         else:
             groups, step = None, None
-            for k in range(lay.tp * lay.pp):  # one optimizer per model-parallel rank
-                obj = reader.obj(param_groups_key(k))
+            # one optimizer per model-parallel rank; a MoE run whose experts have their own
+            # buffers (EP > 1, or an expert TP other than the TP): a ChainedOptimizer of the dense
+            # one and one per expert tensor-model-pipeline rank (ETP x EP x PP), its keys
+            # prefixed `chained_<i>.`; at EP1 the experts share the dense buffers and optimizer
+            chained = any(k.startswith(DENSE) for k in reader.meta)
+            optimizers = [(0, "", k) for k in range(lay.tp * lay.pp)] if not chained else \
+                [(0, DENSE, k) for k in range(lay.tp * lay.pp)] + \
+                [(1, EXPERT, k) for k in range(expert_tp(args) * lay.ep * lay.pp)]
+            for chain, prefix, k in optimizers:
+                obj = reader.obj(param_groups_key(k, prefix))
                 g = (obj[0] if isinstance(obj, list) else obj)["param_groups"]
-                s = group_step(g, f"{ckpt}: model-parallel rank {k}")
-                if groups is not None and s != step:
-                    raise UCPError(f"{ckpt}: model-parallel rank {k} is at Adam step {s}, rank 0 "
-                                   f"at {step}")
-                groups, step = groups or [(0, x) for x in g], step if groups else s
+                s = group_step(g, f"{ckpt}: {prefix}model-parallel rank {k}")
+                if step is not None and s != step:
+                    raise UCPError(f"{ckpt}: {prefix}model-parallel rank {k} is at Adam step {s}, "
+                                   f"rank 0 at {step}")
+                step = s
+                if k == 0:
+                    groups = (groups or []) + [(chain, x) for x in g]
             if sharding == "dp_reshardable":
-                replica_buckets = _plan_dp_reshardable(args, reader, self.plan)
+                replica_buckets = _plan_dp_reshardable(args, reader, self.plan, chained)
         _check_optimizer_keys(reader, self.plan, sharding, replica_buckets)
         if not groups:
             raise UCPError(f"{ckpt}: no optimizer param groups found (was it saved without optimizer?)")
@@ -185,7 +202,7 @@ def run_fields(load_dir: str | Path, trust_pickle: bool = False) -> dict:
 
 def check_names(reader: DistReader, plan: dict[str, Param], sharding: str) -> None:
     """Every universal name has its tensor in the checkpoint and every checkpoint tensor is used."""
-    stored = {k: reader.shape(k) for k in reader.tensor_keys() if not k.startswith("optimizer.")}
+    stored = {k: reader.shape(k) for k in reader.tensor_keys() if not OPTIMIZER_KEY.match(k)}
     used: dict[str, set] = {}
     for name, p in plan.items():
         if p.key not in stored:
@@ -241,19 +258,19 @@ def _check_optimizer_keys(reader: DistReader, plan: dict[str, Param], sharding: 
     else:
         buckets = {slab[0] for p in plan.values() for slab in p.slabs} | replica_buckets
         wanted = {f"{b}.{s}" for b in buckets for s in STATES}
-    extra = sorted(k for k in reader.tensor_keys() if k.startswith("optimizer.") and k not in wanted)
+    extra = sorted(k for k in reader.tensor_keys() if OPTIMIZER_KEY.match(k) and k not in wanted)
     if extra:
         raise UCPError(f"{reader.dir}: optimizer tensor(s) {extra[:3]}{' ...' if len(extra) > 3 else ''}"
                        f" ({len(extra)} in all) belong to no parameter of the model built from args")
 
 
-def _plan_dp_reshardable(args, reader: DistReader, plan: dict[str, Param]) -> set[str]:
+def _plan_dp_reshardable(args, reader: DistReader, plan: dict[str, Param], chained: bool) -> set[str]:
     """Attach each parameter's flat-buffer slabs, from megatron-core DDP at the source layout.
     Returns the buckets that hold replicas (read from their canonical copy, not from there).
-    MoE runs whose experts have their own buffers (expert parallelism > 1, or an expert TP other
-    than the TP: megatron-core's `allreduce=False` parameters, kept by a second, expert
-    DistributedOptimizer) are refused; at EP1 with the expert TP = TP megatron-core keeps the
-    experts in the dense buffers, mapped here like every other parameter."""
+    chained (a MoE run whose experts have their own buffers): the dense buffers of each
+    model-parallel rank (`chained_0.`) and the expert buffers of each expert tensor-model-pipeline
+    rank (`chained_1.`), see `optimizer_ranks`; a MoE run at EP1 keeps its experts in the dense
+    buffers, mapped like every other parameter."""
     lay = layout(args)
     if lay.vpp or lay.cp > 1:
         raise UCPError(f"dp_reshardable torch_dist import supports TP/PP/DP layouts only (got {lay})")
@@ -262,20 +279,11 @@ def _plan_dp_reshardable(args, reader: DistReader, plan: dict[str, Param]) -> se
                        f"this checkpoint used transformer_impl={args.transformer_impl!r}, which "
                        "cannot be rebuilt here (TransformerEngine not installed)")
     replica_buckets = set()
-    for mp_rank, chunks in model_parallel_ranks(args):
-        ddp = chunks[0]  # no VPP: one chunk
-        if ddp.expert_parallel_buffers:
-            etp = getattr(args, "expert_tensor_parallel_size", None)
-            raise UCPError(f"{reader.dir}: a MoE run (num_experts={args.num_experts}, expert "
-                           f"parallel {lay.ep}, expert TP {etp}) saved with the dp_reshardable "
-                           "optimizer: its expert-parallel flat "
-                           "buffers are not mapped; save the run with "
-                           "--dist-ckpt-optim-fully-reshardable or --ckpt-format torch and convert that")
-        lps = {id(lp.param): lp for lp in local_params([ddp])}
-        for g, buf in enumerate(ddp.buffers):
+    for mp_rank, prefix, buffers, lps in _buffer_sets(args, chained, reader.dir):
+        for g, buf in enumerate(buffers):
             for param, (start, _end, b) in buf.param_index_map.items():
                 lp = lps[id(param)]
-                bucket = bucket_key(mp_rank, g, (buf.param_dtype, buf.grad_dtype), b)
+                bucket = bucket_key(mp_rank, g, (buf.param_dtype, buf.grad_dtype), b, prefix)
                 if not lp.canonical:
                     replica_buckets.add(bucket)
                     continue
@@ -301,6 +309,30 @@ def _plan_dp_reshardable(args, reader: DistReader, plan: dict[str, Param]) -> se
             raise UCPError(f"parameter {name!r}: the flat buffers cover {covered} of "
                            f"{math.prod(p.spec['shape'])} elements; layout not understood")
     return replica_buckets
+
+
+def expert_tp(args) -> int:
+    return getattr(args, "expert_tensor_parallel_size", None) or args.tensor_model_parallel_size
+
+
+def _buffer_sets(args, chained: bool, where: Location) -> Iterator[tuple[int, str, list, dict]]:
+    """(dp_group_idx, key prefix, DDP buffers, {id(param): LocalParam}) of each stored optimizer
+    of the run `args` describe (no VPP: one chunk), yielded inside that rank's parallel state."""
+    if not chained:
+        for mp_rank, chunks in model_parallel_ranks(args):
+            if chunks[0].expert_parallel_buffers:
+                raise UCPError(f"{where}: the model rebuilt from the checkpoint's args keeps its "
+                               "experts in buffers of their own (a second, expert optimizer), but "
+                               "the checkpoint holds no `chained_1.` expert optimizer state; the "
+                               "args do not describe the run that saved it")
+            yield mp_rank, "", chunks[0].buffers, {id(lp.param): lp for lp in local_params(chunks[:1])}
+        return
+    for dense, expert, chunks in optimizer_ranks(args):
+        lps = {id(lp.param): lp for lp in local_params(chunks[:1])}
+        if dense is not None:
+            yield dense, DENSE, chunks[0].buffers, lps
+        if expert is not None:
+            yield expert, EXPERT, chunks[0].expert_parallel_buffers, lps
 
 
 def _read_full(reader: DistReader, p: Param, state: str, sharding: str) -> torch.Tensor:

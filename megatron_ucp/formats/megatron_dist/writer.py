@@ -38,12 +38,15 @@ from megatron_ucp.formats.megatron_common import (
 )
 from megatron_ucp.formats.megatron_dist.layout import (
     COMMON_FILE,
+    DENSE,
+    EXPERT,
     FULLY_RESHARDABLE_CONTENT,
     METADATA_JSON,
     SHARDINGS,
     bucket_key,
     model_parallel_ranks,
     object_value,
+    optimizer_ranks,
     param_groups_key,
     plan_model,
     sharded_objects,
@@ -72,8 +75,9 @@ def write(source, save_dir: str | Path, target: Layout, args_template, *,
 
     sharding: the optimizer state's form, "fully_reshardable" (resume with
     `--dist-ckpt-optim-fully-reshardable`, at any layout) or "dp_reshardable" (Megatron-LM's
-    default; resume at the target's TP and PP, any DP). expert_tensor_parallel: the target's
-    expert TP size (MoE; default: the source's rule). MoE models take the fully_reshardable form.
+    default; resume at the target's TP and PP, any DP; a MoE model: the ChainedOptimizer's dense
+    and expert buckets). expert_tensor_parallel: the target's expert TP size (MoE; default: the
+    source's rule).
 
     args_template: Megatron-LM args of the same model (e.g. the source checkpoint's); parallel
     sizes become the target's (`megatron_common.target_args`). rng_state: one rng list (Megatron's
@@ -90,12 +94,6 @@ def write(source, save_dir: str | Path, target: Layout, args_template, *,
     # buffers (expert parallelism; 0.19 also an expert TP other than the TP); at EP1 they share
     # the dense buffers and optimizer
     moe = bool(getattr(args, "num_experts", None)) and _expert_buffers(args)
-    if moe and sharding == "dp_reshardable":
-        raise UCPError("dp_reshardable torch_dist export supports dense GPT models and MoE models "
-                       f"whose experts share the dense buffers (expert parallel 1; target {target}); "
-                       "write this MoE layout in the fully_reshardable form "
-                       "(--target-optim-sharding fully_reshardable), which Megatron-LM loads at "
-                       "any layout")
     if sharding == "dp_reshardable" and (target.vpp or target.cp > 1 or getattr(
             args, "overlap_param_gather_with_optimizer_step", False)):
         raise UCPError(f"dp_reshardable torch_dist export supports TP/PP/DP targets (got {target}); "
@@ -189,8 +187,9 @@ def write(source, save_dir: str | Path, target: Layout, args_template, *,
         optimizer = optimizer if moe else optimizer[0]
         content = dict(FULLY_RESHARDABLE_CONTENT)
     else:  # the param groups (and step) are stored per model-parallel rank, next to its buckets
-        state_dict.update(_dp_reshardable_state(source, args, groups, progress))
+        state_dict.update(_dp_reshardable_state(source, args, chained, progress))
         optimizer = {"param_state_sharding_type": sharding}
+        optimizer = {i: dict(optimizer) for i in range(2)} if moe else optimizer
         content = {"distrib_optim_sharding_type": sharding, "singleton_local_shards": False,
                    "chained_optim_avoid_prefix": True}
     common = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
@@ -224,12 +223,15 @@ def _expert_buffers(args) -> bool:
     return any(c.expert_parallel_buffers for _, chunks in model_parallel_ranks(args) for c in chunks)
 
 
-def _dp_reshardable_state(source, args, groups: list[dict], progress: Progress) -> dict:
+def _dp_reshardable_state(source, args, chained: list[list[dict]], progress: Progress) -> dict:
     """The `optimizer.distributed.dp_group_idx_<k>.*` entries of every target model-parallel rank
     k, as DistributedOptimizer.sharded_param_state_dp_reshardable saves them: per DDP bucket one
     1-D tensor per state of the bucket's unpadded length (parameters at their DDP offsets, zero
-    gaps), the per-bucket sizes and the rank's param groups with the step."""
-    def bucket_layout(chunks: list) -> list:
+    gaps), the per-bucket sizes and the rank's param groups with the step. A MoE model (chained:
+    the dense and the expert param groups): megatron-core's ChainedOptimizer prefixes the dense
+    optimizer's entries `chained_0.` and the expert optimizer's `chained_1.`, whose k is the rank
+    in the expert tensor-model-pipeline group (layout.optimizer_ranks)."""
+    def bucket_layout(chunks: list, attr: str = "buffers") -> list:
         """Per DDP buffer: its dtypes, (padded, unpadded) size of each bucket, and (param, bucket,
         start in the bucket) of every parameter copy (the tied output layer's too: Megatron keeps
         state for each)."""
@@ -238,13 +240,22 @@ def _dp_reshardable_state(source, args, groups: list[dict], progress: Progress) 
                  [(b.grad_data.numel(), b.numel_unpadded) for b in buf.buckets],
                  [(lps[id(param)], b, start - buf.buckets[b].offset)
                   for param, (start, _end, b) in buf.param_index_map.items()])
-                for c in chunks for buf in c.buffers]
+                for c in chunks for buf in getattr(c, attr)]
 
     # the layouts first: tensors made inside a rebuilt rank's context would be on the meta device
-    ranks = [(mp_rank, bucket_layout(chunks)) for mp_rank, chunks in model_parallel_ranks(args)]
+    if len(chained) == 2:  # a ChainedOptimizer: the dense and the expert one
+        ranks = []
+        for dense, expert, chunks in optimizer_ranks(args):
+            if dense is not None:
+                ranks.append((dense, DENSE, chained[0], bucket_layout(chunks)))
+            if expert is not None:
+                ranks.append((expert, EXPERT, chained[1], bucket_layout(chunks, "expert_parallel_buffers")))
+    else:
+        ranks = [(mp_rank, "", chained[0], bucket_layout(chunks))
+                 for mp_rank, chunks in model_parallel_ranks(args)]
     out: dict = {}
     done = bar(progress, len(ranks), "export dp_reshardable", "rank")
-    for mp_rank, buffers in ranks:
+    for mp_rank, chain, groups, buffers in ranks:
         numel, unpadded = [], []
         for g, (dtypes, sizes, where) in enumerate(buffers):
             numel.append({dtypes: [n for n, _ in sizes]})
@@ -256,9 +267,9 @@ def _dp_reshardable_state(source, args, groups: list[dict], progress: Progress) 
                     flats[b][s][a:a + lp.numel] = read_local(source, lp, s, 0, lp.numel)
             for b, flat in enumerate(flats):
                 for s, t in flat.items():
-                    out[f"{bucket_key(mp_rank, g, dtypes, b)}.{s}"] = t
-        prefix = f"optimizer.distributed.dp_group_idx_{mp_rank}"
-        out[param_groups_key(mp_rank)] = object_value({"param_groups": groups})
+                    out[f"{bucket_key(mp_rank, g, dtypes, b, chain)}.{s}"] = t
+        prefix = f"{chain}optimizer.distributed.dp_group_idx_{mp_rank}"
+        out[param_groups_key(mp_rank, chain)] = object_value({"param_groups": groups})
         out[f"{prefix}.per_bucket_numel/shard_0_1"] = object_value(numel)
         out[f"{prefix}.per_bucket_numel_unpadded/shard_0_1"] = object_value(unpadded)
         done.update(1)

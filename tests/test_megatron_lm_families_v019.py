@@ -1,0 +1,187 @@
+"""Megatron-LM checkpoints of the GPT-OSS shape and of Qwen3 (dense), written by stock Megatron-LM
+core_v0.19.0 on CPU (tests/fixtures/megatron_lm_v019/README.md, "Model families"):
+
+* GPT-OSS: learnable attention sinks, a sliding window on every other layer, YaRN RoPE, the
+  clamped SwiGLU (quick GEGLU), GQA with biases, every layer MoE with biases on the experts and the
+  router, EP2 (`torch_dist` dp_reshardable and fully_reshardable, `--ckpt-format torch`); the
+  same attention with a dense MLP at TP2 (the sinks split over TP; torch_dist dp_reshardable,
+  Megatron-LM's default) and at DP2 (`--ckpt-format torch`);
+* Qwen3: QK-norm, GQA, SwiGLU, no biases, TP2 (torch_dist dp_reshardable).
+
+(1) Read: every universal tensor (master weight, both Adam moments) equals the fixture's own
+    optimizer state bitwise and its bf16 model tensor is the master cast to bf16 (tests/oracles.py
+    assembles the files by hand; the MoE dp_reshardable set: the same run's fully_reshardable
+    files, see SAME_RUN); the manifest records what makes the family what it is.
+(2) Written at another layout as torch_dist and as torch: the hand assembly of the written files
+    holds the universal tensors, and reading them back gives the first universal bitwise.
+
+Fixtures pickle megatron-core 0.19 enums in their args: run on megatron-core 0.19 (TESTS_MCORE19).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import RELEASE_SKIP
+from oracles import (
+    assert_holds_universal,
+    dist_common,
+    dp_reshardable_full,
+    fully_reshardable_full,
+    legacy_full,
+    universal_tensors,
+)
+
+from megatron_ucp.layout import Layout
+from megatron_ucp.mcore_compat import MCORE_VERSION
+from megatron_ucp.reshard import convert_legacy, convert_torch_dist, reshard
+
+pytestmark = pytest.mark.skipif(
+    MCORE_VERSION[:2] < (0, 19),
+    reason=f"{RELEASE_SKIP}Megatron-LM core_v0.19.0's checkpoints pickle megatron-core 0.19 enums")
+
+FIXTURES = Path(__file__).parent / "fixtures" / "megatron_lm_v019"
+SETS = ("torch_dist_gptoss_ep2_fully", "torch_gptoss_ep2", "torch_dist_gptoss_ep2",
+        "torch_dist_gptoss_dense_tp2", "torch_gptoss_dense_dp2", "torch_dist_qwen3_tp2")
+OSS_ATTENTION = ["decoder.layers.0.self_attention.core_attention.softmax_offset",
+                 "decoder.layers.3.self_attention.linear_qkv.bias",
+                 "decoder.layers.2.self_attention.linear_proj.bias", "output_layer.weight"]
+EXPECTED = {  # parameters that make each family what it is (universal names)
+    "torch_dist_gptoss_ep2_fully": OSS_ATTENTION + [
+        "decoder.layers.1.mlp.router.bias", "decoder.layers.3.mlp.experts.experts.3.linear_fc1.bias",
+        "decoder.layers.0.mlp.experts.experts.2.linear_fc2.bias"],
+    "torch_dist_gptoss_dense_tp2": OSS_ATTENTION + ["decoder.layers.1.mlp.linear_fc1.bias"],
+    "torch_dist_qwen3_tp2": ["decoder.layers.0.self_attention.q_layernorm.weight",
+                             "decoder.layers.2.self_attention.k_layernorm.weight", "output_layer.weight"],
+}
+EXPECTED["torch_gptoss_ep2"] = EXPECTED["torch_dist_gptoss_ep2"] = EXPECTED["torch_dist_gptoss_ep2_fully"]
+EXPECTED["torch_gptoss_dense_dp2"] = EXPECTED["torch_dist_gptoss_dense_tp2"]
+OSS_CONFIG = {"softmax_type": "learnable", "window_size": [7, 0], "window_attn_skip_freq": 2,
+              "position_embedding_type": "yarn", "yarn_rotary_scaling_factor": 4.0,
+              "yarn_original_max_position_embeddings": 8, "glu_linear_offset": 1.0,
+              "activation_func_clamp_value": 7.0, "add_bias_linear": True,
+              "activation_func": "megatron.core.fusions.fused_bias_geglu.quick_gelu"}
+CONFIG = {"torch_dist_gptoss_ep2_fully": OSS_CONFIG, "torch_gptoss_ep2": OSS_CONFIG,
+          "torch_dist_gptoss_ep2": OSS_CONFIG,
+          "torch_dist_gptoss_dense_tp2": OSS_CONFIG, "torch_gptoss_dense_dp2": OSS_CONFIG,
+          "torch_dist_qwen3_tp2": {"qk_layernorm": True, "num_query_groups": 2, "add_bias_linear": False}}
+
+
+class Converted(dict):
+    """set -> its fixture converted to universal, on first use."""
+
+    def __init__(self, root: Path):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, name: str) -> Path:
+        read = convert_legacy if name.startswith("torch_") and not name.startswith("torch_dist") \
+            else convert_torch_dist
+        self[name] = read(FIXTURES / name / "ckpt", self.root / name, progress=False)
+        return self[name]
+
+
+@pytest.fixture(scope="module")
+def universal(tmp_path_factory) -> Converted:
+    return Converted(tmp_path_factory.mktemp("families019"))
+
+
+# the MoE run saved with the dp_reshardable optimizer (a ChainedOptimizer's `chained_0.` dense and
+# `chained_1.` expert buckets, which tests/oracles.py does not slice): the same run (flags, seed,
+# data; the same six losses) was saved in the fully_reshardable form, whose files are assembled by
+# hand instead: every tensor must be equal, bitwise
+SAME_RUN = {"torch_dist_gptoss_ep2": "torch_dist_gptoss_ep2_fully"}
+
+
+def hand_assembly(ckpt: Path, manifest: dict) -> dict[str, dict]:
+    """tests/oracles.py's assembly of a Megatron-LM checkpoint of either format and form."""
+    if not (Path(ckpt) / "iter_0000006").exists() or any(
+            (Path(ckpt) / "iter_0000006").glob("mp_rank_*")):
+        return legacy_full(ckpt)
+    sharding = dist_common(ckpt)["content_metadata"]["distrib_optim_sharding_type"]
+    if sharding == "fully_reshardable":
+        return fully_reshardable_full(ckpt, list(manifest["params"]))
+    return dp_reshardable_full(ckpt, {n: tuple(p["shape"]) for n, p in manifest["params"].items()})
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_read_is_bitwise(universal, name):
+    manifest, tensors = universal_tensors(universal[name])
+    full = hand_assembly(FIXTURES / SAME_RUN.get(name, name) / "ckpt", manifest)
+    assert set(full) == set(manifest["params"])
+    assert assert_holds_universal(full, universal[name], torch.bfloat16) == 3 * len(full)
+    for n in EXPECTED[name]:
+        assert n in manifest["params"], n
+    for key, value in CONFIG[name].items():
+        assert manifest["model"][key] == value, key
+    assert {p["step"] for p in manifest["params"].values()} == {6.0}
+    assert manifest["iteration"] == 6 and manifest["scheduler"]["num_steps"] == 24
+    if name != "torch_dist_qwen3_tp2":  # the sinks, the expert and router biases were trained
+        for n in EXPECTED[name]:
+            assert tensors[f"{n}/exp_avg_sq"].abs().min() > 0, n
+
+
+# (set, target format, target layout, expert TP, optimizer sharding of a torch_dist target)
+TARGETS = [
+    # the sinks from DP to TP2 (MoE at TP2 with expert TP1, as GPT-OSS's expert biases want)
+    ("torch_dist_gptoss_ep2_fully", "torch_dist", Layout(tp=2, dp=1), 1, "fully_reshardable"),
+    ("torch_gptoss_ep2", "torch", Layout(tp=1, dp=2), None, None),  # EP2 -> EP1
+    ("torch_dist_gptoss_ep2", "torch", Layout(tp=1, dp=2, ep=2), None, None),
+    # the sinks from TP2 to DP2, both formats
+    ("torch_dist_gptoss_dense_tp2", "torch", Layout(tp=1, dp=2), None, None),
+    ("torch_dist_gptoss_dense_tp2", "torch_dist", Layout(tp=1, dp=2), None, "dp_reshardable"),
+    ("torch_gptoss_dense_dp2", "torch_dist", Layout(tp=2, dp=1), None, "dp_reshardable"),
+    ("torch_dist_qwen3_tp2", "torch", Layout(tp=1, dp=2), None, None),
+]
+
+
+@pytest.mark.parametrize("name,fmt,target,etp,sharding", TARGETS,
+                         ids=lambda v: str(v) if isinstance(v, (str, Layout)) else "")
+def test_written_at_another_layout_reads_back_bitwise(universal, tmp_path, name, fmt, target, etp, sharding):
+    out = tmp_path / "out"
+    reshard(FIXTURES / name / "ckpt", out, target, target_format=fmt, expert_tensor_parallel=etp,
+            optim_sharding=sharding, progress=False)
+    manifest, tensors = universal_tensors(universal[name])
+    full = hand_assembly(out, manifest)
+    assert set(full) == set(manifest["params"])
+    assert_holds_universal(full, universal[name], torch.bfloat16)
+    again = (convert_legacy if fmt == "torch" else convert_torch_dist)(out, tmp_path / "u2", progress=False)
+    m2, t2 = universal_tensors(again)
+    assert (m2["layout"]["tp"], m2["layout"]["ep"], m2["layout"]["dp"]) == (target.tp, target.ep, target.dp)
+    assert tensors.keys() == t2.keys()
+    assert all(torch.equal(t, t2[k]) for k, t in tensors.items())
+    assert {p["step"] for p in m2["params"].values()} == {6.0}
+    for key, value in CONFIG[name].items():
+        assert m2["model"][key] == value, key
+
+
+def test_moe_written_dp_reshardable_is_megatron_lms_own_form(universal, tmp_path):
+    """A MoE model written in Megatron-LM's default optimizer form: at the stock run's own layout
+    every stored tensor and bucket equals what stock core_v0.19.0 saved, except the alignment gaps
+    between parameters in the flat buckets (stock: uninitialised memory; megatron-ucp: zeros); at
+    EP4 DP4 it reads back to the same universal tensors, bitwise."""
+    from oracles import load_keys, tensor_keys
+
+    name = "torch_dist_gptoss_ep2"
+    src = FIXTURES / name / "ckpt"
+    same = tmp_path / "same"
+    reshard(src, same, Layout(tp=1, dp=2, ep=2), target_format="torch_dist",
+            optim_sharding="dp_reshardable", progress=False)
+    stock, ours = src / "iter_0000006", same / "iter_0000006"
+    keys = tensor_keys(stock)
+    assert set(tensor_keys(ours)) == set(keys)
+    assert any(k.startswith("chained_1.optimizer.distributed.dp_group_idx_1.") for k in keys)
+    a, b = load_keys(stock, sorted(keys)), load_keys(ours, sorted(keys))
+    for k in keys:
+        differ = a[k] != b[k]
+        assert (k.startswith("chained_") and not b[k][differ].any()) or not differ.any(), k
+    ep4 = tmp_path / "ep4"
+    reshard(src, ep4, Layout(tp=1, dp=4, ep=4), target_format="torch_dist",
+            optim_sharding="dp_reshardable", progress=False)
+    assert dist_common(ep4)["content_metadata"]["distrib_optim_sharding_type"] == "dp_reshardable"
+    _, tensors = universal_tensors(universal[name])
+    m2, t2 = universal_tensors(convert_torch_dist(ep4, tmp_path / "u2", progress=False))
+    assert (m2["layout"]["ep"], m2["layout"]["dp"]) == (4, 4)
+    assert tensors.keys() == t2.keys() and all(torch.equal(t, t2[k]) for k, t in tensors.items())
