@@ -266,6 +266,19 @@ def null_tokenizer_vocab(args) -> int | None:
     return None
 
 
+# `--spec` values of a hybrid (Mamba) run whose stack megatron-ucp rebuilds: megatron-core's local
+# layers with the TE spec's parameter names (`megatron_rebuild.hybrid_stack_spec`). Megatron-LM's
+# pretrain_hybrid.py needs a `--spec` (megatron-core 0.19 ships only Transformer Engine's); without
+# TE this is the one that builds (megatron_ucp.testing.mamba_cpu's, for CPU runs).
+LOCAL_HYBRID_SPECS = (("megatron_ucp.testing.mamba_cpu", "hybrid_stack_spec_local"),)
+
+
+def hybrid_layer_pattern(args) -> str | None:
+    """A hybrid model's layer pattern in Megatron-LM args (0.19: `--hybrid-layer-pattern`; before:
+    `--hybrid-override-pattern`), None for a GPT model."""
+    return getattr(args, "hybrid_override_pattern", None) or getattr(args, "hybrid_layer_pattern", None)
+
+
 def check_supported(args, where: Path | str) -> None:
     """Refuse runs whose model or optimizer state megatron-ucp cannot rebuild from args."""
     problems = []
@@ -274,7 +287,13 @@ def check_supported(args, where: Path | str) -> None:
     if getattr(args, "transformer_impl", "local") != "local":
         problems.append(f"--transformer-impl {args.transformer_impl}: rebuilding TransformerEngine "
                         "layers needs TransformerEngine, which megatron-ucp does not use")
-    for flag in ("spec", "yaml_cfg", "heterogeneous_layers_config_path", "experimental_attention_variant"):
+    spec = getattr(args, "spec", None)
+    if spec and not (hybrid_layer_pattern(args) and tuple(spec) in LOCAL_HYBRID_SPECS):
+        problems.append(f"--spec {' '.join(spec)} is set" + (
+            f" (a hybrid model's stack is rebuilt with megatron-core's local layers, as "
+            f"`--spec {' '.join(LOCAL_HYBRID_SPECS[0])}` builds it; other specs are not)"
+            if hybrid_layer_pattern(args) else ""))
+    for flag in ("yaml_cfg", "heterogeneous_layers_config_path", "experimental_attention_variant"):
         if getattr(args, flag, None):
             problems.append(f"--{flag.replace('_', '-')} is set")
     if not getattr(args, "use_distributed_optimizer", False):

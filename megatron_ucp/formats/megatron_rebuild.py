@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_ucp.errors import UCPError
-from megatron_ucp.formats.megatron_common import layout, rank_order, world
+from megatron_ucp.formats.megatron_common import hybrid_layer_pattern, layout, rank_order, world
 from megatron_ucp.mcore_compat import config_kwargs_from_args, rederive_weight_shards
 from megatron_ucp.param_spec import local_params
 from megatron_ucp.spec import ParamSpec
@@ -285,10 +285,7 @@ def _build_chunk(args, config, vp: int | None):
     return model
 
 
-def hybrid_pattern(args) -> str | None:
-    """A hybrid model's layer pattern in Megatron-LM style args (`--hybrid-override-pattern`), or
-    None for a GPT model."""
-    return getattr(args, "hybrid_override_pattern", None) or getattr(args, "hybrid_layer_pattern", None)
+hybrid_pattern = hybrid_layer_pattern  # (the name this module's callers use)
 
 
 def hybrid_stack_spec(normalization: str, num_experts: int | None, moe_grouped_gemm: bool = False,
