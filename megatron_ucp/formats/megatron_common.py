@@ -279,6 +279,20 @@ def hybrid_layer_pattern(args) -> str | None:
     return getattr(args, "hybrid_override_pattern", None) or getattr(args, "hybrid_layer_pattern", None)
 
 
+def set_hybrid_pattern_for_pp(args, pp: int) -> None:
+    """Megatron-LM 0.19 cuts a hybrid pattern's pipeline stages at its `|`s (their count must be
+    the PP size, or a multiple of it for virtual stages); a pattern without them is split by
+    megatron-core itself at any PP. The same model at another PP than the pattern's stages: the
+    pattern without its `|`s (set in place, in whichever of the two args holds it)."""
+    pattern = hybrid_layer_pattern(args)
+    if not pattern or "|" not in pattern.split("/")[0] or pattern.split("/")[0].count("|") + 1 == pp:
+        return
+    main, *mtp = pattern.split("/")
+    for attr in ("hybrid_override_pattern", "hybrid_layer_pattern"):
+        if getattr(args, attr, None):
+            setattr(args, attr, "/".join([main.replace("|", ""), *mtp]))
+
+
 def check_supported(args, where: Path | str) -> None:
     """Refuse runs whose model or optimizer state megatron-ucp cannot rebuild from args."""
     problems = []
@@ -351,6 +365,7 @@ def target_args(template, target: Layout, first_stage_layers: int | None = None,
                        "pass args without it")
     if target.tp == 1:
         a.sequence_parallel = False
+    set_hybrid_pattern_for_pp(a, target.pp)
     from megatron_ucp.mcore_compat import rederive_weight_shards  # imports megatron.core
 
     rederive_weight_shards(a)

@@ -29,7 +29,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_ucp.errors import UCPError
-from megatron_ucp.formats.megatron_common import hybrid_layer_pattern, layout, rank_order, world
+from megatron_ucp.formats.megatron_common import (
+    hybrid_layer_pattern,
+    layout,
+    rank_order,
+    set_hybrid_pattern_for_pp,
+    world,
+)
 from megatron_ucp.mcore_compat import config_kwargs_from_args, rederive_weight_shards
 from megatron_ucp.param_spec import local_params
 from megatron_ucp.spec import ParamSpec
@@ -74,6 +80,7 @@ def single_rank_args(args):
            "account_for_loss_in_pipeline_split": False,
            "overlap_param_gather_with_optimizer_step": False}
     single = argparse.Namespace(**{**vars(args), **one})
+    set_hybrid_pattern_for_pp(single, 1)  # (a hybrid pattern's `|` stages)
     rederive_weight_shards(single)
     return single
 
