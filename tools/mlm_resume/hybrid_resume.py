@@ -10,7 +10,9 @@ at its own layout (the reference), its conversions to other layouts and formats,
 Runs go through run_hybrid_resume.py (run_pretrain_resume.py's shim and load fixes, plus
 megatron_ucp.testing.mamba_cpu, as the fixtures' harness). The model flags are the fixtures'
 (harness/run_hybrid.sh). A PP2 fixture's pattern cuts its stages with `|`; at another PP the
-pattern without them (what megatron-ucp writes into the target's args) is passed.
+pattern without them (what megatron-ucp writes into the target's args) is passed. Target format
+`universal`: the fixture converted (`convert`) and loaded as it is by
+`megatron_ucp.megatron_lm.install()` (run_pretrain_resume.py's MLM_UCP_INSTALL=1).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ sys.path.insert(0, str(REPO))
 
 from megatron_ucp.formats import open_source  # noqa: E402
 from megatron_ucp.layout import Layout  # noqa: E402
-from megatron_ucp.reshard import reshard  # noqa: E402
+from megatron_ucp.reshard import convert, reshard  # noqa: E402
 
 FIXTURES = REPO / "tests" / "fixtures" / "megatron_lm_v019"
 COMMON = ("--hidden-size 32 --num-attention-heads 4 --ffn-hidden-size 128 "
@@ -60,6 +62,8 @@ CASES = [
     ("torch_dist_hybrid_tp2", "torch_dist", dict(tp=1, pp=1, dp=2), "dp_reshardable", ["--no-load-optim"]),
     ("torch_hybrid_pp2", "torch", dict(tp=1, pp=1, dp=2), None, []),
     ("torch_hybrid_pp2", "torch", dict(tp=1, pp=1, dp=2), None, ["--no-load-optim"]),
+    # the universal checkpoint itself, loaded by megatron_ucp.megatron_lm.install() (MLM_UCP_INSTALL)
+    ("torch_hybrid_pp2", "universal", dict(tp=1, pp=1, dp=2), None, []),
 ]
 
 
@@ -69,6 +73,8 @@ def run(load: Path, save: Path, lay: dict, fmt: str, pattern: str, extra: list[s
            "TORCHDYNAMO_DISABLE": "1", "MLM_RESUME_KEEP_STEP": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     env.pop("MLM_HARNESS", None)
+    if fmt == "universal":
+        env["MLM_UCP_INSTALL"] = "1"
     if lay["pp"] != pattern.count("|") + 1:
         pattern = pattern.replace("|", "")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
@@ -124,7 +130,9 @@ def main() -> int:
             else:
                 fmt, t, sh, ex = spec
                 conv = d / "converted"
-                if not conv.exists():
+                if not conv.exists() and fmt == "universal":
+                    convert(FIXTURES / name / "ckpt", conv, progress=False)
+                elif not conv.exists():
                     reshard(FIXTURES / name / "ckpt", conv, Layout(tp=t["tp"], pp=t["pp"], dp=t["dp"]),
                             fmt, progress=False, optim_sharding=sh)
                 res = run(conv, d / "save", t, fmt, pattern, flags + ex, d / "log.txt", port)
