@@ -471,6 +471,235 @@ def dp_reshardable_full(ckpt: Path, shapes: dict[str, tuple]) -> dict[str, dict]
                 **{s: full_tensor(n, c[s], args.swiglu) for s in STATES}} for n, c in copies.items()}
 
 
+# ------------------------------------- Megatron-LM DeepSeek-V3 shape (MLA, MoE, MTP), TP1 EP1
+
+
+# one layer's parameters (local spec, MLA attention, dense or MoE MLP) in registration order, as
+# Megatron-LM's model state dict lists them; the router's expert_bias is a buffer (no optimizer
+# state, in no flat buffer). `{e}`: each expert in turn.
+MLA_MOE_LAYER = ("input_layernorm.weight", "self_attention.linear_proj.weight",
+                 "self_attention.linear_q_proj.weight", "self_attention.linear_q_down_proj.weight",
+                 "self_attention.linear_q_up_proj.weight", "self_attention.linear_kv_down_proj.weight",
+                 "self_attention.linear_kv_up_proj.weight", "self_attention.q_layernorm.weight",
+                 "self_attention.kv_layernorm.weight", "pre_mlp_layernorm.weight",
+                 "mlp.linear_fc1.weight", "mlp.linear_fc2.weight", "mlp.router.weight",
+                 "mlp.router.expert_bias", "mlp.experts.experts.{e}.linear_fc1.weight",
+                 "mlp.experts.experts.{e}.linear_fc2.weight", "mlp.shared_experts.linear_fc1.weight",
+                 "mlp.shared_experts.linear_fc2.weight")
+EXPERT_BIAS = "mlp.router.expert_bias"
+
+
+def mla_moe_universal(layer_rest: str, dense_mlp: bool) -> str:
+    """A layer's local parameter name (after `decoder.layers.<i>.` / `transformer_layer.`) ->
+    its universal name, which is the TE spec's: MLA's q/kv latent norms are fused into the up
+    projections, a dense MLP's pre-MLP norm into linear_fc1; MLA's input norm and a MoE layer's
+    pre-MLP norm stay separate modules there too."""
+    fused = {"self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
+             "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight"}
+    if dense_mlp:
+        fused["pre_mlp_layernorm.weight"] = "mlp.linear_fc1.layer_norm_weight"
+    layer_rest = re.sub(r"^mlp\.experts\.local_experts\.", "mlp.experts.experts.", layer_rest)
+    return fused.get(layer_rest, layer_rest)
+
+
+def _stage_layers(args, pp: int) -> range:
+    """Global layers of pipeline stage `pp` (uneven first or last stage; no VPP)."""
+    n, size = args.num_layers, args.pipeline_model_parallel_size
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    if size == 1:
+        return range(n)
+    if first:
+        rest = (n - first) // (size - 1)
+        return range(0, first) if pp == 0 else range(first + (pp - 1) * rest, first + pp * rest)
+    if last:
+        rest = (n - last) // (size - 1)
+        return range(n - last, n) if pp == size - 1 else range(pp * rest, (pp + 1) * rest)
+    return range(pp * n // size, (pp + 1) * n // size)
+
+
+def _layer_order(present: set[str], experts: int) -> list[str]:
+    """The names of `present` (local, one layer) in registration order."""
+    order: list[str] = []
+    for n in MLA_MOE_LAYER:
+        if "{e}" not in n:
+            order.append(n)
+        elif n.endswith("linear_fc1.weight"):  # expert by expert: its fc1, then its fc2
+            order += [w.format(e=e) for e in range(experts) for w in (n, n.replace("fc1", "fc2"))]
+    assert present <= set(order), sorted(present - set(order))
+    return [n for n in order if n in present]
+
+
+def _mla_moe_stage(args, pp: int, layer_names: dict[int, set[str]], mtp_names: set[str]) -> list[
+        tuple[str, str]]:
+    """(local name in the stage's state dict, universal name) of stage `pp`'s parameters and
+    buffers in registration order: the word embedding (first stage, and the MTP stage's copy),
+    its layers, then on the last stage the final norm, the MTP layer(s) (enorm, hnorm, eh_proj,
+    the transformer layer, final norm) and the output layer."""
+    last = pp == args.pipeline_model_parallel_size - 1
+    mtp = bool(getattr(args, "mtp_num_layers", None)) and last
+    experts = args.num_experts or 0
+    out = [(WORD, WORD)] if pp == 0 or mtp else []
+    layers = _stage_layers(args, pp)
+    for local, g in enumerate(layers):
+        dense = "mlp.linear_fc1.weight" in layer_names[g]
+        out += [(f"decoder.layers.{local}.{n}", f"decoder.layers.{g}.{mla_moe_universal(n, dense)}")
+                for n in _layer_order(layer_names[g], experts)]
+    if last:
+        out.append(("decoder.final_layernorm.weight", "decoder.final_layernorm.weight"))
+        if mtp:
+            inner = {n.removeprefix("mtp.layers.0.transformer_layer.") for n in mtp_names
+                     if n.startswith("mtp.layers.0.transformer_layer.")}
+            dense = "mlp.linear_fc1.weight" in inner
+            out += [(f"mtp.layers.0.{n}", f"mtp.layers.0.{n}") for n in
+                    ("enorm.weight", "hnorm.weight", "eh_proj.weight")]
+            out += [(f"mtp.layers.0.mtp_model_layer.{n}",
+                     f"mtp.layers.0.transformer_layer.{mla_moe_universal(n, dense)}")
+                    for n in _layer_order(inner, experts)]
+            out.append(("mtp.layers.0.final_layernorm.weight", "mtp.layers.0.final_layernorm.weight"))
+        out.append(("output_layer.weight", "output_layer.weight"))
+    return out
+
+
+def _mla_moe_names(stored_model_keys: dict[str, tuple]) -> tuple[dict[int, set[str]], set[str]]:
+    """Per global layer the local names its stored tensors stand for, and the MTP layer's names,
+    from torch_dist model keys (layers not stacked: a first-k-dense model's layers differ;
+    experts stacked on dim 0 of `mlp.experts.experts.<w>`)."""
+    layers: dict[int, set[str]] = {}
+    mtp: set[str] = set()
+    for key, shape in stored_model_keys.items():
+        m = re.fullmatch(r"(decoder\.layers\.(\d+)\.|mtp\.layers\.0\.transformer_layer\.)(.+)", key)
+        if not m:
+            if key.startswith("mtp."):
+                mtp.add(key)
+            continue
+        rest = m.group(3)
+        e = re.fullmatch(r"mlp\.experts\.experts\.(.+)", rest)
+        names = {f"mlp.experts.experts.{i}.{e.group(1)}" for i in range(shape[0])} if e else {rest}
+        if m.group(2) is None:
+            mtp |= {f"mtp.layers.0.transformer_layer.{n}" for n in names}
+        else:
+            layers.setdefault(int(m.group(2)), set()).update(names)
+    return layers, mtp
+
+
+def _mla_moe_key(universal_local: str) -> tuple[str, tuple[int, ...]]:
+    """torch_dist key and stacked index of a local name (global layer numbers; experts stacked)."""
+    e = re.fullmatch(r"(.*\.mlp\.experts\.experts)\.(\d+)\.(.+)", universal_local)
+    return (f"{e.group(1)}.{e.group(3)}", (int(e.group(2)),)) if e else (universal_local, ())
+
+
+def mla_moe_dp_reshardable_full(ckpt: Path) -> dict[str, dict]:
+    """Universal name -> {"model", state...} (a buffer: {"model", "param"}) of a dp_reshardable
+    torch_dist save of the DeepSeek-V3 shape at TP1 EP1 (experts in the dense buffers; PP, DP
+    any): stage pp's parameters in reverse registration order (`_mla_moe_stage`) cut into the
+    buckets of `buckets` (at PP > 1 the word embedding, shared by the first and the MTP stage, in a
+    bucket of its own), read from `optimizer.distributed.dp_group_idx_<pp>.gbuf_idx_0.dtype_(<param>,
+    torch.float32).bucket_idx_<b>.<state>` (core_v0.19.0 stores the padded bucket)."""
+    args = dist_common(ckpt)["args"]
+    assert args.tensor_model_parallel_size == 1 and args.expert_model_parallel_size == 1
+    assert not args.virtual_pipeline_model_parallel_size
+    dtype = "torch.bfloat16" if args.bf16 else "torch.float32"
+    stored = tensor_keys(ckpt)
+    model_keys = {k: v for k, v in stored.items() if not k.startswith("optimizer.")}
+    layers, mtp = _mla_moe_names(model_keys)
+    used: set[str] = set()
+    out: dict[str, dict] = {}
+    flat_keys: list[str] = []
+    model = load_keys(ckpt, sorted(model_keys))
+    for pp in range(args.pipeline_model_parallel_size):
+        stage = _mla_moe_stage(args, pp, layers, mtp)
+        global_of = {}  # the local names of a stage -> torch_dist names (global layer numbers)
+        for local, universal in stage:
+            m = re.fullmatch(r"decoder\.layers\.\d+\.(.+)", local)
+            g = re.fullmatch(r"decoder\.layers\.(\d+)\..+", universal)
+            src = f"decoder.layers.{g.group(1)}.{m.group(1)}" if m else \
+                local.replace(".mtp_model_layer.", ".transformer_layer.")
+            global_of[local] = src
+            key, index = _mla_moe_key(src)
+            used.add(key)
+            out.setdefault(universal, {"model": model[key][index]})
+        universal_of = dict(stage)
+        params = [(local, out[universal_of[local]]["model"].numel()) for local, _ in stage
+                  if not local.endswith(EXPERT_BIAS)]
+        own = {WORD} if args.pipeline_model_parallel_size > 1 else set()  # shared over stages
+        for b, bucket in enumerate(buckets(params, own)):
+            prefix = (f"optimizer.distributed.dp_group_idx_{pp}.gbuf_idx_0.dtype_({dtype}, "
+                      f"torch.float32).bucket_idx_{b}")
+            flat = load_keys(ckpt, [f"{prefix}.{s}" for s in STATES])
+            flat_keys += list(flat)
+            _, last_start, last_numel = bucket[-1]
+            assert flat[f"{prefix}.param"].numel() >= last_start + last_numel, prefix  # (padded)
+            for local, start, numel in bucket:
+                entry = out[universal_of[local]]
+                for s in STATES:
+                    piece = flat[f"{prefix}.{s}"][start:start + numel].view(entry["model"].shape)
+                    assert s not in entry or torch.equal(entry[s], piece), (local, s)  # a copy
+                    entry[s] = piece
+    assert used == set(model_keys), sorted(used ^ set(model_keys))
+    flats = {k for k in stored if k.startswith("optimizer.distributed.")}
+    assert flats == set(flat_keys), sorted(flats ^ set(flat_keys))
+    for name, entry in out.items():
+        if name.endswith(EXPERT_BIAS):
+            entry["param"] = entry["model"].float()
+    return out
+
+
+def mla_moe_legacy_full(ckpt: Path) -> dict[str, dict]:
+    """The same from a `--ckpt-format torch` save (TP1 EP1, any PP and DP): each stage's model
+    state dict (its registration order, local layer numbers) and its `distrib_optim.pt` flat
+    tensor (the buckets of `buckets` one after another)."""
+    out: dict[str, dict] = {}
+    for rank_dir in sorted(legacy_iteration(ckpt).iterdir()):
+        m, optim = load(rank_dir / "model_optim_rng.pt"), load(rank_dir / "distrib_optim.pt")
+        args = m["args"]
+        assert args.tensor_model_parallel_size == 1 and args.expert_model_parallel_size == 1
+        pp = int(rank_dir.name.split("_")[3]) if args.pipeline_model_parallel_size > 1 else 0
+        sd = {k: v for k, v in m["model"].items() if torch.is_tensor(v)}
+        layers: dict[int, set[str]] = {}
+        mtp: set[str] = set()
+        lo = _stage_layers(args, pp).start
+        for k in sd:
+            x = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", k)
+            if x:
+                layers.setdefault(int(x.group(1)) + lo, set()).add(
+                    re.sub(r"^mlp\.experts\.local_experts\.", "mlp.experts.experts.", x.group(2)))
+            elif k.startswith("mtp."):
+                mtp.add(re.sub(r"\.mlp\.experts\.local_experts\.", ".mlp.experts.experts.",
+                               k.replace(".mtp_model_layer.", ".transformer_layer.")))
+        stage = _mla_moe_stage(args, pp, layers, mtp)
+        state_dict_names = [re.sub(r"\.mlp\.experts\.local_experts\.", ".mlp.experts.experts.", k)
+                            for k in sd]
+        assert [local for local, _ in stage] == state_dict_names, rank_dir  # the order rule holds
+        tensors = dict(zip(state_dict_names, sd.values()))
+        params = [(n, tensors[n].numel()) for n, _ in stage if not n.endswith(EXPERT_BIAS)]
+        # flat_layout, except that core_v0.19.0 closes the bucket before the shared embedding at
+        # the embedding's 64-aligned start (`_compute_per_buffer_param_layout`), so that bucket's
+        # unpadded length is aligned too
+        starts, total = {}, 0
+        cut = buckets(params, {WORD} if args.pipeline_model_parallel_size > 1 else set())
+        for i, bucket in enumerate(cut):
+            starts.update({n: total + start for n, start, _ in bucket})
+            end = bucket[-1][1] + bucket[-1][2]
+            total += -(-end // 64) * 64 if i + 1 < len(cut) and cut[i + 1][0][0] == WORD else end
+        entries = optim if isinstance(optim, list) else [optim]
+        assert len(entries) == 1 and entries[0]["buckets_coalesced"], rank_dir
+        (flat,) = entries[0][0].values()
+        assert flat["numel_unpadded"] == total == flat["param"].numel(), rank_dir
+        (step,) = {g["step"] for g in m["optimizer"]["optimizer"]["param_groups"]}
+        for local, universal in stage:
+            t = tensors[local]
+            entry = out.setdefault(universal, {"model": t, "step": step})
+            assert torch.equal(entry["model"], t), universal  # the embedding's copies agree
+            if local.endswith(EXPERT_BIAS):
+                entry["param"] = t.float()
+                continue
+            for s in STATES:
+                piece = flat[s][starts[local]:starts[local] + t.numel()].view(t.shape)
+                assert s not in entry or torch.equal(entry[s], piece), (local, s)
+                entry[s] = piece
+    return out
+
+
 # ------------------------------------------------------------------------------- loaded dumps
 
 

@@ -1,7 +1,9 @@
 """Megatron-LM torch_dist checkpoints of the model families labs train now, written by stock
 Megatron-LM core_v0.16.1 (tests/fixtures/megatron_lm/README.md): Qwen3-MoE (QK-norm, GQA, EP2),
 DeepSeek-style MoE (first layer dense, sigmoid router with expert bias, gated shared expert, top-k
-scaling, narrower expert FFN) and MTP (one multi-token prediction layer on the last of 2 stages).
+scaling, narrower expert FFN) and MTP (one multi-token prediction layer on the last of 2 stages);
+and the DeepSeek-V3 shape (MLA with q LoRA and latent norms, the DeepSeek-style MoE at EP1, MTP, PP2;
+dp_reshardable), written with megatron_ucp.testing.mla_attention's core attention (local MLA).
 
 (1) Read: every universal tensor (master weight, both Adam moments) equals the fixture's own
     `optimizer.state.<state>.<key>[stacked index]` bitwise, and its bf16 model tensor equals the
@@ -18,11 +20,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from oracles import assert_holds_universal, fully_reshardable_full, universal_tensors
+from oracles import (
+    assert_holds_universal,
+    fully_reshardable_full,
+    mla_moe_dp_reshardable_full,
+    universal_tensors,
+)
 from test_megatron_dist_out import assert_same_universal, common
 
 from megatron_ucp.layout import Layout
-from megatron_ucp.reshard import convert_torch_dist, reshard
+from megatron_ucp.reshard import convert, convert_torch_dist, reshard
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron_lm"
 # family -> (fixture, target layout of the export, its expert TP, its first-stage layers)
@@ -108,3 +115,35 @@ def test_written_at_another_layout_back_to_universal_is_bitwise(universal, famil
     assert_holds_universal(full, universal[family], torch.bfloat16)
     again = convert_torch_dist(out, tmp_path / "u2", progress=False)
     assert_same_universal(universal[family], again, target)
+
+
+DSV3 = FIXTURES / "torch_dist_dsv3_pp2" / "ckpt"
+
+
+@pytest.mark.parametrize("fmt,lay,sharding", [("torch", Layout(dp=2), None),
+                                              ("torch_dist", Layout(ep=2, dp=2), "fully_reshardable")],
+                         ids=["torch-dp2", "torch_dist-ep2dp2"])
+def test_dsv3_read_bitwise_and_written_at_another_layout(tmp_path, fmt, lay, sharding):
+    """core_v0.16.1's DeepSeek-V3-shape save (dp_reshardable; EP1, so the experts are in the dense
+    buffers): every universal tensor is tests/oracles.py's hand assembly of its flat buckets; the
+    conversion to the other format at DP2 / EP2 (its expert optimizer's groups: the dense ones)
+    reads back bitwise."""
+    u1 = convert_torch_dist(DSV3, tmp_path / "u1", progress=False)
+    full = mla_moe_dp_reshardable_full(DSV3)
+    manifest, _ = universal_tensors(u1)
+    buffers = [n for n, p in manifest["params"].items() if p.get("buffer")]
+    assert len(buffers) == 3 and assert_holds_universal(full, u1, torch.bfloat16) == 3 * len(full) - 6
+    assert "decoder.layers.1.self_attention.linear_q_up_proj.layer_norm_weight" in manifest["params"]
+    assert manifest["model"]["q_lora_rank"] == 16 and manifest["model"]["mtp_num_layers"] == 1
+    out = tmp_path / "out"
+    reshard(DSV3, out, lay, fmt, progress=False, optim_sharding=sharding)
+    m2, t2 = universal_tensors(convert(out, tmp_path / "u2", progress=False))
+    _, t1 = universal_tensors(u1)
+    assert t1.keys() == t2.keys() and all(torch.equal(t, t2[k]) for k, t in t1.items())
+    assert {n: p["step"] for n, p in m2["params"].items()} == \
+        {n: p["step"] for n, p in manifest["params"].items()}
+    groups = m2["optimizer"]["param_groups"]  # EP2: the expert optimizer's, the dense copied
+    dense = [g for g in groups if g["optimizer"] == 0]
+    assert [{**g, "optimizer": 0, "is_expert_parallel": False} for g in groups if g["optimizer"] == 1] \
+        == (dense if lay.ep > 1 else [])
+    assert dense == manifest["optimizer"]["param_groups"]

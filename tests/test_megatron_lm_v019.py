@@ -22,13 +22,17 @@ import torch
 from conftest import FULL, RELEASE_SKIP
 from oracles import (
     assert_dumps_hold,
+    assert_holds_universal,
     dist_common,
+    dist_iteration,
     dist_shapes,
     dp_reshardable_full,
     fsdp_dtensor_full,
     full_tensor,
     fully_reshardable_full,
     legacy_full,
+    mla_moe_dp_reshardable_full,
+    mla_moe_legacy_full,
     torch_dcp_full,
     universal_tensors,
 )
@@ -49,6 +53,9 @@ LEGACY = ("torch_dp2", "torch_tp2_pp2", "torch_llama_tp2", "torch_moe_ep2")
 DIST = ("torch_dist_tp2_dp2", "torch_dist_pp2_fullyreshardable", "torch_dist_llama_tp2",
         "torch_dist_moe_ep2_fully")
 FSDP = ("fsdp_dtensor_dp2", "torch_dcp_fsdp2_dp2")  # --ckpt-format fsdp_dtensor / torch_dcp
+# the DeepSeek-V3 shape (MLA, first layer dense, sigmoid-routed MoE with expert bias and a shared
+# expert, MTP) at PP2 EP1: torch_dist dp_reshardable with q_lora_rank, legacy torch without
+DSV3 = ("torch_dist_dsv3_pp2", "torch_dsv3_pp2")
 STATES = ("param", "exp_avg", "exp_avg_sq")
 ITER = "iter_0000006"
 
@@ -63,6 +70,7 @@ def converted(tmp_path_factory) -> dict[str, Path]:
     out = {s: convert_legacy(FIXTURES / s / "ckpt", root / s, progress=False) for s in LEGACY}
     out.update({s: convert_torch_dist(FIXTURES / s / "ckpt", root / s, progress=False) for s in DIST})
     out.update({s: convert(FIXTURES / s / "ckpt", root / s, progress=False) for s in FSDP})
+    out.update({s: convert(FIXTURES / s / "ckpt", root / s, progress=False) for s in DSV3})
     return out
 
 
@@ -123,6 +131,97 @@ def test_fsdp_sets_match_the_stored_tensors(converted, name):
             assert torch.equal(tensors[f"{n}/param"].to(torch.bfloat16), states["model"]), n
     assert manifest["iteration"] == 6 and manifest["scheduler"]["num_steps"] == 24
     assert [g["wd_mult"] for g in manifest["optimizer"]["param_groups"]] == [1.0, 0.0]
+
+
+def dsv3_full(ckpt: Path) -> dict[str, dict]:
+    """tests/oracles.py's hand assembly of a DeepSeek-V3-shape save (either format)."""
+    if (dist_iteration(ckpt) / ".metadata").exists():
+        return mla_moe_dp_reshardable_full(ckpt)
+    return mla_moe_legacy_full(ckpt)
+
+
+# what makes each set the DeepSeek-V3 shape (universal names: MLA's latent norms fused into the
+# up projections as in the TE spec; layer 0 dense, layers 1-2 and the MTP layer MoE)
+DSV3_EXPECTED = {
+    "torch_dist_dsv3_pp2": [
+        "decoder.layers.0.self_attention.linear_q_down_proj.weight",
+        "decoder.layers.0.self_attention.linear_q_up_proj.layer_norm_weight",
+        "decoder.layers.2.self_attention.linear_kv_up_proj.layer_norm_weight",
+        "mtp.layers.0.transformer_layer.self_attention.linear_q_up_proj.weight"],
+    "torch_dsv3_pp2": ["decoder.layers.0.self_attention.linear_q_proj.weight",
+                       "mtp.layers.0.transformer_layer.self_attention.linear_q_proj.weight"],
+}
+DSV3_COMMON = ["decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.0.mlp.linear_fc1.layer_norm_weight",
+               "decoder.layers.1.pre_mlp_layernorm.weight", "decoder.layers.1.mlp.router.expert_bias",
+               "decoder.layers.2.mlp.experts.experts.3.linear_fc2.weight",
+               "decoder.layers.2.mlp.shared_experts.linear_fc1.weight",
+               "decoder.layers.1.self_attention.linear_kv_down_proj.weight",
+               "mtp.layers.0.eh_proj.weight", "mtp.layers.0.transformer_layer.mlp.router.expert_bias",
+               "mtp.layers.0.transformer_layer.mlp.experts.experts.0.linear_fc1.weight",
+               "output_layer.weight"]
+
+
+@pytest.mark.parametrize("name", DSV3)
+def test_dsv3_sets_match_independent_assembly(converted, name):
+    """Every universal tensor (master weight, both Adam moments; the routers' fp32 expert_bias
+    buffers: their value) is the fixture's own optimizer state, bitwise, assembled by hand from
+    its flat buffers (tests/oracles.py: registration order, 64-element starts, the embedding that
+    the first and the MTP stage share in a bucket of its own); its bf16 model tensor is the master
+    cast. megatron-core keeps the experts of an EP1 run in the dense buffers, which the reader
+    maps (it refused every MoE dp_reshardable save before)."""
+    full = dsv3_full(FIXTURES / name / "ckpt")
+    manifest, _ = universal_tensors(converted[name])
+    params = manifest["params"]
+    buffers = [n for n, p in params.items() if p.get("buffer")]
+    assert len(buffers) == 3  # layers 1, 2 and the MTP layer
+    assert assert_holds_universal(full, converted[name], torch.bfloat16) == 3 * len(full) - 2 * len(buffers)
+    for n in DSV3_EXPECTED[name] + DSV3_COMMON:
+        assert n in params, n
+    assert {p["step"] for n, p in params.items() if n not in buffers} == {6.0}
+    assert manifest["iteration"] == 6 and manifest["scheduler"]["num_steps"] == 24
+    model = manifest["model"]
+    assert (model["multi_latent_attention"], model["kv_lora_rank"], model["qk_head_dim"],
+            model["qk_pos_emb_head_dim"], model["v_head_dim"], model["rope_type"]) == \
+        (True, 16, 8, 8, 8, "yarn")
+    assert model["q_lora_rank"] == (16 if "dist" in name else None)
+    assert (model["moe_layer_freq"], model["moe_router_score_function"], model["mtp_num_layers"],
+            model["moe_router_enable_expert_bias"]) == ([0, 1, 1], "sigmoid", 1, True)
+
+
+# (set, target format, layout, torch_dist optimizer form): the other format at another layout;
+# the EP1 MoE targets keep the experts in the dense buffers, one DistributedOptimizer; at EP2 they
+# get the expert optimizer, whose param groups the EP1 run never had (the dense ones, for experts)
+DSV3_TRIPS = [("torch_dist_dsv3_pp2", "torch", Layout(tp=1, pp=1, dp=2), None),
+              ("torch_dist_dsv3_pp2", "torch_dist", Layout(tp=2, pp=1, dp=1), "fully_reshardable"),
+              ("torch_dsv3_pp2", "torch_dist", Layout(tp=1, pp=1, dp=2), "dp_reshardable"),
+              ("torch_dsv3_pp2", "torch_dist", Layout(tp=1, pp=1, dp=2, ep=2), "fully_reshardable")]
+
+
+@pytest.mark.parametrize("src,fmt,lay,sharding", DSV3_TRIPS,
+                         ids=lambda v: str(v) if isinstance(v, (str, Layout)) else "")
+def test_dsv3_written_at_another_layout_reads_back_bitwise(converted, tmp_path, src, fmt, lay, sharding):
+    out = tmp_path / "out"
+    reshard(FIXTURES / src / "ckpt", out, lay, fmt, progress=False, optim_sharding=sharding)
+    again = convert(out, tmp_path / "u", progress=False)
+    m1, t1 = universal_tensors(converted[src])
+    m2, t2 = universal_tensors(again)
+    assert (m2["layout"]["tp"], m2["layout"]["pp"], m2["layout"]["dp"], m2["layout"]["ep"]) == \
+        (lay.tp, lay.pp, lay.dp, lay.ep)
+    assert t1.keys() == t2.keys() and all(torch.equal(t, t2[k]) for k, t in t1.items())
+    assert {n: p["step"] for n, p in m2["params"].items()} == {n: p["step"] for n, p in m1["params"].items()}
+    if lay.tp == lay.ep == 1:  # the written files by hand too (the oracles read TP1 EP1)
+        assert assert_holds_universal(dsv3_full(out), converted[src], torch.bfloat16) > 0
+    if fmt == "torch_dist":
+        (common,) = [load(p) for p in (out / ITER).glob("common.pt")]
+        assert common["content_metadata"]["distrib_optim_sharding_type"] == sharding
+        opt = common["optimizer"]
+        if lay.ep == 1:  # one optimizer: at EP1 megatron-core builds no expert optimizer
+            assert not any(isinstance(k, int) for k in opt), sorted(opt)
+        else:  # ChainedOptimizer {0: dense, 1: expert}; the expert groups: the dense hyper-parameters
+            dense, expert = (opt[i]["optimizer"]["param_groups"] for i in (0, 1))
+            flags = [g["is_expert_parallel"] for g in dense + expert]
+            assert flags == [False] * len(dense) + [True] * len(dense)
+            assert [{**g, "is_expert_parallel": False} for g in expert] == dense
 
 
 @pytest.mark.parametrize("change,words", [

@@ -482,6 +482,20 @@ _MEGATRON_GROUP_KEYS = ("is_expert_parallel", "default_config", "wd_mult", "lr_m
                         "is_decoupled_lr", "max_lr", "min_lr")
 
 
+def chained_groups(manifest_groups: list[dict], n_optimizers: int) -> list[list[dict]]:
+    """The manifest's param groups per chained optimizer of a target with `n_optimizers` (1:
+    dense; 2: dense, expert). A run without expert parallelism has no expert optimizer (megatron-core
+    keeps its experts in the dense buffers and groups): for a target that has one, its groups are
+    the dense groups with `is_expert_parallel` set, the hyper-parameters the experts trained with
+    (megatron-core pairs saved and current groups by (wd_mult, lr_mult, is_expert_parallel, ...);
+    a saved group no current group asks for is not used)."""
+    groups = [[g for g in manifest_groups if g.get("optimizer", 0) == i] for i in range(n_optimizers)]
+    if n_optimizers == 2 and groups[0] and not groups[1] and not any(
+            g.get("is_expert_parallel") for g in groups[0]):
+        groups[1] = [{**g, "optimizer": 1, "is_expert_parallel": True} for g in groups[0]]
+    return groups
+
+
 def torch_group(g: dict, step: float) -> dict:
     """A param group as DistributedOptimizer.state_dict() writes it from a manifest entry: the
     manifest (JSON) drops None values and turns tuples into lists; torch AdamW's defaults that

@@ -10,6 +10,17 @@ class, this module sets `HAVE_TE = False` there, which is what it means. `MLACor
 takes the core attention's arguments and computes causal softmax attention with PyTorch's
 `scaled_dot_product_attention` at MLA's softmax scale. It has no parameters, so it changes
 nothing a checkpoint holds: every MLA projection and norm is megatron-core's own.
+
+Stock Megatron-LM `pretrain_gpt.py --transformer-impl local --multi-latent-attention` fails the same
+way in core_v0.19.0 with megatron-core 0.19.2 (`multi_latent_attention.py:207` builds the core
+attention with `k_channels=self.q_head_dim, v_channels=self.config.v_head_dim`;
+`dot_product_attention.py:42` `DotProductAttention.__init__` has neither: `TypeError:
+DotProductAttention.__init__() got an unexpected keyword argument 'k_channels' when instantiating
+DotProductAttention when instantiating MLASelfAttention`). `install_local_spec()` lets CPU runs of
+stock Megatron-LM build MLA (the fixture harness and tools/mlm_resume call it when argv holds
+`--multi-latent-attention`): the local GPT layer spec (`get_gpt_layer_local_spec`, which the decoder
+block, MoE and MTP specs of both releases build their layers from) gets `MLACoreAttention` as MLA's
+core attention; nothing else of the spec changes.
 """
 
 from __future__ import annotations
@@ -17,6 +28,8 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer import multi_latent_attention
 from megatron.core.transformer.module import MegatronModule
+
+from megatron_ucp.formats.megatron_rebuild import replace_module
 
 if not isinstance(multi_latent_attention.TELinear, type):  # no Transformer Engine: see above
     multi_latent_attention.HAVE_TE = False
@@ -39,3 +52,25 @@ class MLACoreAttention(MegatronModule):
         scale = self.softmax_scale if self.softmax_scale is not None else q.shape[-1] ** -0.5
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+
+def install_local_spec() -> None:
+    """Stock Megatron-LM on CPU: MLA layers of the local spec get `MLACoreAttention` (see above).
+    Call it after the CUDA shim and before Megatron-LM's `gpt_builders` is imported."""
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    local_spec = gpt_layer_specs.get_gpt_layer_local_spec
+    if getattr(local_spec, "mla_stand_in", False):
+        return
+
+    def get_gpt_layer_local_spec(*args, **kwargs):
+        spec = local_spec(*args, **kwargs)  # (Megatron-LM's gpt_builders passes its flags by position)
+        attention = getattr(spec.submodules, "self_attention", None)
+        if isinstance(getattr(attention, "module", None), type) and \
+                issubclass(attention.module, multi_latent_attention.MLASelfAttention):
+            spec = replace_module(spec, DotProductAttention, MLACoreAttention)
+        return spec
+
+    get_gpt_layer_local_spec.mla_stand_in = True
+    gpt_layer_specs.get_gpt_layer_local_spec = get_gpt_layer_local_spec

@@ -86,6 +86,17 @@ DEEPSEEK_MOE = [*LLAMA, *MOE, "--moe-ffn-hidden-size", "48", "--moe-layer-freq",
                 "--moe-router-topk-scaling-factor", "2.5", "--moe-shared-expert-intermediate-size", "64",
                 "--moe-shared-expert-gate"]
 MTP = [*LLAMA, "--mtp-num-layers", "1"]
+# the DeepSeek-V3 shape of tests/fixtures/megatron_lm_v019 (harness/run_all.sh's DSV3): MLA, first
+# layer dense, sigmoid-routed MoE with expert bias and a shared expert, MTP; run_pretrain_resume.py
+# installs the local-MLA core attention
+DSV3 = ("--swiglu --normalization RMSNorm --position-embedding-type rope "
+        "--untie-embeddings-and-output-weights --disable-bias-linear --no-rope-fusion --ffn-hidden-size 64 "
+        "--multi-latent-attention --kv-lora-rank 16 --qk-head-dim 8 --qk-pos-emb-head-dim 8 "
+        "--v-head-dim 8 --rotary-scaling-factor 4 --num-experts 4 --moe-router-topk 2 "
+        "--moe-ffn-hidden-size 32 --moe-token-dispatcher-type allgather --moe-layer-freq [0]*1+[1]*2 "
+        "--moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-num-groups 2 "
+        "--moe-router-group-topk 1 --moe-router-topk-scaling-factor 2.5 "
+        "--moe-shared-expert-intermediate-size 32 --mtp-num-layers 1").split()
 MODEL_FLAGS = {"torch_llama_tp2": LLAMA, "torch_moe_ep2": MOE, "torch_dist_qwen3moe_ep2_fully": QWEN3_MOE,
                "torch_dist_dsmoe_ep2_fully": DEEPSEEK_MOE, "torch_dist_mtp_pp2_fully": MTP}
 # extra flags of the reference run (the fixture resumed at its own layout)
@@ -93,7 +104,9 @@ FULLY = ["--dist-ckpt-optim-fully-reshardable"]
 REFERENCE_FLAGS = {"torch_dist_qwen3moe_ep2_fully": FULLY, "torch_dist_dsmoe_ep2_fully": FULLY,
                    "torch_dist_mtp_pp2_fully": [*FULLY, "--decoder-last-pipeline-num-layers", "2"],
                    "torch_dist_pp2_fullyreshardable": FULLY, "torch_dist_moe_ep2_fully": FULLY}
-MODEL_FLAGS.update(torch_dist_llama_tp2=LLAMA, torch_dist_moe_ep2_fully=MOE)
+MODEL_FLAGS.update(torch_dist_llama_tp2=LLAMA, torch_dist_moe_ep2_fully=MOE,
+                   torch_dist_dsv3_pp2=[*DSV3, "--q-lora-rank", "16", "--qk-layernorm"],
+                   torch_dsv3_pp2=DSV3)
 # fixture -> its layout at save (Megatron flags)
 SOURCE_LAYOUT = {
     "torch_dp2": dict(fmt="torch", tp=1, pp=1, dp=2),
@@ -108,6 +121,8 @@ SOURCE_LAYOUT = {
     "torch_dist_llama_tp2": dict(fmt="torch_dist", tp=2, pp=1, dp=1),
     "torch_dist_moe_ep2_fully": dict(fmt="torch_dist", tp=1, pp=1, dp=2, ep=2),
     "v015_tp2_dp2_flat": dict(fmt="torch_dist", tp=2, pp=1, dp=2),
+    "torch_dist_dsv3_pp2": dict(fmt="torch_dist", tp=1, pp=2, dp=1, last=2),
+    "torch_dsv3_pp2": dict(fmt="torch", tp=1, pp=2, dp=1, last=2),
 }
 # (fixture, target format, target layout, optimizer sharding for torch_dist, extra Megatron flags)
 CASES = [
@@ -138,6 +153,19 @@ CASES = [
     ("torch_dist_pp2_fullyreshardable", "torch", dict(tp=2, pp=1, dp=1), None, []),
     ("torch_dist_llama_tp2", "torch", dict(tp=1, pp=2, dp=1, first=2), None, []),
     ("torch_dist_moe_ep2_fully", "torch", dict(tp=1, pp=1, dp=4, ep=4), None, ["--micro-batch-size", "1"]),
+    # DeepSeek-V3 shape (core_v0.19.0 only), PP2 (stage 1: layers 1-2 + MTP) -> DP2, -> PP2 split
+    # the other way (stage 0: layers 0-1), -> EP2 DP2 (the EP1 run's experts move from the dense
+    # buffers and groups into the expert optimizer's); TP1 (MoE at TP > 1: see above)
+    ("torch_dist_dsv3_pp2", "torch", dict(tp=1, pp=1, dp=2), None, []),
+    ("torch_dist_dsv3_pp2", "torch", dict(tp=1, pp=1, dp=2, ep=2), None, []),
+    ("torch_dsv3_pp2", "torch_dist", dict(tp=1, pp=1, dp=2, ep=2), "fully_reshardable",
+     ["--dist-ckpt-optim-fully-reshardable"]),
+    ("torch_dist_dsv3_pp2", "torch_dist", dict(tp=1, pp=2, dp=1, first=2), "dp_reshardable", []),
+    ("torch_dist_dsv3_pp2", "torch", dict(tp=1, pp=1, dp=2), None, ["--no-load-optim"]),  # control
+    ("torch_dsv3_pp2", "torch_dist", dict(tp=1, pp=1, dp=2), "dp_reshardable", []),
+    ("torch_dsv3_pp2", "torch_dist", dict(tp=1, pp=2, dp=1, first=2), "fully_reshardable",
+     ["--dist-ckpt-optim-fully-reshardable"]),
+    ("torch_dsv3_pp2", "torch_dist", dict(tp=1, pp=1, dp=2), "dp_reshardable", ["--no-load-optim"]),
 ]
 # Across releases: the resuming release (--release) -> cases whose fixture another release wrote:
 # (fixture's release, fixture, target format, target layout, optimizer sharding, extra flags). The

@@ -25,6 +25,10 @@ load_state_dict has just restored from the saved param groups, so every dp_resha
 of Megatron-LM's own checkpoints too, restarts Adam's bias correction at step 0. The fix drops
 that template `step`; the legacy step fix then keeps the restored one.
 
+`--multi-latent-attention` in argv: megatron_ucp.testing.mla_attention.install_local_spec(), the
+core attention that local-spec MLA needs on CPU without Transformer Engine (the DeepSeek-V3-shape
+fixtures' harness installs the same; tests/fixtures/megatron_lm_v019/README.md). No parameter.
+
 MLM_RECOMPUTE_COUNTS=1 (overlap_recompute.py) counts, per rank, the recomputation that ran: each
 TransformerLayer's forwards re-run under grad inside a checkpoint recomputation, megatron-core's
 CheckpointFunction backwards, and megatron-ucp's --overlap-recompute runtime counters; one JSON
@@ -188,6 +192,11 @@ if os.environ.get("MLM_UCP_INSTALL") == "1":  # --ckpt-format universal without 
 
     megatron_ucp.finalize = finalize_logged
     print("> [resume] megatron_ucp.megatron_lm.install() in effect")
+if "--multi-latent-attention" in sys.argv:  # local MLA's core attention (the fixture harness's)
+    import megatron_ucp.testing.mla_attention as mla_attention
+
+    mla_attention.install_local_spec()
+    print("> [resume] megatron_ucp.testing.mla_attention core attention for local MLA")
 script = os.path.join(src, "pretrain_gpt.py")
 sys.argv = [script] + sys.argv[1:]
 runpy.run_path(script, run_name="__main__")

@@ -108,7 +108,7 @@ class TorchDistSource(ReadsDcp):
         if sharding not in READ_SHARDINGS:
             raise UCPError(f"{ckpt}: optimizer sharding {sharding!r} is not supported (expected "
                            f"one of {', '.join(READ_SHARDINGS)} from --use-distributed-optimizer)")
-        if getattr(args, "num_experts", None) and sharding != "fully_reshardable":
+        if getattr(args, "num_experts", None) and sharding == FLATTENED:
             raise UCPError(f"{ckpt}: a MoE run (num_experts={args.num_experts}) saved with the "
                            f"{sharding} optimizer; its expert state is not mapped: save the "
                            "run with --dist-ckpt-optim-fully-reshardable or --ckpt-format torch and "
@@ -257,7 +257,10 @@ def _check_optimizer_keys(reader: DistReader, plan: dict[str, Param], sharding: 
 def _plan_dp_reshardable(args, reader: DistReader, plan: dict[str, Param]) -> set[str]:
     """Attach each parameter's flat-buffer slabs, from megatron-core DDP at the source layout.
     Returns the buckets that hold replicas (read from their canonical copy, not from there).
-    MoE runs are refused before (TorchDistSource)."""
+    MoE runs whose experts have their own buffers (expert parallelism > 1, or an expert TP other
+    than the TP: megatron-core's `allreduce=False` parameters, kept by a second, expert
+    DistributedOptimizer) are refused; at EP1 with the expert TP = TP megatron-core keeps the
+    experts in the dense buffers, mapped here like every other parameter."""
     lay = layout(args)
     if lay.vpp or lay.cp > 1:
         raise UCPError(f"dp_reshardable torch_dist import supports TP/PP/DP layouts only (got {lay})")
@@ -268,6 +271,13 @@ def _plan_dp_reshardable(args, reader: DistReader, plan: dict[str, Param]) -> se
     replica_buckets = set()
     for mp_rank, chunks in model_parallel_ranks(args):
         ddp = chunks[0]  # no VPP: one chunk
+        if ddp.expert_parallel_buffers:
+            etp = getattr(args, "expert_tensor_parallel_size", None)
+            raise UCPError(f"{reader.dir}: a MoE run (num_experts={args.num_experts}, expert "
+                           f"parallel {lay.ep}, expert TP {etp}) saved with the dp_reshardable "
+                           "optimizer: its expert-parallel flat "
+                           "buffers are not mapped; save the run with "
+                           "--dist-ckpt-optim-fully-reshardable or --ckpt-format torch and convert that")
         lps = {id(lp.param): lp for lp in local_params([ddp])}
         for g, buf in enumerate(ddp.buffers):
             for param, (start, _end, b) in buf.param_index_map.items():
@@ -291,6 +301,8 @@ def _plan_dp_reshardable(args, reader: DistReader, plan: dict[str, Param]) -> se
                 plan[lp.spec.name].slabs.append(
                     (bucket, local_start + lp.base, lp.numel, lp.pieces))
     for name, p in plan.items():
+        if p.buffer_dtype is not None:  # a persistent buffer (the router's expert_bias): no state
+            continue
         covered = sum(math.prod(pc.shape) for s in p.slabs for pc in s[3])
         if covered != math.prod(p.spec["shape"]):
             raise UCPError(f"parameter {name!r}: the flat buffers cover {covered} of "

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.megatron_common import (
     TRACKER,
+    chained_groups,
     check_export,
     iteration_dir_name,
     prepare_export,
@@ -85,11 +86,16 @@ def write(source, save_dir: str | Path, target: Layout, args_template, *,
     manifest = source.manifest
     if sharding not in SHARDINGS:
         raise UCPError(f"torch_dist optimizer sharding {sharding!r}: choose one of {list(SHARDINGS)}")
-    moe = bool(getattr(args, "num_experts", None))
+    # a second (expert) DistributedOptimizer only where megatron-core gives the experts their own
+    # buffers (expert parallelism; 0.19 also an expert TP other than the TP); at EP1 they share
+    # the dense buffers and optimizer
+    moe = bool(getattr(args, "num_experts", None)) and _expert_buffers(args)
     if moe and sharding == "dp_reshardable":
-        raise UCPError("dp_reshardable torch_dist export supports dense GPT models; write a MoE "
-                       "model in the fully_reshardable form (--target-optim-sharding "
-                       "fully_reshardable), which Megatron-LM loads at any layout")
+        raise UCPError("dp_reshardable torch_dist export supports dense GPT models and MoE models "
+                       f"whose experts share the dense buffers (expert parallel 1; target {target}); "
+                       "write this MoE layout in the fully_reshardable form "
+                       "(--target-optim-sharding fully_reshardable), which Megatron-LM loads at "
+                       "any layout")
     if sharding == "dp_reshardable" and (target.vpp or target.cp > 1 or getattr(
             args, "overlap_param_gather_with_optimizer_step", False)):
         raise UCPError(f"dp_reshardable torch_dist export supports TP/PP/DP targets (got {target}); "
@@ -172,8 +178,8 @@ def write(source, save_dir: str | Path, target: Layout, args_template, *,
                     state_dict[rng_shard_key(pp_rank, tp_rank, target.pp, target.tp, dp)] = rs
 
     opt = manifest.optimizer
-    chained = [[torch_group(g, step) for g in opt.get("param_groups", []) if g.get("optimizer", 0) == i]
-               for i in range(2 if moe else 1)]  # MoE: dense and expert optimizers
+    chained = [[torch_group(g, step) for g in groups]  # MoE: dense and expert optimizers
+               for groups in chained_groups(opt.get("param_groups", []), 2 if moe else 1)]
     groups = chained[0]
     if not all(chained):
         raise UCPError(f"{source.dir}: the universal manifest has no optimizer param groups"
@@ -211,6 +217,14 @@ def write(source, save_dir: str | Path, target: Layout, args_template, *,
     log.info("wrote Megatron-LM torch_dist iteration %d at %s (%s, %d parameters) into %s in %.2fs",
              iteration, target, sharding, len(plan), out, time.perf_counter() - t0)
     return out
+
+
+def _expert_buffers(args) -> bool:
+    """Whether megatron-core DDP keeps expert-parallel buffers on any target model-parallel rank
+    (read off the model rebuilt there, meta tensors)."""
+    if getattr(args, "expert_model_parallel_size", 1) > 1:
+        return True
+    return any(c.expert_parallel_buffers for _, chunks in model_parallel_ranks(args) for c in chunks)
 
 
 def _dp_reshardable_state(source, args, groups: list[dict], progress: Progress) -> dict:

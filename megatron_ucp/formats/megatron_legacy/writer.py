@@ -21,6 +21,7 @@ from megatron.core import parallel_state as ps
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.megatron_common import (
     TRACKER,
+    chained_groups,
     check_export,
     iteration_dir_name,
     prepare_export,
@@ -204,12 +205,8 @@ def _param_groups(source, n_optimizers: int) -> Any:
     step = single_step(source)
     opt = source.manifest.optimizer
     out = []
-    for i in range(n_optimizers):
-        groups = []
-        for g in opt.get("param_groups", []):
-            if g.get("optimizer", 0) != i:
-                continue
-            groups.append(torch_group(g, step))
+    for i, chained in enumerate(chained_groups(opt.get("param_groups", []), n_optimizers)):
+        groups = [torch_group(g, step) for g in chained]
         if not groups:
             raise UCPError(f"the universal manifest has no param groups for optimizer {i} (the "
                            f"target model has {n_optimizers} chained optimizers: dense/expert); "
