@@ -1160,11 +1160,14 @@ def hybrid_legacy_full(ckpt: Path) -> dict[str, dict]:
                                       for k in ("model", *STATES)}} for n, c in copies.items()}
 
 
-def hybrid_layer_params(symbol: str) -> list[str]:
-    """A hybrid Mamba, attention or MLP layer's parameters (no biases, RMSNorm) in registration
-    order, as the torch_dist keys name them (the Mamba mixer registers conv1d, dt_bias, A_log, D
-    before its in_proj, gated norm and out_proj; the layer's norm after its mixer; attention's
-    linear_proj before linear_qkv)."""
+def hybrid_layer_params(symbol: str, experts: int = 0) -> list[str]:
+    """A hybrid layer's parameters (no biases, RMSNorm; a MoE layer of `experts` SequentialMLP
+    experts) in registration order, under their universal names (the Mamba mixer registers conv1d,
+    dt_bias, A_log, D before its in_proj, gated norm and out_proj; the layer's norm after its mixer;
+    attention's linear_proj before linear_qkv; a MoE layer its norm, router, then each expert)."""
+    if symbol == "E":
+        return ["pre_mlp_layernorm.weight", "mlp.router.weight"] + [
+            f"mlp.experts.experts.{j}.linear_fc{k}.weight" for j in range(experts) for k in (1, 2)]
     return {"M": ["mixer.conv1d.weight", "mixer.conv1d.bias", "mixer.dt_bias", "mixer.A_log", "mixer.D",
                   "mixer.in_proj.weight", "mixer.norm.weight", "mixer.out_proj.weight",
                   "mixer.in_proj.layer_norm_weight"],
@@ -1176,35 +1179,49 @@ def hybrid_layer_params(symbol: str) -> list[str]:
 
 def hybrid_dp_reshardable_full(ckpt: Path) -> dict[str, dict]:
     """Universal name -> {"model", state...} of a hybrid model's dp_reshardable torch_dist save
-    (TP, no PP, no MoE, untied output layer): each TP rank's flat bucket
+    (TP, no PP, untied output layer; MoE at EP1, its experts in the dense buffer): each TP rank's flat bucket
     `optimizer.distributed.dp_group_idx_<tp>.gbuf_idx_0.dtype_(<param>, torch.float32)
     .bucket_idx_0.<state>` sliced with `buckets` over the registration order (embedding, the
     layers of `hybrid_layer_params`, final norm, output layer), the TP-local shapes derived by hand
     (`hybrid_full_tensor`'s rules), and the model tensors (one key per section for in_proj and
-    conv1d, concatenated)."""
+    conv1d, concatenated; the experts of a MoE layer stacked, `mlp.experts.experts.linear_fc<k>.weight`
+    [experts, ...])."""
     common = dist_common(ckpt)
     args = common["args"]
-    assert args.pipeline_model_parallel_size == 1 and not args.num_experts
+    assert args.pipeline_model_parallel_size == 1 and args.expert_model_parallel_size == 1
+    assert not args.num_experts or args.tensor_model_parallel_size == 1  # (expert TP not sliced here)
     assert args.untie_embeddings_and_output_weights
     tp_size, pattern = args.tensor_model_parallel_size, args.hybrid_layer_pattern
     sections = hybrid_sections(args)
     stored = tensor_keys(ckpt)
     names = [WORD] + [f"decoder.layers.{i}.{n}" for i, sym in enumerate(pattern)
-                      for n in hybrid_layer_params(sym)]
+                      for n in hybrid_layer_params(sym, args.num_experts or 0)]
     names += ["decoder.final_norm.weight", "output_layer.weight"]
 
     def key_parts(name: str) -> list[str]:
+        expert = re.fullmatch(r"(decoder\.layers\.\d+\.mlp\.experts\.experts)\.\d+\.(.+)", name)
+        if expert:
+            return [f"{expert.group(1)}.{expert.group(2)}"]
         rest = re.sub(r"^decoder\.layers\.\d+\.", "", name)
         if rest in sections:
             pieces = ("z", "x", "B", "C", "dt") if "in_proj" in rest else ("x", "B", "C")
             return [f"{name}.{s}" for s in pieces]
         return [name]
 
-    model_keys = [k for n in names for k in key_parts(n)]
+    model_keys = list(dict.fromkeys(k for n in names for k in key_parts(n)))
     flat_keys = {k for k in stored if k.startswith("optimizer.distributed.")}
     assert set(stored) == set(model_keys) | flat_keys, sorted(set(stored) ^ (set(model_keys) | flat_keys))
     model = load_keys(ckpt, model_keys)
-    full_model = {n: torch.cat([model[k] for k in key_parts(n)], dim=0) for n in names}
+
+    def model_tensor(name: str) -> torch.Tensor:
+        expert = re.fullmatch(r"decoder\.layers\.\d+\.mlp\.experts\.experts\.(\d+)\..+", name)
+        if expert:  # stacked: [experts, ...]
+            (key,) = key_parts(name)
+            assert model[key].shape[0] == args.num_experts, key
+            return model[key][int(expert.group(1))]
+        return torch.cat([model[k] for k in key_parts(name)], dim=0)
+
+    full_model = {n: model_tensor(n) for n in names}
 
     def local_shape(name: str) -> tuple[int, ...]:
         shape = list(full_model[name].shape)

@@ -83,6 +83,8 @@ ROUND_TRIPS = [
     ("torch_dist_hybrid_tp2", "torch", Layout(tp=1, pp=1, dp=2), None),
     ("torch_dist_hybrid_tp2", "torch_dist", Layout(tp=1, pp=2, dp=1), "fully_reshardable"),
     ("torch_hybrid_pp2", "torch", Layout(tp=1, pp=1, dp=2), None),
+    ("torch_hybrid_pp2", "torch_dist", Layout(tp=1, pp=1, dp=2), "fully_reshardable"),
+    ("torch_hybrid_pp2", "torch_dist", Layout(tp=1, pp=1, dp=2), "dp_reshardable"),
 ]
 
 

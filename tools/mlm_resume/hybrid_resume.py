@@ -61,6 +61,9 @@ CASES = [
     ("torch_dist_hybrid_tp2", "torch", dict(tp=2, pp=1, dp=1), None, []),  # the saved TP, other format
     ("torch_dist_hybrid_tp2", "torch_dist", dict(tp=1, pp=1, dp=2), "dp_reshardable", ["--no-load-optim"]),
     ("torch_hybrid_pp2", "torch", dict(tp=1, pp=1, dp=2), None, []),
+    ("torch_hybrid_pp2", "torch_dist", dict(tp=1, pp=1, dp=2), "dp_reshardable", []),
+    ("torch_hybrid_pp2", "torch_dist", dict(tp=1, pp=1, dp=2), "fully_reshardable",
+     ["--dist-ckpt-optim-fully-reshardable"]),
     ("torch_hybrid_pp2", "torch", dict(tp=1, pp=1, dp=2), None, ["--no-load-optim"]),
     # the universal checkpoint itself, loaded by megatron_ucp.megatron_lm.install() (MLM_UCP_INSTALL)
     ("torch_hybrid_pp2", "universal", dict(tp=1, pp=1, dp=2), None, []),
