@@ -110,6 +110,9 @@ def check_model_config(saved: dict, current: dict, where: str) -> None:
     # expand being a layer-spec argument the config does not hold); whether they agree with a
     # given number, the parameter shapes say (A_log, D, dt_bias: one per head), which a load checks
     bad = [b for b in bad if not (b[0] == "mamba_num_heads" and None in b[1:])]
+    # the `|`s of a hybrid pattern cut pipeline stages (Megatron-LM 0.19): layout, not the model
+    bad = [b for b in bad if not (b[0] == "hybrid_layer_pattern" and all(isinstance(x, str) for x in b[1:])
+                                  and b[1].replace("|", "") == b[2].replace("|", ""))]
     if bad:
         lines = "; ".join(f"{k}: checkpoint {a!r}, model {b!r}" for k, a, b in bad)
         hint = ""

@@ -1066,3 +1066,197 @@ def _gpt_oss_expected(master: dict[str, torch.Tensor], heads: int, groups: int, 
         out[h + "mlp.experts.down_proj"] = torch.stack([w2.t() for _, _, w2, _ in fc])
         out[h + "mlp.experts.down_proj_bias"] = torch.stack([b2 for _, _, _, b2 in fc])
     return out
+
+
+# ------------------------------------------------------- hybrid (Mamba) models, Megatron-LM files
+# megatron-core's hybrid model (`--hybrid-layer-pattern`, one symbol per layer: M Mamba, * attention,
+# - MLP, E MoE; `|` cuts pipeline stages). Universal names are the torch_dist keys of the TE spec:
+# a Mamba layer's input norm is `mixer.in_proj.layer_norm_weight`, the attention and MLP layers'
+# norms are fused into linear_qkv / linear_fc1, a MoE layer keeps `pre_mlp_layernorm`. The Mamba
+# mixer's in_proj is [z, x, B, C, dt] and its conv1d [x, B, C] along dim 0, each section split
+# over TP on its own; A_log, D, dt_bias and the gated norm split with the heads (dim 0).
+
+
+def hybrid_stage_layers(pattern: str) -> list[range]:
+    """The global layers of each pipeline stage of a pattern (its `|` cuts; none: one stage)."""
+    out, start = [], 0
+    for stage in pattern.split("/")[0].split("|"):
+        out.append(range(start, start + len(stage)))
+        start += len(stage)
+    return out
+
+
+def hybrid_sections(args) -> dict[str, list[int]]:
+    """Section sizes (dim 0, TP 1) of the Mamba mixer's in_proj and conv1d, from the run's args:
+    d_inner = 2 x hidden (megatron-core's expand), heads d_inner / head dim, B and C groups x state."""
+    d_inner = 2 * args.hidden_size
+    heads = args.mamba_num_heads or d_inner // args.mamba_head_dim
+    bc = args.mamba_num_groups * args.mamba_state_dim
+    return {"mixer.in_proj.weight": [d_inner, d_inner, bc, bc, heads],
+            "mixer.conv1d.weight": [d_inner, bc, bc], "mixer.conv1d.bias": [d_inner, bc, bc]}
+
+
+def hybrid_universal_name(local: str, pattern: str, layer_offset: int) -> str:
+    """A local (legacy state-dict) name of a hybrid model's stage -> its universal name."""
+    m = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", local)
+    if not m:
+        return local
+    layer = int(m.group(1)) + layer_offset
+    symbol, rest = pattern.split("/")[0].replace("|", "")[layer], m.group(2)
+    rename = {"M": {"norm.weight": "mixer.in_proj.layer_norm_weight",
+                    "mixer.conv1d_weight": "mixer.conv1d.weight", "mixer.conv1d_bias": "mixer.conv1d.bias"},
+              "*": {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight"},
+              "-": {"pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}}.get(symbol, {})
+    rest = rename.get(rest, rest)
+    rest = re.sub(r"^mlp\.experts\.local_experts\.", "mlp.experts.experts.", rest)  # EP1: global index
+    return f"decoder.layers.{layer}.{rest}"
+
+
+def hybrid_full_tensor(name: str, copies: list[tuple[int, torch.Tensor]], sections: dict) -> torch.Tensor:
+    """TP shards of a hybrid model's tensor put together: sectioned tensors section by section,
+    the per-head Mamba tensors and column-parallel ones on dim 0, out_proj and row-parallel ones
+    on dim 1; replicated copies must agree."""
+    by_tp: dict[int, torch.Tensor] = {}
+    for tp, t in copies:
+        assert tp not in by_tp or torch.equal(by_tp[tp], t), f"{name}: replicated copies differ"
+        by_tp[tp] = t
+    shards = [by_tp[r] for r in sorted(by_tp)]
+    if len(shards) == 1:
+        return shards[0]
+    rest = re.sub(r"^decoder\.layers\.\d+\.", "", name)
+    if rest in sections:
+        local = [n // len(shards) for n in sections[rest]]
+        parts = [s.split(local, dim=0) for s in shards]
+        return torch.cat([p[i] for i in range(len(local)) for p in parts], dim=0)
+    if rest in ("mixer.A_log", "mixer.D", "mixer.dt_bias", "mixer.norm.weight") or name.endswith(COLUMN):
+        return torch.cat(shards, dim=0)
+    if rest == "mixer.out_proj.weight" or name.endswith(ROW):
+        return torch.cat(shards, dim=1)
+    for s in shards[1:]:
+        assert torch.equal(s, shards[0]), f"{name}: TP-replicated copies differ"
+    return shards[0]
+
+
+def hybrid_legacy_full(ckpt: Path) -> dict[str, dict]:
+    """Universal name -> {"model", state..., "step"} of a hybrid model's `--ckpt-format torch` save
+    (distributed optimizer, untied output layer, EP1): each rank's `distrib_optim.pt` buffer sliced
+    with `flat_layout` over its model_optim_rng.pt state dict (registration order), the TP shards
+    put together with `hybrid_full_tensor`."""
+    copies: dict[str, dict] = {}
+    for rank_dir in sorted(legacy_iteration(ckpt).iterdir()):
+        m, optim = load(rank_dir / "model_optim_rng.pt"), load(rank_dir / "distrib_optim.pt")
+        args = m["args"]
+        assert args.untie_embeddings_and_output_weights and args.expert_model_parallel_size == 1
+        assert not args.virtual_pipeline_model_parallel_size
+        pattern = args.hybrid_layer_pattern
+        parts = [int(x) for x in rank_dir.name.split("_")[2:]]
+        tp, pp = parts[0], parts[1] if args.pipeline_model_parallel_size > 1 else 0
+        sd = {k: v for k, v in m["model"].items() if torch.is_tensor(v)}
+        starts, total = flat_layout([(k, v.numel()) for k, v in sd.items()], set())
+        assert optim["buckets_coalesced"] and set(optim) == {"buckets_coalesced", 0}, rank_dir
+        (flat,) = optim[0].values()  # one (param dtype, grad dtype) buffer
+        assert flat["numel_unpadded"] == total == flat["param"].numel(), rank_dir
+        (step,) = {g["step"] for g in m["optimizer"]["optimizer"]["param_groups"]}
+        offset = hybrid_stage_layers(pattern)[pp].start
+        for local, weight in sd.items():
+            d = copies.setdefault(hybrid_universal_name(local, pattern, offset), {"step": step})
+            d.setdefault("model", []).append((tp, weight))
+            for s in STATES:
+                t = flat[s][starts[local]:starts[local] + weight.numel()].view(weight.shape)
+                d.setdefault(s, []).append((tp, t))
+    sections = hybrid_sections(args)
+    return {n: {"step": c["step"], **{k: hybrid_full_tensor(n, c[k], sections)
+                                      for k in ("model", *STATES)}} for n, c in copies.items()}
+
+
+def hybrid_layer_params(symbol: str, experts: int = 0) -> list[str]:
+    """A hybrid layer's parameters (no biases, RMSNorm; a MoE layer of `experts` SequentialMLP
+    experts) in registration order, under their universal names (the Mamba mixer registers conv1d,
+    dt_bias, A_log, D before its in_proj, gated norm and out_proj; the layer's norm after its mixer;
+    attention's linear_proj before linear_qkv; a MoE layer its norm, router, then each expert)."""
+    if symbol == "E":
+        return ["pre_mlp_layernorm.weight", "mlp.router.weight"] + [
+            f"mlp.experts.experts.{j}.linear_fc{k}.weight" for j in range(experts) for k in (1, 2)]
+    return {"M": ["mixer.conv1d.weight", "mixer.conv1d.bias", "mixer.dt_bias", "mixer.A_log", "mixer.D",
+                  "mixer.in_proj.weight", "mixer.norm.weight", "mixer.out_proj.weight",
+                  "mixer.in_proj.layer_norm_weight"],
+            "*": ["self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_proj.weight",
+                  "self_attention.linear_qkv.weight"],
+            "-": ["mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.weight",
+                  "mlp.linear_fc2.weight"]}[symbol]
+
+
+def hybrid_dp_reshardable_full(ckpt: Path) -> dict[str, dict]:
+    """Universal name -> {"model", state...} of a hybrid model's dp_reshardable torch_dist save
+    (TP, no PP, untied output layer; MoE at EP1, its experts in the dense buffer): each TP rank's flat bucket
+    `optimizer.distributed.dp_group_idx_<tp>.gbuf_idx_0.dtype_(<param>, torch.float32)
+    .bucket_idx_0.<state>` sliced with `buckets` over the registration order (embedding, the
+    layers of `hybrid_layer_params`, final norm, output layer), the TP-local shapes derived by hand
+    (`hybrid_full_tensor`'s rules), and the model tensors (one key per section for in_proj and
+    conv1d, concatenated; the experts of a MoE layer stacked, `mlp.experts.experts.linear_fc<k>.weight`
+    [experts, ...])."""
+    common = dist_common(ckpt)
+    args = common["args"]
+    assert args.pipeline_model_parallel_size == 1 and args.expert_model_parallel_size == 1
+    assert not args.num_experts or args.tensor_model_parallel_size == 1  # (expert TP not sliced here)
+    assert args.untie_embeddings_and_output_weights
+    tp_size, pattern = args.tensor_model_parallel_size, args.hybrid_layer_pattern
+    sections = hybrid_sections(args)
+    stored = tensor_keys(ckpt)
+    names = [WORD] + [f"decoder.layers.{i}.{n}" for i, sym in enumerate(pattern)
+                      for n in hybrid_layer_params(sym, args.num_experts or 0)]
+    names += ["decoder.final_norm.weight", "output_layer.weight"]
+
+    def key_parts(name: str) -> list[str]:
+        expert = re.fullmatch(r"(decoder\.layers\.\d+\.mlp\.experts\.experts)\.\d+\.(.+)", name)
+        if expert:
+            return [f"{expert.group(1)}.{expert.group(2)}"]
+        rest = re.sub(r"^decoder\.layers\.\d+\.", "", name)
+        if rest in sections:
+            pieces = ("z", "x", "B", "C", "dt") if "in_proj" in rest else ("x", "B", "C")
+            return [f"{name}.{s}" for s in pieces]
+        return [name]
+
+    model_keys = list(dict.fromkeys(k for n in names for k in key_parts(n)))
+    flat_keys = {k for k in stored if k.startswith("optimizer.distributed.")}
+    assert set(stored) == set(model_keys) | flat_keys, sorted(set(stored) ^ (set(model_keys) | flat_keys))
+    model = load_keys(ckpt, model_keys)
+
+    def model_tensor(name: str) -> torch.Tensor:
+        expert = re.fullmatch(r"decoder\.layers\.\d+\.mlp\.experts\.experts\.(\d+)\..+", name)
+        if expert:  # stacked: [experts, ...]
+            (key,) = key_parts(name)
+            assert model[key].shape[0] == args.num_experts, key
+            return model[key][int(expert.group(1))]
+        return torch.cat([model[k] for k in key_parts(name)], dim=0)
+
+    full_model = {n: model_tensor(n) for n in names}
+
+    def local_shape(name: str) -> tuple[int, ...]:
+        shape = list(full_model[name].shape)
+        rest = re.sub(r"^decoder\.layers\.\d+\.", "", name)
+        heads = ("mixer.A_log", "mixer.D", "mixer.dt_bias", "mixer.norm.weight")
+        axis = (0 if rest in sections or rest in heads or name.endswith(COLUMN)
+                else 1 if rest == "mixer.out_proj.weight" or name.endswith(ROW) else None)
+        if axis is not None:
+            shape[axis] //= tp_size
+        return tuple(shape)
+
+    dtype = "torch.bfloat16" if args.bf16 else "torch.float32"
+    copies: dict[str, dict[str, list]] = {}
+    read = set()
+    for tp in range(tp_size):
+        (bucket,) = buckets([(n, math.prod(local_shape(n))) for n in names], set())
+        prefix = (f"optimizer.distributed.dp_group_idx_{tp}.gbuf_idx_0.dtype_({dtype}, "
+                  f"torch.float32).bucket_idx_0")
+        flat = load_keys(ckpt, [f"{prefix}.{s}" for s in STATES])
+        read |= set(flat)
+        for name, start, numel in bucket:
+            for s in STATES:
+                assert start + numel <= flat[f"{prefix}.{s}"].numel(), (prefix, name)
+                piece = flat[f"{prefix}.{s}"][start:start + numel].view(local_shape(name))
+                copies.setdefault(name, {}).setdefault(s, []).append((tp, piece))
+    assert {k for k in flat_keys if not k.endswith(("optimizer/shard_0_1", "numel/shard_0_1",
+                                                    "numel_unpadded/shard_0_1"))} == read
+    return {n: {"model": full_model[n], **{s: hybrid_full_tensor(n, c[s], sections) for s in STATES}}
+            for n, c in copies.items()}

@@ -57,6 +57,16 @@ def test_another_hybrid_pattern_is_refused():
         check_model_config({"hybrid_layer_pattern": "M*-E"}, {"hybrid_layer_pattern": "M-*E"}, "ckpt")
 
 
+def test_pipeline_cuts_of_a_hybrid_pattern_are_layout():
+    """Megatron-LM 0.19 cuts a hybrid model's pipeline stages at the `|`s of its pattern; the
+    same layers at another PP have the pattern without them. The model is the same, so a
+    checkpoint of `M*-|ME` (PP2) loads into `M*-ME` (PP1) and back; other layers are refused."""
+    check_model_config({"hybrid_layer_pattern": "M*-|ME"}, {"hybrid_layer_pattern": "M*-ME"}, "ckpt")
+    check_model_config({"hybrid_layer_pattern": "M*-ME"}, {"hybrid_layer_pattern": "M*|-ME"}, "ckpt")
+    with pytest.raises(UCPError, match=r"hybrid_layer_pattern: checkpoint 'M\*-\|ME', model 'M\*-EM'"):
+        check_model_config({"hybrid_layer_pattern": "M*-|ME"}, {"hybrid_layer_pattern": "M*-EM"}, "ckpt")
+
+
 def test_mamba_sections_and_per_head_params():
     """megatron-core's Mamba mixer declares in_proj as sections z, x, B, C, dt and conv1d as x, B,
     C, each split over TP on its own (keys `in_proj.weight.z`, ...), and marks conv1d, A_log, D,

@@ -266,6 +266,33 @@ def null_tokenizer_vocab(args) -> int | None:
     return None
 
 
+# `--spec` values of a hybrid (Mamba) run whose stack megatron-ucp rebuilds: megatron-core's local
+# layers with the TE spec's parameter names (`megatron_rebuild.hybrid_stack_spec`). Megatron-LM's
+# pretrain_hybrid.py needs a `--spec` (megatron-core 0.19 ships only Transformer Engine's); without
+# TE this is the one that builds (megatron_ucp.testing.mamba_cpu's, for CPU runs).
+LOCAL_HYBRID_SPECS = (("megatron_ucp.testing.mamba_cpu", "hybrid_stack_spec_local"),)
+
+
+def hybrid_layer_pattern(args) -> str | None:
+    """A hybrid model's layer pattern in Megatron-LM args (0.19: `--hybrid-layer-pattern`; before:
+    `--hybrid-override-pattern`), None for a GPT model."""
+    return getattr(args, "hybrid_override_pattern", None) or getattr(args, "hybrid_layer_pattern", None)
+
+
+def set_hybrid_pattern_for_pp(args, pp: int) -> None:
+    """Megatron-LM 0.19 cuts a hybrid pattern's pipeline stages at its `|`s (their count must be
+    the PP size, or a multiple of it for virtual stages); a pattern without them is split by
+    megatron-core itself at any PP. The same model at another PP than the pattern's stages: the
+    pattern without its `|`s (set in place, in whichever of the two args holds it)."""
+    pattern = hybrid_layer_pattern(args)
+    if not pattern or "|" not in pattern.split("/")[0] or pattern.split("/")[0].count("|") + 1 == pp:
+        return
+    main, *mtp = pattern.split("/")
+    for attr in ("hybrid_override_pattern", "hybrid_layer_pattern"):
+        if getattr(args, attr, None):
+            setattr(args, attr, "/".join([main.replace("|", ""), *mtp]))
+
+
 def check_supported(args, where: Path | str) -> None:
     """Refuse runs whose model or optimizer state megatron-ucp cannot rebuild from args."""
     problems = []
@@ -274,7 +301,13 @@ def check_supported(args, where: Path | str) -> None:
     if getattr(args, "transformer_impl", "local") != "local":
         problems.append(f"--transformer-impl {args.transformer_impl}: rebuilding TransformerEngine "
                         "layers needs TransformerEngine, which megatron-ucp does not use")
-    for flag in ("spec", "yaml_cfg", "heterogeneous_layers_config_path", "experimental_attention_variant"):
+    spec = getattr(args, "spec", None)
+    if spec and not (hybrid_layer_pattern(args) and tuple(spec) in LOCAL_HYBRID_SPECS):
+        problems.append(f"--spec {' '.join(spec)} is set" + (
+            f" (a hybrid model's stack is rebuilt with megatron-core's local layers, as "
+            f"`--spec {' '.join(LOCAL_HYBRID_SPECS[0])}` builds it; other specs are not)"
+            if hybrid_layer_pattern(args) else ""))
+    for flag in ("yaml_cfg", "heterogeneous_layers_config_path", "experimental_attention_variant"):
         if getattr(args, flag, None):
             problems.append(f"--{flag.replace('_', '-')} is set")
     if not getattr(args, "use_distributed_optimizer", False):
@@ -332,6 +365,7 @@ def target_args(template, target: Layout, first_stage_layers: int | None = None,
                        "pass args without it")
     if target.tp == 1:
         a.sequence_parallel = False
+    set_hybrid_pattern_for_pp(a, target.pp)
     from megatron_ucp.mcore_compat import rederive_weight_shards  # imports megatron.core
 
     rederive_weight_shards(a)

@@ -29,7 +29,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_ucp.errors import UCPError
-from megatron_ucp.formats.megatron_common import layout, rank_order, world
+from megatron_ucp.formats.megatron_common import (
+    hybrid_layer_pattern,
+    layout,
+    rank_order,
+    set_hybrid_pattern_for_pp,
+    world,
+)
 from megatron_ucp.mcore_compat import config_kwargs_from_args, rederive_weight_shards
 from megatron_ucp.param_spec import local_params
 from megatron_ucp.spec import ParamSpec
@@ -74,6 +80,7 @@ def single_rank_args(args):
            "account_for_loss_in_pipeline_split": False,
            "overlap_param_gather_with_optimizer_step": False}
     single = argparse.Namespace(**{**vars(args), **one})
+    set_hybrid_pattern_for_pp(single, 1)  # (a hybrid pattern's `|` stages)
     rederive_weight_shards(single)
     return single
 
@@ -313,10 +320,7 @@ def _build_chunk(args, config, vp: int | None):
     return model
 
 
-def hybrid_pattern(args) -> str | None:
-    """A hybrid model's layer pattern in Megatron-LM style args (`--hybrid-override-pattern`), or
-    None for a GPT model."""
-    return getattr(args, "hybrid_override_pattern", None) or getattr(args, "hybrid_layer_pattern", None)
+hybrid_pattern = hybrid_layer_pattern  # (the name this module's callers use)
 
 
 def hybrid_stack_spec(normalization: str, num_experts: int | None, moe_grouped_gemm: bool = False,

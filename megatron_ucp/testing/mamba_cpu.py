@@ -211,3 +211,13 @@ def local_mamba_stack_spec(normalization: str, num_experts: int | None, moe_grou
     """The hybrid stack with megatron-core's local layers (`megatron_rebuild.hybrid_stack_spec`,
     which the HF importer's rebuild uses too)."""
     return hybrid_stack_spec(normalization, num_experts, moe_grouped_gemm, norm)
+
+
+# Megatron-LM's pretrain_hybrid.py (pretrain_mamba.py runs it) builds the stack from the spec named by
+# `--spec MODULE NAME` (hybrid_builders.py: `import_module(args.spec)`, a ModuleSpec object, not a
+# function); megatron-core 0.19 ships only Transformer Engine's `hybrid_stack_spec`. This is the
+# local one: `--spec megatron_ucp.testing.mamba_cpu hybrid_stack_spec_local`. Its norm class is the
+# local spec's RMSNorm choice, megatron-core's WrappedTorchNorm, which follows
+# `config.normalization` (LayerNorm or RMSNorm); the MoE layer's local experts (SequentialMLP) take
+# their count from the config (8 here only selects MoE, as in megatron-core's TE spec).
+hybrid_stack_spec_local = local_mamba_stack_spec("RMSNorm", num_experts=8)

@@ -306,23 +306,30 @@ class _ObjectPlanner(DefaultLoadPlanner):
                                                  self.reader.trust_pickle)
 
 
-def storage_keys(model) -> dict[int, tuple[str, tuple[int, ...]]]:
-    """id(param) -> (torch_dist key, indices along its stacked axes), from sharded_state_dict."""
+def storage_keys(model) -> dict[int, tuple[str, tuple[int, ...], list[str]]]:
+    """id(param) -> (torch_dist key, indices along its stacked axes, the keys of its sections), from
+    sharded_state_dict. Sections: a factory whose pieces carry different keys (Mamba's in_proj
+    `.z/.x/.B/.C/.dt`, conv1d `.x/.B/.C`) stores the parameter as one tensor per section, in
+    this order along the TP axis (`param_spec.sections`); [key] otherwise."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
     from megatron.core.utils import unwrap_model
+
+    def flat(x) -> list:
+        if isinstance(x, dict):
+            return [t for v in x.values() for t in flat(v)]
+        return [t for v in x for t in flat(v)] if isinstance(x, (list, tuple)) else [x]
 
     out = {}
     for entry in declared_state_dict(unwrap_model(model)).values():
         if isinstance(entry, ShardedTensorFactory):
-            first = entry.build()
-            while isinstance(first, (dict, list, tuple)):
-                first = next(iter(first.values())) if isinstance(first, dict) else first[0]
+            subs = [t for t in flat(entry.build()) if isinstance(t, ShardedTensor)]
         elif isinstance(entry, ShardedTensor):
-            first = entry
+            subs = [entry]
         else:
             continue
-        p = first.prepend_axis_num
-        out[id(entry.data)] = (first.key, tuple(first.global_offset[:p]))
+        first, p = subs[0], subs[0].prepend_axis_num
+        out[id(entry.data)] = (first.key, tuple(first.global_offset[:p]),
+                               list(dict.fromkeys(t.key for t in subs)))
     return out
 
 
@@ -338,6 +345,30 @@ class Param:
     # a persistent buffer (MoE router expert_bias): its dtype in the model, which Megatron-LM
     # keeps (fp32 in a bf16 run); it has no optimizer state
     buffer_dtype: torch.dtype | None = None
+    # a parameter stored in sections (spec["tp_sections"]): each section's key, in order along the
+    # TP axis (`storage_keys`); None: the one tensor `key`
+    section_keys: list[str] | None = None
+
+    def parts(self) -> list[tuple[str, tuple[slice, ...], tuple[int, ...]]]:
+        """(torch_dist key, its box in the universal tensor, its shape) of each stored tensor of
+        this parameter: the whole parameter, or one per section along the TP axis."""
+        shape = tuple(self.spec["shape"])
+        if not self.section_keys:
+            return [(self.key, tuple(slice(None) for _ in shape), shape)]
+        axis, sizes = self.spec["tp_axis"], self.spec["tp_sections"]
+        out, start = [], 0
+        for key, n in zip(self.section_keys, sizes):
+            box = tuple(slice(start, start + n) if d == axis else slice(None) for d in range(len(shape)))
+            out.append((key, box, shape[:axis] + (n,) + shape[axis + 1:]))
+            start += n
+        return out
+
+    def stored(self, read, index: tuple[int, ...] | None = None) -> torch.Tensor:
+        """The parameter put together from its stored tensors: `read(key)` -> the stored (stacked)
+        tensor, each taken at `index` (default: this parameter's)."""
+        at = self.index if index is None else index
+        parts = [read(key)[at] for key, _, _ in self.parts()]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.spec["tp_axis"])
 
 
 def plan_model(args) -> tuple[dict[str, Param], dict]:
@@ -351,9 +382,14 @@ def plan_model(args) -> tuple[dict[str, Param], dict]:
         for lp in local_params([model]):
             if id(lp.param) not in keys:
                 raise UCPError(f"parameter {lp.local_name!r} has no sharded_state_dict key")
-            key, index = keys[id(lp.param)]
+            key, index, section_keys = keys[id(lp.param)]
+            if bool(lp.spec.tp_sections) != (len(section_keys) > 1) or (
+                    lp.spec.tp_sections and len(section_keys) != len(lp.spec.tp_sections)):
+                raise UCPError(f"parameter {lp.local_name!r}: sharded_state_dict keys {section_keys} "
+                               f"do not match its sections {lp.spec.tp_sections}")
             plan[lp.spec.name] = Param(lp.spec.to_json(), key, (*index, *lp.stack_index),
-                                       buffer_dtype=lp.param.dtype if lp.spec.buffer else None)
+                                       buffer_dtype=lp.param.dtype if lp.spec.buffer else None,
+                                       section_keys=section_keys if len(section_keys) > 1 else None)
         cfg = model_config([model], args)
         del model
     plan = dict(sorted(plan.items(), key=lambda kv: (kv[1].key, kv[1].index)))

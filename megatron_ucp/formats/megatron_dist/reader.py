@@ -205,24 +205,30 @@ def check_names(reader: DistReader, plan: dict[str, Param], sharding: str) -> No
     stored = {k: reader.shape(k) for k in reader.tensor_keys() if not OPTIMIZER_KEY.match(k)}
     used: dict[str, set] = {}
     for name, p in plan.items():
-        if p.key not in stored:
-            raise UCPError(f"{reader.dir}: the model built from the checkpoint's args has parameter "
-                           f"{name!r} (torch_dist key {p.key!r}) but the checkpoint has no such "
-                           "tensor; the args do not describe this checkpoint")
-        want = (*[i + 1 for i in p.index], *p.spec["shape"])
+        for key, _, part_shape in p.parts():  # (one per section of a sectioned parameter)
+            if key not in stored:
+                raise UCPError(f"{reader.dir}: the model built from the checkpoint's args has "
+                               f"parameter {name!r} (torch_dist key {key!r}) but the checkpoint has "
+                               "no such tensor; the args do not describe this checkpoint")
+            want = (*[i + 1 for i in p.index], *part_shape)
+            have = stored[key]
+            if len(have) != len(want) or tuple(have[len(p.index):]) != part_shape or any(
+                    i >= n for i, n in zip(p.index, have)):
+                raise UCPError(f"{reader.dir}: tensor {key!r} has shape {list(have)} but parameter "
+                               f"{name!r} needs index {list(p.index)} of shape {list(part_shape)}")
+            used.setdefault(key, set()).add(p.index)
+            if sharding == "fully_reshardable" and p.buffer_dtype is None:
+                for s in STATES:
+                    k = state_key(s, key)
+                    if k not in reader.meta:
+                        raise UCPError(f"{reader.dir}: optimizer state {k!r} for parameter "
+                                       f"{name!r} is missing")
         have = stored[p.key]
-        if len(have) != len(want) or tuple(have[len(p.index):]) != tuple(p.spec["shape"]) or any(
-                i >= n for i, n in zip(p.index, have)):
-            raise UCPError(f"{reader.dir}: tensor {p.key!r} has shape {list(have)} but parameter "
-                           f"{name!r} needs index {list(p.index)} of shape {p.spec['shape']}")
-        used.setdefault(p.key, set()).add(p.index)
-        if sharding == "fully_reshardable" and p.buffer_dtype is None:
-            for s in STATES:
-                k = state_key(s, p.key)
-                if k not in reader.meta:
-                    raise UCPError(f"{reader.dir}: optimizer state {k!r} for parameter {name!r} "
-                                   "is missing")
-        elif sharding == FLATTENED:
+        if sharding == FLATTENED and p.section_keys:
+            raise UCPError(f"{reader.dir}: parameter {name!r} is stored in sections "
+                           f"{p.section_keys}; their fully_sharded_model_space optimizer form is "
+                           "not mapped (convert a save of another form)")
+        if sharding == FLATTENED:
             for s in STATES:
                 k = flattened_state_key(s, p.key)
                 if k not in reader.meta:
@@ -251,7 +257,8 @@ def _check_optimizer_keys(reader: DistReader, plan: dict[str, Param], sharding: 
     replica_buckets: dp_reshardable buckets holding replicas only (with PP > 1, the tied output
     layer's copy of the embedding sits in a bucket of its own on the last stage)."""
     if sharding == "fully_reshardable":
-        wanted = {state_key(s, p.key) for p in plan.values() if p.buffer_dtype is None for s in STATES}
+        wanted = {state_key(s, key) for p in plan.values() if p.buffer_dtype is None
+                  for key, _, _ in p.parts() for s in STATES}
     elif sharding == FLATTENED:
         wanted = {flattened_state_key(s, p.key) for p in plan.values() if p.buffer_dtype is None
                   for s in STATES}
@@ -347,7 +354,7 @@ def _read_full(reader: DistReader, p: Param, state: str, sharding: str) -> torch
                            f"from args keeps it in {p.buffer_dtype}")
         return stored.float().contiguous()
     if sharding == "fully_reshardable":
-        t = reader.tensor(state_key(state, p.key))[p.index].clone()
+        t = p.stored(lambda key: reader.tensor(state_key(state, key))).clone()
     elif sharding == FLATTENED:
         t = _read_flattened(reader, p, state)
     else:
@@ -359,7 +366,7 @@ def _read_full(reader: DistReader, p: Param, state: str, sharding: str) -> torch
     if t.dtype != torch.float32:
         raise UCPError(f"optimizer state {state} of {p.spec['name']!r} is {t.dtype}, expected float32")
     if state == "param":
-        model = reader.tensor(p.key)[p.index]
+        model = p.stored(reader.tensor)
         if not torch.equal(t.to(model.dtype), model):
             raise UCPError(f"{reader.dir}: master weight of {p.spec['name']!r} cast to {model.dtype} "
                            f"differs from the stored model tensor {p.key!r}{list(p.index)}; the "

@@ -153,10 +153,13 @@ def write(source, save_dir: str | Path, target: Layout, args_template, *,
             for s in states:
                 tensors[s][plan[n].index] = full(n, s, shape)
             done.update(1)
-        state_dict[key] = tensors["param"].to(plan[names[0]].buffer_dtype or dtype)
-        if not buffer and sharding == "fully_reshardable":
-            for s in STATES:
-                state_dict[state_key(s, key)] = tensors[s]
+        # one tensor per section where the parameter is stored in sections (Mamba's in_proj, conv1d)
+        for part_key, box, _ in plan[names[0]].parts():
+            at = (slice(None),) * len(stacked) + box
+            state_dict[part_key] = tensors["param"][at].to(plan[names[0]].buffer_dtype or dtype)
+            if not buffer and sharding == "fully_reshardable":
+                for s in STATES:
+                    state_dict[state_key(s, part_key)] = tensors[s][at].contiguous()
     done.close()
     for k, v in objects.items():
         state_dict[k] = object_value(v)
