@@ -34,6 +34,18 @@ def _legacy_grouped_mlp_mark():
 NEEDS_LEGACY_GROUPED_MLP = _legacy_grouped_mlp_mark()
 
 
+def _mcore_19_mark():
+    from megatron_ucp.mcore_compat import MCORE_VERSION
+
+    return pytest.mark.skipif(
+        MCORE_VERSION[:2] < (0, 19),
+        reason=f"{RELEASE_SKIP}Megatron-LM core_v0.19.0's checkpoints pickle megatron-core 0.19 enums")
+
+
+# tests of Megatron-LM core_v0.19.0's checkpoints (tests/fixtures/megatron_lm_v019): the 0.19 run
+READS_CORE_V019_FILES = _mcore_19_mark()
+
+
 def nprocs(layout: str) -> int:
     from megatron_ucp.layout import Layout
 

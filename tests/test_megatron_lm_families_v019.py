@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import RELEASE_SKIP
+from conftest import READS_CORE_V019_FILES
 from oracles import (
     assert_holds_universal,
     dist_common,
@@ -35,12 +35,9 @@ from oracles import (
 )
 
 from megatron_ucp.layout import Layout
-from megatron_ucp.mcore_compat import MCORE_VERSION
 from megatron_ucp.reshard import convert_legacy, convert_torch_dist, reshard
 
-pytestmark = pytest.mark.skipif(
-    MCORE_VERSION[:2] < (0, 19),
-    reason=f"{RELEASE_SKIP}Megatron-LM core_v0.19.0's checkpoints pickle megatron-core 0.19 enums")
+pytestmark = READS_CORE_V019_FILES
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron_lm_v019"
 SETS = ("torch_dist_gptoss_ep2_fully", "torch_gptoss_ep2", "torch_dist_gptoss_ep2",

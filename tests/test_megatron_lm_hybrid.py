@@ -20,23 +20,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import RELEASE_SKIP
+from conftest import READS_CORE_V019_FILES
 from oracles import (
     hybrid_dp_reshardable_full,
     hybrid_legacy_full,
     hybrid_sections,
     universal_tensors,
 )
+from test_megatron_lm_v019 import written_back
 
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.megatron_common import check_supported
 from megatron_ucp.layout import Layout
-from megatron_ucp.mcore_compat import MCORE_VERSION
-from megatron_ucp.reshard import convert_legacy, convert_torch_dist, reshard
+from megatron_ucp.reshard import convert_legacy, convert_torch_dist
 
-pytestmark = pytest.mark.skipif(
-    MCORE_VERSION[:2] < (0, 19),
-    reason=f"{RELEASE_SKIP}Megatron-LM core_v0.19.0's checkpoints pickle megatron-core 0.19 enums")
+pytestmark = READS_CORE_V019_FILES
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron_lm_v019"
 SETS = {"torch_dist_hybrid_tp2": (convert_torch_dist, hybrid_dp_reshardable_full),
@@ -91,15 +89,7 @@ ROUND_TRIPS = [
 @pytest.mark.parametrize("src,fmt,lay,sharding", ROUND_TRIPS,
                          ids=lambda v: str(v) if isinstance(v, (str, Layout)) else "")
 def test_hybrid_written_at_another_layout_reads_back_bitwise(converted, tmp_path, src, fmt, lay, sharding):
-    out = tmp_path / "out"
-    reshard(FIXTURES / src / "ckpt", out, lay, fmt, progress=False, optim_sharding=sharding)
-    again = (convert_legacy if fmt == "torch" else convert_torch_dist)(out, tmp_path / "u", progress=False)
-    m1, t1 = universal_tensors(converted[src])
-    m2, t2 = universal_tensors(again)
-    assert (m2["layout"]["tp"], m2["layout"]["pp"], m2["layout"]["dp"]) == (lay.tp, lay.pp, lay.dp)
-    assert t1.keys() == t2.keys()
-    assert all(torch.equal(t, t2[k]) for k, t in t1.items())
-    assert {p["step"] for p in m2["params"].values()} == {6.0}
+    out, m1, t1 = written_back(FIXTURES / src / "ckpt", converted[src], tmp_path, fmt, lay, sharding)
     if fmt == "torch" or sharding == "dp_reshardable":  # the written files by hand, too
         full = (hybrid_legacy_full if fmt == "torch" else hybrid_dp_reshardable_full)(out)
         assert set(full) == set(m1["params"])

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FULL, RELEASE_SKIP
+from conftest import FULL, READS_CORE_V019_FILES
 from oracles import (
     assert_dumps_hold,
     assert_holds_universal,
@@ -40,13 +40,10 @@ from oracles import legacy_reference as reference
 
 from megatron_ucp import formats
 from megatron_ucp.layout import Layout
-from megatron_ucp.mcore_compat import MCORE_VERSION
 from megatron_ucp.reshard import convert, convert_legacy, convert_torch_dist, reshard
 from megatron_ucp.testing.launch import launch
 
-pytestmark = pytest.mark.skipif(
-    MCORE_VERSION[:2] < (0, 19),
-    reason=f"{RELEASE_SKIP}Megatron-LM core_v0.19.0's checkpoints pickle megatron-core 0.19 enums")
+pytestmark = READS_CORE_V019_FILES
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron_lm_v019"
 LEGACY = ("torch_dp2", "torch_tp2_pp2", "torch_llama_tp2", "torch_moe_ep2")
@@ -271,15 +268,7 @@ ROUND_TRIPS = [
 @pytest.mark.parametrize("src,fmt,lay,sharding", ROUND_TRIPS,
                          ids=lambda v: str(v) if isinstance(v, (str, Layout)) else "")
 def test_written_at_another_layout_reads_back_bitwise(converted, tmp_path, src, fmt, lay, sharding):
-    out = tmp_path / "out"
-    reshard(FIXTURES / src / "ckpt", out, lay, fmt, progress=False, optim_sharding=sharding)
-    again = (convert_legacy if fmt == "torch" else convert_torch_dist)(out, tmp_path / "u", progress=False)
-    m1, t1 = universal_tensors(converted[src])
-    m2, t2 = universal_tensors(again)
-    assert m2["layout"]["tp"] == lay.tp and m2["layout"]["pp"] == lay.pp and m2["layout"]["ep"] == lay.ep
-    assert t1.keys() == t2.keys()
-    assert all(torch.equal(t, t2[k]) for k, t in t1.items())
-    assert {p["step"] for p in m2["params"].values()} == {6.0}
+    out, m1, t1 = written_back(FIXTURES / src / "ckpt", converted[src], tmp_path, fmt, lay, sharding)
     if fmt == "torch":  # the written files by hand, too
         for rank_dir in (out / ITER).iterdir():
             args = load(rank_dir / "model_optim_rng.pt")["args"]
@@ -288,6 +277,23 @@ def test_written_at_another_layout_reads_back_bitwise(converted, tmp_path, src, 
         full = legacy_full(out)
         assert set(full) == set(m1["params"])
         assert all(torch.equal(full[n][s], t1[f"{n}/{s}"]) for n in full for s in STATES)
+
+
+def written_back(ckpt: Path, universal: Path, tmp_path: Path, fmt: str, lay: Layout,
+                 sharding: str | None) -> tuple[Path, dict, dict]:
+    """`ckpt` written as `fmt` at `lay` and converted back: its universal tensors must be those of
+    `universal` (the fixture's conversion) bitwise, at the written layout and Adam step 6. Returns
+    (the written checkpoint, the fixture's universal manifest and tensors)."""
+    out = tmp_path / "out"
+    reshard(ckpt, out, lay, fmt, progress=False, optim_sharding=sharding)
+    again = (convert_legacy if fmt == "torch" else convert_torch_dist)(out, tmp_path / "u", progress=False)
+    m1, t1 = universal_tensors(universal)
+    m2, t2 = universal_tensors(again)
+    assert [m2["layout"][k] for k in ("tp", "pp", "dp", "ep")] == [lay.tp, lay.pp, lay.dp, lay.ep]
+    assert t1.keys() == t2.keys()
+    assert all(torch.equal(t, t2[k]) for k, t in t1.items())
+    assert {p["step"] for p in m2["params"].values()} == {6.0}
+    return out, m1, t1
 
 
 def test_megatron_core_019_resumes_a_conversion_at_another_layout(converted, tmp_path):

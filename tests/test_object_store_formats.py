@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import RELEASE_SKIP
+from conftest import READS_CORE_V019_FILES
 from test_deepspeed_import import DS_DIR, TINY_MAP
 from test_hf_import import build
 
@@ -21,14 +21,11 @@ from megatron_ucp import formats, object_store
 from megatron_ucp.cli import main as cli
 from megatron_ucp.formats import open_source
 from megatron_ucp.layout import Layout
-from megatron_ucp.mcore_compat import MCORE_VERSION
 from megatron_ucp.reshard import reshard
 from megatron_ucp.spec import states_of
 from megatron_ucp.storage import location
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron_lm"
-MCORE19 = pytest.mark.skipif(MCORE_VERSION[:2] < (0, 19), reason=f"{RELEASE_SKIP}core_v0.19.0's checkpoints "
-                             "pickle megatron-core 0.19 enums (the 0.19 run reads them)")
 
 
 def uploaded(local: Path, url: str) -> str:
@@ -59,9 +56,9 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 @pytest.mark.parametrize("fixture,fmt", [
     ("torch_dist_tp2_dp2", "megatron_torch_dist"), ("torch_dist_dsmoe_ep2_fully", "megatron_torch_dist"),
     ("torch_tp2_pp2", "megatron_torch"),
-    pytest.param("../megatron_lm_v019/torch_dist_tp2_dp2", "megatron_torch_dist", marks=MCORE19),
-    pytest.param("../megatron_lm_v019/fsdp_dtensor_dp2", "megatron_fsdp", marks=MCORE19),
-    pytest.param("../megatron_lm_v019/torch_dcp_fsdp2_dp2", "megatron_fsdp", marks=MCORE19)])
+    *(pytest.param(f"../megatron_lm_v019/{fixture}", fmt, marks=READS_CORE_V019_FILES)
+      for fixture, fmt in [("torch_dist_tp2_dp2", "megatron_torch_dist"),
+                           ("fsdp_dtensor_dp2", "megatron_fsdp"), ("torch_dcp_fsdp2_dp2", "megatron_fsdp")])])
 def test_megatron_lm_checkpoint_converts_from_the_bucket(fixture, fmt, s3_prefix, tmp_path, capsys):
     local = FIXTURES / fixture / "ckpt"
     url = uploaded(local, f"{s3_prefix}/{Path(fixture).name}")

@@ -33,20 +33,16 @@ from megatron_ucp.formats import open_source  # noqa: E402
 from megatron_ucp.layout import Layout  # noqa: E402
 from megatron_ucp.reshard import convert, reshard  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).parent))
+import resume_table  # noqa: E402
+
 FIXTURES = REPO / "tests" / "fixtures" / "megatron_lm_v019"
-COMMON = ("--hidden-size 32 --num-attention-heads 4 --ffn-hidden-size 128 "
-          "--seq-length 32 --max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 4 "
-          "--train-iters 9 --lr 1e-3 --lr-decay-style constant --weight-decay 0.01 --clip-grad 1.0 "
-          "--optimizer adam --adam-beta1 0.9 --adam-beta2 0.95 --use-distributed-optimizer "
-          "--mock-data --tokenizer-type NullTokenizer --vocab-size 250 --transformer-impl local "
-          "--distributed-backend gloo --no-gradient-accumulation-fusion --no-masked-softmax-fusion "
-          "--no-bias-gelu-fusion --no-bias-dropout-fusion --no-persist-layer-norm "
-          "--hidden-dropout 0.0 --attention-dropout 0.0 --seed 4321 --log-interval 1 "
-          "--eval-iters 0 --eval-interval 1000 --bf16 --save-interval 3 "
-          "--override-opt_param-scheduler "
-          "--mamba-state-dim 8 --mamba-head-dim 16 --mamba-num-groups 2 --normalization RMSNorm "
-          "--position-embedding-type none --disable-bias-linear --untie-embeddings-and-output-weights "
-          "--spec megatron_ucp.testing.mamba_cpu hybrid_stack_spec_local").split()
+# resume_table's common flags (the fixture harness's) without its layer count (the pattern's)
+_LAYERS = resume_table.COMMON.index("--num-layers")
+COMMON = [*resume_table.COMMON[:_LAYERS], *resume_table.COMMON[_LAYERS + 2:],
+          *("--mamba-state-dim 8 --mamba-head-dim 16 --mamba-num-groups 2 --normalization RMSNorm "
+            "--position-embedding-type none --disable-bias-linear --untie-embeddings-and-output-weights "
+            "--spec megatron_ucp.testing.mamba_cpu hybrid_stack_spec_local").split()]
 MOE = ("--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32 "
        "--moe-token-dispatcher-type allgather").split()
 # fixture -> (its layout and format at save, its pattern, model flags)
