@@ -769,9 +769,9 @@ def _join(pieces: Sequence[tuple[int, int, memoryview]], begin: int, end: int, w
 
 class DcpObjectReader:
     """The byte side of torch.distributed.checkpoint's FileSystemReader for a prefix in a store:
-    `.metadata` read once; a load's items are fetched per object as merged ranged GETs (several in
-    flight) before the loader reads them, so no item becomes a request of its own. Made by
-    `storage.dcp_reader`, which wraps it in FileSystemReader's planning and decoding."""
+    a load's items are fetched per object as merged ranged GETs (several in flight) before the
+    loader reads them, so no item becomes a request of its own. Made by `storage.dcp_reader`,
+    which wraps it in FileSystemReader's planning and decoding (and reads `.metadata` once)."""
 
     def __init__(self, prefix: ObjectPath):
         self.prefix = prefix
