@@ -236,11 +236,12 @@ def _split_experts(local_key: str, param: torch.Tensor, pieces: list[Piece]):
         yield expert, base, numel, [pc._replace(start=pc.start - base) for pc in pcs]
 
 
-def _flatten(x) -> list:
+def flatten(x) -> list:
+    """The leaves of nested dicts, lists and tuples (a sharded_state_dict, a factory's build)."""
     if isinstance(x, dict):
-        return [y for v in x.values() for y in _flatten(v)]
+        return [y for v in x.values() for y in flatten(v)]
     if isinstance(x, (list, tuple)):
-        return [y for v in x for y in _flatten(v)]
+        return [y for v in x for y in flatten(v)]
     return [x]
 
 
@@ -254,7 +255,7 @@ def sharded_pieces(local_key: str, param: torch.Tensor, entry) -> list[ShardedTe
         return [entry]
     dtype = torch.int32 if param.numel() < 2**31 else torch.int64
     probe = torch.arange(param.numel(), dtype=dtype, device="cpu").view(param.shape)
-    return _flatten(entry.build_fn(entry.key, probe, entry.replica_id, entry.flattened_range))
+    return flatten(entry.build_fn(entry.key, probe, entry.replica_id, entry.flattened_range))
 
 
 def sections(local_key: str, factory_key: str, subs: list[ShardedTensor], tp_axis: int | None,

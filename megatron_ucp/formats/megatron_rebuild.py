@@ -255,7 +255,7 @@ def build_chunks(args) -> list:
     config = transformer_config(args)
     vpp = layout(args).vpp
     with _grouped_gemm_importable(getattr(args, "moe_grouped_gemm", False)), _mla_without_te(config):
-        if hybrid_pattern(args):
+        if hybrid_layer_pattern(args):
             if vpp:
                 raise UCPError("a hybrid (Mamba) model has no virtual pipeline stages in megatron-core "
                                "(MambaStack refuses them); the args ask for "
@@ -318,9 +318,6 @@ def _build_chunk(args, config, vp: int | None):
     for p in model.parameters():
         tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
     return model
-
-
-hybrid_pattern = hybrid_layer_pattern  # (the name this module's callers use)
 
 
 def hybrid_stack_spec(normalization: str, num_experts: int | None, moe_grouped_gemm: bool = False,
@@ -456,7 +453,7 @@ def _build_hybrid_chunk(args, config):
                                                getattr(args, "moe_grouped_gemm", False)),
             vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
             pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-            hybrid_override_pattern=hybrid_pattern(args),
+            hybrid_override_pattern=hybrid_layer_pattern(args),
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
             position_embedding_type=args.position_embedding_type,
             rotary_percent=getattr(args, "rotary_percent", 1.0),

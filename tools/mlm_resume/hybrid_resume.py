@@ -21,15 +21,12 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from megatron_ucp.formats import open_source  # noqa: E402
 from megatron_ucp.layout import Layout  # noqa: E402
 from megatron_ucp.reshard import convert, reshard  # noqa: E402
 
@@ -68,39 +65,17 @@ CASES = [
 
 def run(load: Path, save: Path, lay: dict, fmt: str, pattern: str, extra: list[str], log: Path,
         port: int) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1",
-           "TORCHDYNAMO_DISABLE": "1", "MLM_RESUME_KEEP_STEP": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    env.pop("MLM_HARNESS", None)
-    if fmt == "universal":
-        env["MLM_UCP_INSTALL"] = "1"
+    """resume_table.run_megatron with pretrain_hybrid.py (run_hybrid_resume.py) and this model's
+    flags; a pattern's `|` stage cuts only where the run has that many stages."""
     if lay["pp"] != pattern.count("|") + 1:
         pattern = pattern.replace("|", "")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-           str(lay["tp"] * lay["pp"] * lay["dp"]), "--master-port", str(port),
-           str(Path(__file__).with_name("run_hybrid_resume.py")), *COMMON,
-           "--ckpt-format", fmt, "--tensor-model-parallel-size", str(lay["tp"]),
-           "--pipeline-model-parallel-size", str(lay["pp"]), "--hybrid-layer-pattern", pattern,
-           "--load", str(load), "--save", str(save), *extra]
-    t0 = time.perf_counter()
-    with open(log, "w") as f:
-        f.write(" ".join(cmd) + "\n")
-        f.flush()
-        rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=900).returncode
-    text = log.read_text()
-    losses = {int(m.group(1)): float(m.group(2)) for m in re.finditer(
-        r"iteration\s+(\d+)/.*?lm loss: ([0-9.E+-]+)", text)}
-    error, step = None, None
-    if rc:
-        found = [m.group(1) for m in re.finditer(r"^(?:\[rank\d+\]: )?([\w.]*(?:Error|Exception): .*)$",
-                                                 text, re.M) if "ChildFailedError" not in m.group(1)]
-        error = found[-1][:300] if found else f"exit code {rc}"
-    else:
-        src = open_source(save)
-        steps = {src.step(n) for n in src.manifest.params}
-        step = steps.pop() if len(steps) == 1 else sorted(steps)
-    return {"rc": rc, "losses": losses, "saved_step": step, "seconds": round(time.perf_counter() - t0, 1),
-            "log": str(log), "error": error, "pattern": pattern}
+    runner = {"src": os.environ["MLM_SRC"], "python": sys.executable,
+              "pythonpath": os.environ.get("PYTHONPATH"),
+              "script": Path(__file__).with_name("run_hybrid_resume.py"), "common": COMMON,
+              "env": {"MLM_UCP_INSTALL": "1"} if fmt == "universal" else {}}
+    res = resume_table.run_megatron(runner, load, save, lay, fmt, ["--hybrid-layer-pattern", pattern, *extra],
+                                    log, port)
+    return {**res, "pattern": pattern}
 
 
 def main() -> int:

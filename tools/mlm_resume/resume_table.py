@@ -269,7 +269,8 @@ def world(lay: dict) -> int:
 def run_megatron(runner: dict, load: Path, save: Path, lay: dict, fmt: str, extra: list[str], log: Path,
                  port: int) -> dict:
     """Stock pretrain_gpt.py of `runner` (a release's Megatron-LM tree, interpreter and shim) from
-    `load` to iteration 9; the logged losses and the saved step."""
+    `load` to iteration 9; the logged losses and the saved step. runner may name another launcher
+    ("script", e.g. run_hybrid_resume.py) and other model flags ("common")."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1",
            "TORCHDYNAMO_DISABLE": "1", "MLM_SHIM_DISTOPT_STEP_LOAD_FIX": "1",
            "MLM_SHIM_DISTOPT_UNSHARE_STEP": "1", "MLM_RESUME_KEEP_STEP": "1", "MLM_SRC": runner["src"],
@@ -280,7 +281,8 @@ def run_megatron(runner: dict, load: Path, save: Path, lay: dict, fmt: str, extr
     env.update(runner.get("env", {}))
     cmd = [runner["python"], "-m", "torch.distributed.run",
            "--nproc-per-node", str(world(lay)), "--master-port", str(port),
-           str(Path(__file__).with_name("run_pretrain_resume.py")), *COMMON,
+           str(runner.get("script", Path(__file__).with_name("run_pretrain_resume.py"))),
+           *runner.get("common", COMMON),
            *layout_flags(lay, fmt), "--load", str(load), "--save", str(save), *extra]
     t0 = time.perf_counter()
     with open(log, "w") as f:

@@ -38,7 +38,7 @@ from megatron_ucp.formats.megatron_rebuild import (
     source_rank,
     wrap_ddp,
 )
-from megatron_ucp.param_spec import declared_state_dict, local_params
+from megatron_ucp.param_spec import declared_state_dict, flatten, local_params
 from megatron_ucp.storage import dcp_reader, location, names_in
 
 COMMON_FILE = "common.pt"
@@ -127,6 +127,30 @@ def optimizer_ranks(args) -> Iterator[tuple[int | None, int | None, list]]:
             dense_seen.add(dense)
             expert_seen.add(expert)
             yield dense, expert, wrap_ddp(build_chunks(args), args)
+
+
+def buffer_sets(args, chained: bool, where) -> Iterator[tuple[int, str, list, dict]]:
+    """(dp_group_idx, key prefix, DDP buffers, {id(param): LocalParam}) of each optimizer whose
+    buckets a dp_reshardable save of the run `args` describe stores (no VPP: one chunk), yielded
+    inside that rank's parallel state. chained: a MoE run whose experts have buffers of their own,
+    a ChainedOptimizer's dense (`chained_0.`) and expert (`chained_1.`) optimizers
+    (`optimizer_ranks`); else one optimizer per model-parallel rank, no prefix. where: the
+    checkpoint, named when its args build expert buffers it holds no state for."""
+    if not chained:
+        for mp_rank, chunks in model_parallel_ranks(args):
+            if chunks[0].expert_parallel_buffers:
+                raise UCPError(f"{where}: the model rebuilt from the checkpoint's args keeps its "
+                               "experts in buffers of their own (a second, expert optimizer), but "
+                               "the checkpoint holds no `chained_1.` expert optimizer state; the "
+                               "args do not describe the run that saved it")
+            yield mp_rank, "", chunks[0].buffers, {id(lp.param): lp for lp in local_params(chunks[:1])}
+        return
+    for dense, expert, chunks in optimizer_ranks(args):
+        lps = {id(lp.param): lp for lp in local_params(chunks[:1])}
+        if dense is not None:
+            yield dense, DENSE, chunks[0].buffers, lps
+        if expert is not None:
+            yield expert, EXPERT, chunks[0].expert_parallel_buffers, lps
 
 
 def model_parallel_ranks(args) -> Iterator[tuple[int, list]]:
@@ -314,15 +338,10 @@ def storage_keys(model) -> dict[int, tuple[str, tuple[int, ...], list[str]]]:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
     from megatron.core.utils import unwrap_model
 
-    def flat(x) -> list:
-        if isinstance(x, dict):
-            return [t for v in x.values() for t in flat(v)]
-        return [t for v in x for t in flat(v)] if isinstance(x, (list, tuple)) else [x]
-
     out = {}
     for entry in declared_state_dict(unwrap_model(model)).values():
         if isinstance(entry, ShardedTensorFactory):
-            subs = [t for t in flat(entry.build()) if isinstance(t, ShardedTensor)]
+            subs = [t for t in flatten(entry.build()) if isinstance(t, ShardedTensor)]
         elif isinstance(entry, ShardedTensor):
             subs = [entry]
         else:

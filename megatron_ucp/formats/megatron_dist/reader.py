@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator
 from itertools import product
 from pathlib import Path
 
@@ -54,19 +53,16 @@ from megatron_ucp.formats.megatron_dist.layout import (
     Param,
     ReadsDcp,
     bucket_key,
+    buffer_sets,
     flattened_shape,
     flattened_state_key,
     is_iteration,
-    model_parallel_ranks,
-    optimizer_ranks,
     param_groups_key,
     plan_model,
     state_key,
 )
-from megatron_ucp.param_spec import local_params
 from megatron_ucp.progress import Progress
 from megatron_ucp.spec import STATES, ParamSpec
-from megatron_ucp.storage import Location
 
 log = logging.getLogger(__name__)
 
@@ -286,7 +282,7 @@ def _plan_dp_reshardable(args, reader: DistReader, plan: dict[str, Param], chain
                        f"this checkpoint used transformer_impl={args.transformer_impl!r}, which "
                        "cannot be rebuilt here (TransformerEngine not installed)")
     replica_buckets = set()
-    for mp_rank, prefix, buffers, lps in _buffer_sets(args, chained, reader.dir):
+    for mp_rank, prefix, buffers, lps in buffer_sets(args, chained, reader.dir):
         for g, buf in enumerate(buffers):
             for param, (start, _end, b) in buf.param_index_map.items():
                 lp = lps[id(param)]
@@ -320,26 +316,6 @@ def _plan_dp_reshardable(args, reader: DistReader, plan: dict[str, Param], chain
 
 def expert_tp(args) -> int:
     return getattr(args, "expert_tensor_parallel_size", None) or args.tensor_model_parallel_size
-
-
-def _buffer_sets(args, chained: bool, where: Location) -> Iterator[tuple[int, str, list, dict]]:
-    """(dp_group_idx, key prefix, DDP buffers, {id(param): LocalParam}) of each stored optimizer
-    of the run `args` describe (no VPP: one chunk), yielded inside that rank's parallel state."""
-    if not chained:
-        for mp_rank, chunks in model_parallel_ranks(args):
-            if chunks[0].expert_parallel_buffers:
-                raise UCPError(f"{where}: the model rebuilt from the checkpoint's args keeps its "
-                               "experts in buffers of their own (a second, expert optimizer), but "
-                               "the checkpoint holds no `chained_1.` expert optimizer state; the "
-                               "args do not describe the run that saved it")
-            yield mp_rank, "", chunks[0].buffers, {id(lp.param): lp for lp in local_params(chunks[:1])}
-        return
-    for dense, expert, chunks in optimizer_ranks(args):
-        lps = {id(lp.param): lp for lp in local_params(chunks[:1])}
-        if dense is not None:
-            yield dense, DENSE, chunks[0].buffers, lps
-        if expert is not None:
-            yield expert, EXPERT, chunks[0].expert_parallel_buffers, lps
 
 
 def _read_full(reader: DistReader, p: Param, state: str, sharding: str) -> torch.Tensor:

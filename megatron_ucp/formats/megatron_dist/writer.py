@@ -38,15 +38,14 @@ from megatron_ucp.formats.megatron_common import (
 )
 from megatron_ucp.formats.megatron_dist.layout import (
     COMMON_FILE,
-    DENSE,
     EXPERT,
     FULLY_RESHARDABLE_CONTENT,
     METADATA_JSON,
     SHARDINGS,
     bucket_key,
+    buffer_sets,
     model_parallel_ranks,
     object_value,
-    optimizer_ranks,
     param_groups_key,
     plan_model,
     sharded_objects,
@@ -56,7 +55,6 @@ from megatron_ucp.formats.megatron_dist.reader import TorchDistSource
 from megatron_ucp.formats.megatron_rebuild import build_chunks, single_rank_args, source_rank
 from megatron_ucp.layout import Layout
 from megatron_ucp.local_slice import read_local
-from megatron_ucp.param_spec import local_params
 from megatron_ucp.progress import Progress, bar
 from megatron_ucp.spec import STATES
 from megatron_ucp.storage import staged_dir
@@ -234,28 +232,19 @@ def _dp_reshardable_state(source, args, chained: list[list[dict]], progress: Pro
     the dense and the expert param groups): megatron-core's ChainedOptimizer prefixes the dense
     optimizer's entries `chained_0.` and the expert optimizer's `chained_1.`, whose k is the rank
     in the expert tensor-model-pipeline group (layout.optimizer_ranks)."""
-    def bucket_layout(chunks: list, attr: str = "buffers") -> list:
+    def bucket_layout(buffers: list, lps: dict) -> list:
         """Per DDP buffer: its dtypes, (padded, unpadded) size of each bucket, and (param, bucket,
         start in the bucket) of every parameter copy (the tied output layer's too: Megatron keeps
         state for each)."""
-        lps = {id(lp.param): lp for lp in local_params(chunks)}
         return [((buf.param_dtype, buf.grad_dtype),
                  [(b.grad_data.numel(), b.numel_unpadded) for b in buf.buckets],
                  [(lps[id(param)], b, start - buf.buckets[b].offset)
                   for param, (start, _end, b) in buf.param_index_map.items()])
-                for c in chunks for buf in getattr(c, attr)]
+                for buf in buffers]
 
     # the layouts first: tensors made inside a rebuilt rank's context would be on the meta device
-    if len(chained) == 2:  # a ChainedOptimizer: the dense and the expert one
-        ranks = []
-        for dense, expert, chunks in optimizer_ranks(args):
-            if dense is not None:
-                ranks.append((dense, DENSE, chained[0], bucket_layout(chunks)))
-            if expert is not None:
-                ranks.append((expert, EXPERT, chained[1], bucket_layout(chunks, "expert_parallel_buffers")))
-    else:
-        ranks = [(mp_rank, "", chained[0], bucket_layout(chunks))
-                 for mp_rank, chunks in model_parallel_ranks(args)]
+    ranks = [(idx, prefix, chained[1 if prefix == EXPERT else 0], bucket_layout(buffers, lps))
+             for idx, prefix, buffers, lps in buffer_sets(args, len(chained) == 2, "the target")]
     out: dict = {}
     done = bar(progress, len(ranks), "export dp_reshardable", "rank")
     for mp_rank, chain, groups, buffers in ranks:
