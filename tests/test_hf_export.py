@@ -77,6 +77,9 @@ NATIVE_HF = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidd
                  rms_norm_eps=1e-5)
 NATIVE_CFG = {**BASE, **ROTARY, "add_bias_linear": True, "vocab_size": 128,
               "unpadded_vocab_size": 100, "extra": {"kv_channels": 32}}
+# GPT-OSS's own YaRN (gpt-oss-20b's config.json but rope_theta): the correction range not rounded
+GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 32.0, "beta_fast": 32.0,
+                "beta_slow": 1.0, "original_max_position_embeddings": 4096, "truncate": False}
 # transformers-made DeepSeek-V3 and GPT-OSS (every tensor random, the expert bias included) and
 # the megatron-core models they import as (vocabulary 100 padded to 128). GPT-OSS: not trained in
 # megatron-core, which cannot backpropagate through experts with biases at EP1, the layout here
@@ -95,12 +98,14 @@ NATIVE_NEW = {
     "gpt_oss": ("GptOssConfig", dict(
         vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
-        max_position_embeddings=32, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        max_position_embeddings=32, rope_parameters=GPT_OSS_YARN),
         {**BASE, **ROTARY, "add_bias_linear": True, "untie_embeddings": True, "activation": "quick_gelu",
-         "num_experts": 4, "vocab_size": 128, "unpadded_vocab_size": 100, "extra": {
+         "num_experts": 4, "vocab_size": 128, "unpadded_vocab_size": 100, "position_embedding_type": "yarn",
+         "extra": {
              "add_qkv_bias": True, "softmax_type": "learnable", "window_size": [4, 0],
              "window_attn_skip_freq": 2, "glu_linear_offset": 1.0, "activation_func_clamp_value": 7.0,
-             "kv_channels": 16}}),
+             "kv_channels": 16, "yarn_rotary_scaling_factor": 32.0,
+             "yarn_original_max_position_embeddings": 4096, "yarn_correction_range_round_to_int": False}}),
     "nemotron_h": ("NemotronHConfig", dict(
         vocab_size=100, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, max_position_embeddings=32, layers_block_type=["linear_attention", "moe",

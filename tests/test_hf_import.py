@@ -9,6 +9,7 @@ tensors bit for bit.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -58,6 +59,12 @@ MODELS = {  # name -> (arch, config class, kwargs)
     "gpt_oss": ("gpt_oss", "GptOssConfig", {
         **ROTARY, "intermediate_size": 24, "head_dim": 8, "num_local_experts": 3, "num_experts_per_tok": 2,
         "sliding_window": 4, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+    # GPT-OSS's own YaRN: factor 32 of 4096 positions, the correction range not rounded
+    "gpt_oss_yarn": ("gpt_oss", "GptOssConfig", {
+        **ROTARY, "intermediate_size": 24, "head_dim": 8, "num_local_experts": 3, "num_experts_per_tok": 2,
+        "sliding_window": 4, "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "original_max_position_embeddings": 4096, "truncate": False}}),
     # hybrid: Mamba-2 (2 groups of state 8, 8 heads of 8), a MoE layer (sigmoid routing with
     # e_score_correction_bias, a shared expert, top-2 of 3 scaled by 2.5), attention, a relu2 MLP
     "nemotron_h": ("nemotron_h", "NemotronHConfig", dict(
@@ -180,7 +187,7 @@ def test_round_trip_is_bitwise(saved, tmp_path, name):
 
 
 @pytest.mark.parametrize("name", ["llama_bias", "mixtral", "gpt2_untied", "qwen3", "qwen3_moe",
-                                  "deepseek_v3", "gpt_oss", "nemotron_h"])
+                                  "deepseek_v3", "gpt_oss", "gpt_oss_yarn", "nemotron_h"])
 def test_exported_model_computes_the_same(saved, tmp_path, name):
     """The round trip through the universal form loads in transformers with the same logits."""
     import_hf(saved[name], tmp_path / "u", progress=False)
@@ -401,9 +408,11 @@ def test_export_streams_one_tensor_at_a_time(saved, tmp_path):
     ("deepseek_v3", dict(config={"norm_topk_prob": False}), "config.json norm_topk_prob=False"),
     ("deepseek_v3", dict(config={"n_group": 2, "topk_group": 2}), "config.json topk_group=2"),
     ("deepseek_v3", dict(config={"attention_bias": True}), "config.json attention_bias=True"),
-    ("gpt_oss", dict(config={"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 32.0,
-                                                 "original_max_position_embeddings": 16}}),
-     "rope_parameters.rope_type.*YaRN settings are not mapped"),
+    ("gpt_oss", dict(config={"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}),
+     "rope_parameters.rope_type.*'linear' RoPE scaling is not imported for GPT-OSS"),
+    ("gpt_oss", dict(config={"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 1.0,
+                                                 "attention_factor": 1.2}}),
+     "rope_parameters.attention_factor.*does not scale YaRN's cos/sin when factor=1.0"),
     ("gpt_oss", dict(config={"swiglu_alpha": 1.5}), "config.json swiglu_alpha=1.5"),
     ("gpt_oss", dict(config={"attention_bias": False}), "config.json attention_bias=False"),
 ])
@@ -564,3 +573,27 @@ def test_nemotron_h_expert_bias_stays_fp32(saved, tmp_path):
     name = "backbone.layers.1.mixer.gate.e_score_correction_bias"
     assert b[name].dtype == torch.float32 and torch.equal(a[name], b[name])
     assert b["backbone.layers.0.mixer.in_proj.weight"].dtype == torch.bfloat16
+
+
+def test_gpt_oss_yarn_attention_factor_is_kept(saved, tmp_path):
+    """An explicit YaRN attention_factor (not the one transformers infers from the factor) becomes
+    megatron-core's mscale / mscale_all_dim, and export-hf writes it back: same logits."""
+    rope = {**MODELS["gpt_oss_yarn"][2]["rope_parameters"], "attention_factor": 1.5}
+    src = copy_with(saved["gpt_oss_yarn"], tmp_path / "af", config={"rope_parameters": rope})
+    universal = import_hf(src, tmp_path / "u", progress=False)
+    model = open_source(universal).manifest.model
+    assert model["position_embedding_type"] == "yarn" and model["yarn_rotary_scaling_factor"] == 32.0
+    assert model["yarn_correction_range_round_to_int"] is False
+    scale = ((0.1 * model["yarn_mscale"] * math.log(32.0) + 1)
+             / (0.1 * model["yarn_mscale_all_dim"] * math.log(32.0) + 1))
+    assert math.isclose(scale, 1.5, rel_tol=1e-12)
+    out = export(open_source(universal), tmp_path / "hf", "gpt_oss", progress=False)
+    exported = json.loads((out / "config.json").read_text())["rope_parameters"]
+    assert math.isclose(exported.pop("attention_factor"), 1.5, rel_tol=1e-12)
+    assert exported == {k: v for k, v in rope.items() if k != "attention_factor"} | {
+        "mscale": model["yarn_mscale"], "mscale_all_dim": 0.0}
+    with torch.no_grad():
+        want = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)(TOKENS).logits
+        got = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(TOKENS).logits
+        plain = build("gpt_oss_yarn")(TOKENS).logits
+    assert torch.allclose(want, got, rtol=1e-6, atol=1e-6) and not torch.allclose(want, plain, atol=1e-3)

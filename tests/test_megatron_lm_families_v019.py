@@ -34,6 +34,7 @@ from oracles import (
     universal_tensors,
 )
 
+from megatron_ucp.formats.megatron_common import YARN_FROM_ARGS
 from megatron_ucp.layout import Layout
 from megatron_ucp.reshard import convert_legacy, convert_torch_dist, reshard
 
@@ -182,3 +183,27 @@ def test_moe_written_dp_reshardable_is_megatron_lms_own_form(universal, tmp_path
     m2, t2 = universal_tensors(convert_torch_dist(ep4, tmp_path / "u2", progress=False))
     assert (m2["layout"]["ep"], m2["layout"]["dp"]) == (4, 4)
     assert tensors.keys() == t2.keys() and all(torch.equal(t, t2[k]) for k, t in tensors.items())
+
+
+def test_gpt_oss_run_exports_to_hf_with_its_yarn(universal, tmp_path):
+    """export-hf of Megatron-LM's GPT-OSS run (YaRN RoPE: --rotary-scaling-factor 4.0
+    --yarn-original-max-position-embeddings 8) writes transformers' yarn rope_parameters, which
+    transformers loads; import-hf of it gives the run's YaRN settings and bf16 weights back."""
+    from megatron_ucp.formats import open_source
+    from megatron_ucp.formats.hf import export, import_hf
+
+    transformers = pytest.importorskip("transformers")
+    out = export(open_source(universal["torch_dist_gptoss_ep2"]), tmp_path / "hf", "gpt_oss", progress=False)
+    config = transformers.AutoConfig.from_pretrained(out)
+    assert config.rope_parameters == {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                      "original_max_position_embeddings": 8, "beta_fast": 32.0,
+                                      "beta_slow": 1.0, "truncate": True}
+    transformers.AutoModelForCausalLM.from_pretrained(out)  # every tensor has its place
+    back, back_tensors = universal_tensors(import_hf(out, tmp_path / "u", progress=False))
+    manifest, tensors = universal_tensors(universal["torch_dist_gptoss_ep2"])
+    for key in ["position_embedding_type", *(attr for attr, _, _ in YARN_FROM_ARGS)]:
+        assert back["model"][key] == manifest["model"][key], key
+    assert set(back["params"]) == set(manifest["params"])
+    for n in manifest["params"]:
+        want = tensors[f"{n}/param"].to(torch.bfloat16)
+        assert torch.equal(back_tensors[f"{n}/param"][:want.shape[0]], want), n

@@ -36,14 +36,17 @@ DEEPSEEK_MOE_UNGATED = {**DEEPSEEK_MOE, "extra": {**DEEPSEEK_MOE["extra"], "moe_
 # embedding. Untied: megatron-core 0.16.1 cannot declare a tied MTP model at PP > 1 (below).
 MTP = {**ROPE, "extra": {"mtp_num_layers": 1}}
 # GPT-OSS: learnable attention sinks (one per head, split over TP), sliding-window attention on
-# every other layer, q/k/v biases. Not its router and expert biases: megatron-core (0.16.1 and
-# 0.19.2) cannot train SequentialMLP experts with biases at EP1 (MLP.forward adds the bias in place
-# to the tensor _ReduceFromModelParallelRegion returns as-is for a group of size 1, which autograd
-# refuses; at EP > 1 the experts skip that reduce and train: stock Megatron-LM does, see
+# every other layer, q/k/v biases, YaRN (its correction range not rounded, as GPT-OSS's). Not its
+# router and expert biases: megatron-core (0.16.1 and 0.19.2) cannot train SequentialMLP experts
+# with biases at EP1 (MLP.forward adds the bias in place to the tensor
+# _ReduceFromModelParallelRegion returns as-is for a group of size 1, which autograd refuses; at
+# EP > 1 the experts skip that reduce and train: stock Megatron-LM does, see
 # tests/fixtures/megatron_lm_v019/README.md "Model families"), and these transitions start at DP2
 # (EP1); at expert TP > 1 TransformerConfig asserts "Bias in Moe is only supported when ETP==1".
-GPT_OSS = {**ROPE, "num_experts": 4, "extra": {
-    "add_qkv_bias": True, "softmax_type": "learnable", "window_size": [4, 0], "window_attn_skip_freq": 2}}
+GPT_OSS = {**ROPE, "num_experts": 4, "position_embedding_type": "yarn", "extra": {
+    "add_qkv_bias": True, "softmax_type": "learnable", "window_size": [4, 0], "window_attn_skip_freq": 2,
+    "yarn_rotary_scaling_factor": 4.0, "yarn_original_max_position_embeddings": 16,
+    "yarn_correction_range_round_to_int": False}}
 # DeepSeek-V3's attention: MLA with a query LoRA rank and YaRN RoPE (megatron-core's defaults for
 # MLA; the local spec's core attention is megatron_ucp.testing.mla_attention), q/kv latent norms
 MLA = {"qk_layernorm": True, "extra": {

@@ -531,3 +531,18 @@ def rng_for(rng_state: dict | list, *keys) -> Any:
     if isinstance(rng_state, list):
         return rng_state
     return next((rng_state[k] for k in keys if k in rng_state), next(iter(rng_state.values())))
+
+
+# GPTModel's `yarn` position embedding reads these as attributes of the config that are no
+# dataclass fields (`getattr(config, "yarn_rotary_scaling_factor")`, no default): Megatron-LM
+# core_v0.19.0 sets them from its args (megatron/training/argument_utils.py,
+# `_apply_yarn_config_from_args`; the CLI names three without the prefix). Same defaults.
+YARN_FROM_ARGS = (
+    ("yarn_rotary_scaling_factor", "rotary_scaling_factor", 1.0),
+    ("yarn_original_max_position_embeddings", "yarn_original_max_position_embeddings", 4096),
+    ("yarn_beta_fast", "yarn_beta_fast", 32.0),
+    ("yarn_beta_slow", "yarn_beta_slow", 1.0),
+    ("yarn_mscale", "mscale", 1.0),
+    ("yarn_mscale_all_dim", "mscale_all_dim", 0.0),
+    ("yarn_correction_range_round_to_int", "yarn_correction_range_round_to_int", True),
+)

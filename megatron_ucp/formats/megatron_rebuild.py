@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.megatron_common import (
+    YARN_FROM_ARGS,
     hybrid_layer_pattern,
     layout,
     rank_order,
@@ -176,27 +177,12 @@ def transformer_config(args):
     return config
 
 
-# GPTModel's `yarn` position embedding reads these as attributes of the config that are no
-# dataclass fields (`getattr(config, "yarn_rotary_scaling_factor")`, no default): Megatron-LM
-# core_v0.19.0 sets them from its args (megatron/training/argument_utils.py,
-# `_apply_yarn_config_from_args`; the CLI names three without the prefix). Same defaults.
-_YARN_FROM_ARGS = (
-    ("yarn_rotary_scaling_factor", "rotary_scaling_factor", 1.0),
-    ("yarn_original_max_position_embeddings", "yarn_original_max_position_embeddings", 4096),
-    ("yarn_beta_fast", "yarn_beta_fast", 32.0),
-    ("yarn_beta_slow", "yarn_beta_slow", 1.0),
-    ("yarn_mscale", "mscale", 1.0),
-    ("yarn_mscale_all_dim", "mscale_all_dim", 0.0),
-    ("yarn_correction_range_round_to_int", "yarn_correction_range_round_to_int", True),
-)
-
-
 def _set_yarn_attributes(config, args) -> None:
     """A non-MLA YaRN run's `config.yarn_*`, as Megatron-LM sets them (MLA's config has fields)."""
     if getattr(args, "position_embedding_type", None) != "yarn" or \
             getattr(args, "multi_latent_attention", False):
         return
-    for attr, arg, default in _YARN_FROM_ARGS:
+    for attr, arg, default in YARN_FROM_ARGS:
         if not hasattr(config, attr):
             value = getattr(args, arg, None)
             setattr(config, attr, default if value is None else value)

@@ -44,6 +44,7 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 
+from megatron_ucp.formats.megatron_common import YARN_FROM_ARGS
 from megatron_ucp.formats.megatron_rebuild import replace_module
 from megatron_ucp.layout import Layout
 from megatron_ucp.testing import cpu_shim  # noqa: F401  (must precede megatron.core)
@@ -142,7 +143,13 @@ def transformer_config(cfg: TinyGPTConfig, layout: Layout) -> TransformerConfig:
     bf16, fp16 = cfg.dtype == "bf16", cfg.dtype == "fp16"
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.dtype, torch.float32)
     config_class = MLATransformerConfig if cfg.extra.get("multi_latent_attention") else TransformerConfig
-    return config_class(**{**_config_fields(cfg, layout, bf16, fp16, dtype), **cfg.extra})
+    fields = {**_config_fields(cfg, layout, bf16, fp16, dtype), **cfg.extra}
+    yarn = {attr: fields.pop(attr, default) for attr, _, default in YARN_FROM_ARGS}
+    config = config_class(**fields)
+    if cfg.position_embedding_type == "yarn":  # GPTModel's YaRN reads attributes that are no
+        for attr, value in yarn.items():  # fields, set as Megatron-LM sets them
+            setattr(config, attr, value)
+    return config
 
 
 def _config_fields(cfg: TinyGPTConfig, layout: Layout, bf16: bool, fp16: bool, dtype) -> dict:

@@ -20,6 +20,7 @@ import torch
 
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.hf.transforms import Heads
+from megatron_ucp.formats.megatron_common import YARN_FROM_ARGS
 
 ARCHS = ("llama", "qwen2", "mixtral", "gpt2", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss", "nemotron_h")
 HF_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -541,7 +542,13 @@ def check_exportable(arch: str, cfg: dict, hints: dict) -> None:
 
 def _check_rope_model(arch: str, cfg: dict, hints: dict) -> None:
     """What DeepSeek-V3 and GPT-OSS share: RMSNorm, a gated MLP, RoPE on whole heads, MoE."""
-    _require(arch, cfg, "position_embedding_type", "rope", "HF {arch} uses rotary position embeddings")
+    if arch == "gpt_oss" and cfg.get("position_embedding_type") == "yarn":
+        missing = [attr for attr, _, _ in YARN_FROM_ARGS if attr not in cfg]
+        if missing:  # GPTModel cannot run YaRN without them: the record is damaged
+            raise _fail(arch, missing[0], None, "a YaRN model's config records its yarn_* settings; "
+                        "this checkpoint's manifest lacks them")
+    else:  # (DeepSeek-V3's YaRN is MLA's rope_type)
+        _require(arch, cfg, "position_embedding_type", "rope", "HF {arch} uses rotary position embeddings")
     _require(arch, cfg, "normalization", "RMSNorm", "HF {arch} uses RMSNorm")
     _require(arch, cfg, "gated_linear_unit", True, "HF {arch} has a gated MLP")
     if cfg.get("rotary_interleaved", False):
@@ -737,6 +744,24 @@ def _yarn_mscale(factor: float, mscale: float) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
+def _hf_yarn(rope_theta: float, *, factor: float, original: int, beta_fast: float, beta_slow: float,
+             mscale: float, mscale_all_dim: float, truncate: bool | None = None) -> dict:
+    """transformers' rope_parameters for megatron-core's YaRN settings."""
+    rope = {"rope_type": "yarn", "rope_theta": float(rope_theta), "factor": factor,
+            "original_max_position_embeddings": original, "beta_fast": beta_fast, "beta_slow": beta_slow,
+            "mscale": mscale, "mscale_all_dim": mscale_all_dim}
+    if truncate is not None:  # megatron-core's yarn_correction_range_round_to_int
+        rope["truncate"] = truncate
+    # megatron-core scales cos/sin by mscale(mscale) / mscale(mscale_all_dim); transformers
+    # infers that only when both are non-zero, else takes mscale(1): say it when they differ
+    inferred = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+                if mscale and mscale_all_dim else _yarn_mscale(factor, 1.0))
+    wanted = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+    if inferred != wanted:
+        rope["attention_factor"] = wanted
+    return rope
+
+
 def _require(arch: str, cfg: dict, field: str, value, why: str) -> None:
     if field in cfg and cfg[field] != value:
         raise _fail(arch, field, cfg[field], why.format(arch=arch))
@@ -805,20 +830,11 @@ def _deepseek_v3_config(cfg: dict, rope_theta: float) -> dict:
     layers, get = cfg["num_layers"], cfg.get
     ffn = get("moe_ffn_hidden_size") or cfg["ffn_hidden_size"]
     topk, groups = cfg["moe_router_topk"], get("moe_router_num_groups") or 1
-    factor = float(get("rotary_scaling_factor", 40.0))
-    mscale, mscale_all_dim = float(get("mscale", 1.0)), float(get("mscale_all_dim", 0.0))
     if get("rope_type", "yarn") == "yarn":
-        rope = {"rope_type": "yarn", "rope_theta": float(rope_theta), "factor": factor,
-                "original_max_position_embeddings": get("original_max_position_embeddings", 4096),
-                "beta_fast": float(get("beta_fast", 32.0)), "beta_slow": float(get("beta_slow", 1.0)),
-                "mscale": mscale, "mscale_all_dim": mscale_all_dim}
-        # megatron-core scales cos/sin by mscale(mscale) / mscale(mscale_all_dim); transformers
-        # infers that only when both are non-zero, else takes mscale(1): say it when they differ
-        inferred = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
-                    if mscale and mscale_all_dim else _yarn_mscale(factor, 1.0))
-        wanted = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
-        if inferred != wanted:
-            rope["attention_factor"] = wanted
+        rope = _hf_yarn(rope_theta, factor=float(get("rotary_scaling_factor", 40.0)),
+                        original=get("original_max_position_embeddings", 4096),
+                        beta_fast=float(get("beta_fast", 32.0)), beta_slow=float(get("beta_slow", 1.0)),
+                        mscale=float(get("mscale", 1.0)), mscale_all_dim=float(get("mscale_all_dim", 0.0)))
     else:
         rope = {"rope_type": "default", "rope_theta": float(rope_theta)}
     out = {"hidden_size": cfg["hidden_size"], "num_hidden_layers": layers,
@@ -909,6 +925,15 @@ def _gpt_oss_config(cfg: dict, rope_theta: float) -> dict:
            "rms_norm_eps": get("layernorm_epsilon", 1e-5),
            "attention_dropout": get("attention_dropout", 0.0), "output_router_logits": False,
            "router_aux_loss_coef": get("moe_aux_loss_coeff") or 0.0}
+    if get("position_embedding_type") == "yarn":  # GPT-OSS's own: factor 32 of 4096, truncate false
+        rope = _hf_yarn(rope_theta, factor=float(cfg["yarn_rotary_scaling_factor"]),
+                        original=cfg["yarn_original_max_position_embeddings"],
+                        beta_fast=float(cfg["yarn_beta_fast"]), beta_slow=float(cfg["yarn_beta_slow"]),
+                        mscale=float(cfg["yarn_mscale"]), mscale_all_dim=float(cfg["yarn_mscale_all_dim"]),
+                        truncate=bool(cfg["yarn_correction_range_round_to_int"]))
+        if (rope["mscale"], rope["mscale_all_dim"]) == (1.0, 0.0):  # megatron-core's defaults:
+            del rope["mscale"], rope["mscale_all_dim"]  # transformers' attention factor mscale(1)
+        out["rope_parameters"] = rope
     if out["max_position_embeddings"] is None:
         del out["max_position_embeddings"]
     return out
@@ -1258,16 +1283,42 @@ def gpt_oss_window(layer_types: list[str]) -> int | list[int] | None:
     return [int(x) for x in sliding]
 
 
+def _gpt_oss_yarn(d: dict, rope: dict, refuse) -> dict:
+    """Megatron-LM's YaRN args (GPTModel's config.yarn_*, set by megatron_rebuild) for
+    transformers' yarn `rope`, read as transformers' _compute_yarn_parameters reads it."""
+    original = rope.get("original_max_position_embeddings") or d["max_position_embeddings"]
+    factor = float(rope.get("factor") or d["max_position_embeddings"] / original)
+    # megatron-core's cos/sin scale is mscale(f, mscale) / mscale(f, mscale_all_dim); transformers
+    # takes that ratio only when both are non-zero, else mscale(f, 1) = megatron-core's (1, 0)
+    if rope.get("mscale") and rope.get("mscale_all_dim"):
+        mscale, mscale_all_dim = float(rope["mscale"]), float(rope["mscale_all_dim"])
+    else:
+        mscale, mscale_all_dim = 1.0, 0.0
+    given = rope.get("attention_factor")
+    if given is not None and given != _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim):
+        if factor <= 1:
+            raise refuse("rope_parameters.attention_factor", f"megatron-core does not scale YaRN's "
+                         f"cos/sin when factor={factor} <= 1")
+        # any other factor a is mscale(f, (a - 1) / (0.1 ln f)) over mscale(f, 0) = 1
+        mscale, mscale_all_dim = (given - 1.0) / (0.1 * math.log(factor)), 0.0
+    return dict(position_embedding_type="yarn", rotary_scaling_factor=factor,
+                yarn_original_max_position_embeddings=int(original),
+                yarn_beta_fast=float(rope.get("beta_fast") or 32),
+                yarn_beta_slow=float(rope.get("beta_slow") or 1),
+                mscale=mscale, mscale_all_dim=mscale_all_dim,
+                yarn_correction_range_round_to_int=bool(rope.get("truncate", True)))
+
+
 def _gpt_oss_args(d: dict, args: dict, refuse) -> tuple[dict, dict]:
-    """megatron-core's GPT-OSS: learnable sinks, sliding windows, biases everywhere, clamped SwiGLU."""
-    params = d.get("rope_parameters") or {}
-    theta = float(params.get("rope_theta", d["rope_theta"]))
-    kind = params.get("rope_type") or (d.get("rope_scaling") or {}).get("rope_type") or "default"
-    if kind != "default":
-        raise refuse("rope_parameters.rope_type", f"{kind!r}: GPT-OSS's YaRN settings are not "
-                     "mapped onto megatron-core's (position_embedding_type 'yarn', config.yarn_*); "
-                     "only default RoPE is imported for GPT-OSS")
-    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+    """megatron-core's GPT-OSS: learnable sinks, sliding windows, biases everywhere, clamped SwiGLU,
+    default RoPE or YaRN."""
+    rope = {**(d.get("rope_scaling") or {}), **(d.get("rope_parameters") or {})}
+    theta = float(rope.get("rope_theta", d["rope_theta"]))
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    if kind not in ("default", "yarn"):
+        raise refuse("rope_parameters.rope_type", f"{kind!r} RoPE scaling is not imported for "
+                     "GPT-OSS (default and yarn)")
+    if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
         raise refuse("partial_rotary_factor", "partial rotary embeddings are not imported")
     if not d["attention_bias"]:
         raise refuse("attention_bias", "GPT-OSS's experts have biases, and megatron-core's "
@@ -1299,4 +1350,6 @@ def _gpt_oss_args(d: dict, args: dict, refuse) -> tuple[dict, dict]:
                 window_size=window, window_attn_skip_freq=gpt_oss_window(layer_types) if window else None,
                 num_experts=d["num_local_experts"], moe_router_topk=d["num_experts_per_tok"],
                 moe_ffn_hidden_size=d["intermediate_size"])
+    if kind == "yarn":
+        args.update(_gpt_oss_yarn(d, rope, refuse))
     return args, {"activation": "quick_geglu", "rotary_base": theta}
