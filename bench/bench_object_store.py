@@ -2,6 +2,7 @@
 same bytes, in one run against one local SeaweedFS server (megatron_ucp.testing.s3_server).
 
     python bench/bench_object_store.py [--save-layout tp2] [--load-layout dp2] [--hidden-size 512]
+                                       [--dtype fp32|bf16]
 
 Save: every rank's synchronous `megatron_ucp.save` to s3:// (staging, crc32, multipart upload,
 index, manifest and `latest` commit) against a raw `obstore.put` multipart upload of a buffer of
@@ -118,13 +119,17 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--ffn-hidden-size", type=int, default=2048)
     p.add_argument("--num-layers", type=int, default=8)
     p.add_argument("--num-attention-heads", type=int, default=8)
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
+                   help="model weights (the checkpoint holds fp32 master weights and Adam moments "
+                        "either way; bf16 halves the DP all-gather of the weights after a load)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--no-anchors", action="store_true",
                    help="skip the DCP/s3fs and megatron-core/MSC anchors (ours vs raw obstore only)")
     p.add_argument("--out", default=str(ROOT / "out" / "bench_object_store.json"))
     args = p.parse_args(argv)
     cfg = {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
-           "ffn_hidden_size": args.ffn_hidden_size, "num_attention_heads": args.num_attention_heads}
+           "ffn_hidden_size": args.ffn_hidden_size, "num_attention_heads": args.num_attention_heads,
+           "dtype": args.dtype}
     with tempfile.TemporaryDirectory(prefix="bench-s3-") as tmp, seaweedfs(Path(tmp)) as (endpoint, bucket):
         url = f"{bucket}/bench"
         saves = launch(Layout.parse(args.save_layout).world_size, "bench._s3_rank:save_bench",
