@@ -40,14 +40,40 @@ def inspect(path: str | Path, trust_pickle: bool = False) -> str:
         f"model        {cfg.get('num_layers')} layers, hidden {cfg.get('hidden_size')}, "
         f"heads {cfg.get('num_attention_heads')} (groups {cfg.get('num_query_groups')}), "
         f"ffn {cfg.get('ffn_hidden_size')}, vocab {cfg.get('vocab_size')}",
+        f"features     {', '.join(features(cfg)) or 'dense GPT'}",
         f"parameters   {len(params)} tensors, {numel:,} elements",
         f"files        {len(files)} data files, {size / 2**20:.2f} MiB",
         f"extra        {m.extra}",
         "",
-        f"{'name':<64} {'shape':>14} {'dtype':>9} {'tp_axis':>7} {'blocks':>6}",
     ]
+    width = max([64, *map(len, params)])  # MTP and expert names run past 64
+    lines.append(f"{'name':<{width}} {'shape':>14} {'dtype':>9} {'tp_axis':>7} {'blocks':>6}")
     for name, p in params.items():
         shape = "x".join(map(str, p.shape))
         tp = "-" if p.spec.tp_axis is None else str(p.spec.tp_axis)
-        lines.append(f"{name:<64} {shape:>14} {p.spec.dtype:>9} {tp:>7} {p.spec.tp_blocks:>6}")
+        lines.append(f"{name:<{width}} {shape:>14} {p.spec.dtype:>9} {tp:>7} {p.spec.tp_blocks:>6}")
     return "\n".join(lines)
+
+
+def features(cfg: dict) -> list[str]:
+    """What makes the model more than a dense GPT, as the manifest's model config records it."""
+    get, out = cfg.get, []
+    if get("hybrid_layer_pattern"):
+        out.append(f"hybrid {get('hybrid_layer_pattern')}")
+    if get("multi_latent_attention"):
+        out.append(f"MLA (q_lora_rank {get('q_lora_rank')}, kv_lora_rank {get('kv_lora_rank')})")
+    if get("num_moe_experts"):
+        shared = ", shared expert" if get("moe_shared_expert_intermediate_size") else ""
+        out.append(f"MoE {get('num_moe_experts')} experts top-{get('moe_router_topk')}{shared}")
+    if get("mtp_num_layers"):
+        out.append(f"MTP {get('mtp_num_layers')}")
+    mla_yarn = get("multi_latent_attention") and get("rope_type") == "yarn"
+    if get("position_embedding_type") == "yarn" or mla_yarn:
+        out.append("YaRN")
+    if get("softmax_type", "vanilla") != "vanilla":
+        out.append(f"softmax {get('softmax_type')}")
+    if get("window_size"):
+        out.append(f"window {get('window_size')}")
+    if get("qk_layernorm"):
+        out.append("QK-norm")
+    return out

@@ -46,6 +46,17 @@ def test_inspect_reads_megatron_lm_checkpoints(fixture, kind, capsys):
     assert "iteration    6" in out
 
 
+def test_inspect_says_what_the_model_is(capsys):
+    """The DeepSeek-V3-shape run (core_v0.16.1): its features on one line, and the MTP layer's
+    long names in their column."""
+    assert main(["inspect", str(FIXTURES / "torch_dist_dsv3_pp2" / "ckpt")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "features     MLA (q_lora_rank 16, kv_lora_rank 16), MoE 4 experts top-2, shared expert, " \
+        "MTP 1, YaRN, QK-norm" in out
+    table = out[out.index(next(line for line in out if line.startswith("name "))):]
+    assert len({len(line) for line in table}) == 1  # one width: every column aligned
+
+
 def test_verify_says_a_megatron_lm_checkpoint_has_no_checksums(capsys):
     assert main(["verify", str(FIXTURES / "torch_dist_tp2_dp2" / "ckpt")]) == 2
     err = capsys.readouterr().err
