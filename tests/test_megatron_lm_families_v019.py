@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import READS_CORE_V019_FILES
+from conftest import READS_CORE_V019_FILES, REPORT
 from oracles import (
     assert_holds_universal,
     dist_common,
@@ -207,3 +207,43 @@ def test_gpt_oss_run_exports_to_hf_with_its_yarn(universal, tmp_path):
     for n in manifest["params"]:
         want = tensors[f"{n}/param"].to(torch.bfloat16)
         assert torch.equal(back_tensors[f"{n}/param"][:want.shape[0]], want), n
+
+
+# megatron-core's model of the GPT-OSS runs (tests/fixtures/megatron_lm_v019/README.md, `OSS MOE`)
+OSS_MODEL = {"num_layers": 4, "hidden_size": 32, "num_attention_heads": 4, "num_query_groups": 2,
+             "ffn_hidden_size": 64, "vocab_size": 256, "seq_length": 32, "normalization": "RMSNorm",
+             "add_bias_linear": True, "untie_embeddings": True, "swiglu": True, "activation": "quick_gelu",
+             "num_experts": 4, "position_embedding_type": "yarn", "extra": {
+                 "kv_channels": 8, "add_qkv_bias": True, "softmax_type": "learnable", "window_size": [7, 0],
+                 "window_attn_skip_freq": 2, "glu_linear_offset": 1.0, "activation_func_clamp_value": 7.0,
+                 "moe_ffn_hidden_size": 32, "yarn_rotary_scaling_factor": 4.0,
+                 "yarn_original_max_position_embeddings": 8}}
+
+
+def test_gpt_oss_run_computes_the_same_in_transformers(universal, tmp_path):
+    """Stock Megatron-LM's GPT-OSS run (YaRN, sinks, windows, biased MoE) loaded in megatron-core
+    at TP1xDP2 and its export-hf (fp32) in transformers: the same logits (fp32, <= 1e-5 of the
+    largest)."""
+    from megatron_ucp.formats import open_source
+    from megatron_ucp.formats.hf import export
+    from megatron_ucp.testing.launch import launch
+
+    transformers = pytest.importorskip("transformers")
+    src = universal["torch_dist_gptoss_ep2"]
+    # (the run's NullTokenizer has 251 ids: export-hf of the Megatron-LM checkpoint itself drops the
+    # padding rows from its args; of the universal conversion, which keeps them, --vocab-size does)
+    out = export(open_source(src), tmp_path / "hf", "gpt_oss", dtype="float32", vocab_size=251,
+                 progress=False)
+    tokens = torch.randint(0, 251, (2, 24), generator=torch.Generator().manual_seed(11))
+    launch(2, "megatron_ucp.testing.hf_scenarios:load_logits", {
+        "layout": "tp1dp2", "tokens": tokens.tolist(), "train_steps": 0,
+        "runs": [{"cfg": OSS_MODEL, "load_dir": str(src), "logits": str(tmp_path / "megatron.pt")}]})
+    megatron = torch.load(tmp_path / "megatron.pt")[..., :251]
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hf = model(tokens).logits
+    rel = ((hf - megatron).abs().max() / megatron.abs().max()).item()
+    print(f"GPT-OSS (stock core_v0.19.0 run): megatron-core vs transformers logits, max rel {rel:.3g}")
+    REPORT["hf-export:gpt_oss-megatron-lm-run"] = {"max_abs_logit_diff": (hf - megatron).abs().max().item(),
+                                                   "max_rel_logit_diff": rel}
+    assert rel <= 1e-5
