@@ -1,0 +1,59 @@
+"""Megatron-LM core_v0.16.1's own checkpoint of a hybrid Mamba model (issue 22): written by its
+unchanged pretrain_mamba.py on CPU (tests/fixtures/megatron_lm/torch_dist_hybrid_tp2; TP2,
+torch_dist, the default dp_reshardable optimizer, pattern `M*M-` given as
+`--hybrid-override-pattern`; megatron_ucp.testing.mamba_cpu in place of mamba_ssm's kernels)
+-> universal -> Megatron-LM targets at another layout.
+
+(1) Every universal tensor (master weight, both Adam moments) equals the fixture's own flat
+    buckets sliced by hand (tests/oracles.py `hybrid_dp_reshardable_full`), and the master weights
+    cast to bf16 are the stored model weights.
+(2) Written at TP1 DP2 as torch_dist (dp_reshardable) and torch, then read back: the same tensors,
+    bitwise, and the written files hold them by hand too.
+
+The 0.16.1 suite's counterpart of tests/test_megatron_lm_hybrid.py (core_v0.19.0's hybrid sets).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from oracles import hybrid_dp_reshardable_full, hybrid_legacy_full, universal_tensors
+from test_megatron_lm_v019 import written_back
+
+from megatron_ucp.layout import Layout
+from megatron_ucp.reshard import convert_torch_dist
+
+CKPT = Path(__file__).parent / "fixtures" / "megatron_lm" / "torch_dist_hybrid_tp2" / "ckpt"
+STATES = ("param", "exp_avg", "exp_avg_sq")
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> Path:
+    return convert_torch_dist(CKPT, tmp_path_factory.mktemp("hybrid16") / "u", progress=False)
+
+
+def test_hybrid_016_matches_independent_assembly(converted):
+    manifest, tensors = universal_tensors(converted)
+    full = hybrid_dp_reshardable_full(CKPT)
+    assert set(full) == set(manifest["params"]), sorted(set(full) ^ set(manifest["params"]))
+    assert len(full) == 27  # embedding, 2 x 9 Mamba, 3 attention, 3 MLP, final norm, output
+    for n, states in full.items():
+        assert manifest["params"][n]["step"] == 6.0, n
+        for s in STATES:
+            assert torch.equal(tensors[f"{n}/{s}"], states[s]), f"{n}/{s}"
+        assert torch.equal(tensors[f"{n}/param"].to(torch.bfloat16), states["model"]), n
+    assert manifest["iteration"] == 6 and manifest["scheduler"]["num_steps"] == 24
+    assert manifest["model"]["hybrid_layer_pattern"] == "M*M-"
+    assert [manifest["layout"][k] for k in ("tp", "pp", "dp")] == [2, 1, 1]
+
+
+@pytest.mark.parametrize("fmt,sharding", [("torch_dist", "dp_reshardable"), ("torch", None)])
+def test_hybrid_016_written_at_tp1_dp2_reads_back_bitwise(converted, tmp_path, fmt, sharding):
+    out, m1, t1 = written_back(CKPT, converted, tmp_path, fmt, Layout(tp=1, pp=1, dp=2), sharding)
+    full = (hybrid_legacy_full if fmt == "torch" else hybrid_dp_reshardable_full)(out)
+    assert set(full) == set(m1["params"])
+    for n, states in full.items():
+        assert all(torch.equal(states[s], t1[f"{n}/{s}"]) for s in STATES), n
+        assert torch.equal(states["model"], t1[f"{n}/param"].to(torch.bfloat16)), n
