@@ -1199,7 +1199,7 @@ def hybrid_layer_params(symbol: str, experts: int = 0, conv1d_module: bool = Fal
                   "mlp.linear_fc2.weight"]}[symbol]
 
 
-def hybrid_dp_reshardable_full(ckpt: Path) -> dict[str, dict]:
+def hybrid_dp_reshardable_full(ckpt: Path, common: dict | None = None) -> dict[str, dict]:
     """Universal name -> {"model", state...} of a hybrid model's dp_reshardable torch_dist save
     (TP, no PP, untied output layer; MoE at EP1, its experts in the dense buffer): each TP rank's flat bucket
     `optimizer.distributed.dp_group_idx_<tp>.gbuf_idx_0.dtype_(<param>, torch.float32)
@@ -1207,8 +1207,9 @@ def hybrid_dp_reshardable_full(ckpt: Path) -> dict[str, dict]:
     layers of `hybrid_layer_params`, final norm, output layer), the TP-local shapes derived by hand
     (`hybrid_full_tensor`'s rules), and the model tensors (one key per section for in_proj and
     conv1d, concatenated; the experts of a MoE layer stacked, `mlp.experts.experts.linear_fc<k>.weight`
-    [experts, ...])."""
-    common = dist_common(ckpt)
+    [experts, ...]). `common`: the common state's fields used here, where this megatron-core
+    cannot unpickle the checkpoint's (a core_v0.19.0 save read under 0.16)."""
+    common = dist_common(ckpt) if common is None else common
     args = common["args"]
     assert args.pipeline_model_parallel_size == 1 and args.expert_model_parallel_size == 1
     assert not args.num_experts or args.tensor_model_parallel_size == 1  # (expert TP not sliced here)

@@ -10,11 +10,17 @@ torch_dist, the default dp_reshardable optimizer, pattern `M*M-` given as
 (2) Written at TP1 DP2 as torch_dist (dp_reshardable) and torch, then read back: the same tensors,
     bitwise, and the written files hold them by hand too.
 
-The 0.16.1 suite's counterpart of tests/test_megatron_lm_hybrid.py (core_v0.19.0's hybrid sets).
+(3) core_v0.19.0's hybrid set of the same model converts under this release too.
+
+The 0.16.1 suite's counterpart of tests/test_megatron_lm_hybrid.py (core_v0.19.0's hybrid sets);
+it runs on megatron-core 0.19 as well (the Makefile's TESTS_MCORE19): the two releases' Mamba
+mixers register their parameters in other orders (megatron_ucp.mcore_compat), so each reads the
+other's dp_reshardable buffers in the saving release's order.
 """
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
@@ -26,6 +32,7 @@ from megatron_ucp.layout import Layout
 from megatron_ucp.reshard import convert_torch_dist
 
 CKPT = Path(__file__).parent / "fixtures" / "megatron_lm" / "torch_dist_hybrid_tp2" / "ckpt"
+V019 = Path(__file__).parent / "fixtures" / "megatron_lm_v019"
 STATES = ("param", "exp_avg", "exp_avg_sq")
 
 
@@ -57,3 +64,24 @@ def test_hybrid_016_written_at_tp1_dp2_reads_back_bitwise(converted, tmp_path, f
     for n, states in full.items():
         assert all(torch.equal(states[s], t1[f"{n}/{s}"]) for s in STATES), n
         assert torch.equal(states["model"], t1[f"{n}/param"].to(torch.bfloat16)), n
+
+
+def test_hybrid_019_set_converts_under_this_release(tmp_path):
+    """core_v0.19.0's hybrid set (tests/fixtures/megatron_lm_v019/torch_dist_hybrid_tp2, the same
+    model) converted under this release: its Mamba layers' buffers are in megatron-core 0.19's
+    order (conv1d first), which megatron-core 0.16 does not register (it was refused: master weight
+    of `mixer.A_log` differs from the stored model tensor). Every tensor bitwise against the
+    hand-sliced buckets; the fields of its common state the slicing needs are its flags
+    (../megatron_lm_v019/torch_dist_hybrid_tp2/cmd.txt), as 0.16 cannot unpickle its args."""
+    ckpt = V019 / "torch_dist_hybrid_tp2" / "ckpt"
+    manifest, tensors = universal_tensors(convert_torch_dist(ckpt, tmp_path / "u", progress=False))
+    args = argparse.Namespace(
+        tensor_model_parallel_size=2, pipeline_model_parallel_size=1, expert_model_parallel_size=1,
+        num_experts=None, untie_embeddings_and_output_weights=True, hybrid_layer_pattern="M*M-",
+        hidden_size=32, mamba_num_heads=None, mamba_head_dim=16, mamba_num_groups=2, mamba_state_dim=8,
+        bf16=True)
+    full = hybrid_dp_reshardable_full(ckpt, common={"args": args})  # no common.pt: 0.19's order
+    assert set(full) == set(manifest["params"]) and len(full) == 27
+    for n, states in full.items():
+        assert all(torch.equal(tensors[f"{n}/{s}"], states[s]) for s in STATES), n
+        assert torch.equal(tensors[f"{n}/param"].to(torch.bfloat16), states["model"]), n
