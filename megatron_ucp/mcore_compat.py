@@ -24,7 +24,9 @@ What differs, and where it is handled:
   submodules', so the mixers register their parameters in another order (0.18: dt_bias, A_log, D,
   in_proj, conv1d, norm, out_proj; 0.19: conv1d, dt_bias, A_log, D, in_proj, norm, out_proj), and
   DDP's flat buffers, which follow that order, differ: a dp_reshardable save of one release is
-  sliced in its order under the other (`mamba_conv1d_is_module`, `saved_parameter_order`).
+  sliced in its order under the other (`mamba_conv1d_is_module`, `saved_parameter_order`). The
+  `--ckpt-format torch` state dicts name them `mixer.conv1d.weight` / `mixer.conv1d_weight` too:
+  `saved_mamba_conv1d_form` tells the form from the saved names, `mamba_state_key` renames them.
 * MLA's Q/KV norms: 0.19 resolves them in `QKNormConfigResolver`, which wants a Q norm fused into
   `linear_q_proj` when there is no query LoRA rank (only Transformer Engine has that layer); 0.16
   builds no Q norm there: `local_mla_qk_norm_without_q_lora`.
@@ -251,6 +253,34 @@ def saved_parameter_order(module, conv1d_module: bool) -> list[tuple[str, Any]]:
         for i, np in zip(at, mine):
             named[i] = np
     return named
+
+
+# a Mamba mixer's conv1d in a state dict: (submodule form, parameter form)
+_CONV1D_KEYS = ((".mixer.conv1d.weight", ".mixer.conv1d_weight"),
+                (".mixer.conv1d.bias", ".mixer.conv1d_bias"))
+
+
+def saved_mamba_conv1d_form(keys) -> bool | None:
+    """From a saved model state dict's keys: True where its Mamba mixers hold conv1d as a submodule
+    (`mixer.conv1d.weight`, megatron-core <= 0.18), False as two parameters (`mixer.conv1d_weight`,
+    0.19), None without Mamba mixers."""
+    for key in keys:
+        for module_form, param_form in _CONV1D_KEYS:
+            if key.endswith(module_form):
+                return True
+            if key.endswith(param_form):
+                return False
+    return None
+
+
+def mamba_state_key(key: str) -> str:
+    """A saved model state-dict key with a Mamba mixer's conv1d named as this release names it."""
+    module_form = mamba_conv1d_is_module()
+    for as_module, as_param in _CONV1D_KEYS:
+        old, new = (as_param, as_module) if module_form else (as_module, as_param)
+        if key.endswith(old):
+            return key[: -len(old)] + new
+    return key
 
 
 def megatron_param_groups(model_chunks: list, args) -> list[dict]:

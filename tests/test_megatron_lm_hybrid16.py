@@ -10,7 +10,8 @@ torch_dist, the default dp_reshardable optimizer, pattern `M*M-` given as
 (2) Written at TP1 DP2 as torch_dist (dp_reshardable) and torch, then read back: the same tensors,
     bitwise, and the written files hold them by hand too.
 
-(3) core_v0.19.0's hybrid set of the same model converts under this release too.
+(3) core_v0.19.0's hybrid set of the same model converts under this release too, and so does a
+    `--ckpt-format torch` save in the other release's form (conv1d named and ordered as there).
 
 The 0.16.1 suite's counterpart of tests/test_megatron_lm_hybrid.py (core_v0.19.0's hybrid sets);
 it runs on megatron-core 0.19 as well (the Makefile's TESTS_MCORE19): the two releases' Mamba
@@ -25,11 +26,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from oracles import hybrid_dp_reshardable_full, hybrid_legacy_full, universal_tensors
+from oracles import (
+    WORD,
+    flat_layout,
+    hybrid_dp_reshardable_full,
+    hybrid_layer_params,
+    hybrid_legacy_full,
+    hybrid_universal_name,
+    universal_tensors,
+)
 from test_megatron_lm_v019 import written_back
 
 from megatron_ucp.layout import Layout
-from megatron_ucp.reshard import convert_torch_dist
+from megatron_ucp.reshard import convert_legacy, convert_torch_dist, reshard
 
 CKPT = Path(__file__).parent / "fixtures" / "megatron_lm" / "torch_dist_hybrid_tp2" / "ckpt"
 V019 = Path(__file__).parent / "fixtures" / "megatron_lm_v019"
@@ -85,3 +94,66 @@ def test_hybrid_019_set_converts_under_this_release(tmp_path):
     for n, states in full.items():
         assert all(torch.equal(tensors[f"{n}/{s}"], states[s]) for s in STATES), n
         assert torch.equal(tensors[f"{n}/param"].to(torch.bfloat16), states["model"]), n
+
+
+def other_release_legacy(src: Path, dst: Path) -> bool:
+    """The `--ckpt-format torch` save `src` (one rank directory: TP1, PP1, a hybrid model without
+    experts) as the other megatron-core release writes it, into `dst`: the Mamba conv1d named
+    `mixer.conv1d.weight` (<= 0.18) or `mixer.conv1d_weight` (0.19), the state dict and the
+    distrib_optim.pt buffer in that release's registration order (oracles.hybrid_layer_params),
+    re-laid out with oracles.flat_layout. Returns the form written (True: conv1d submodule)."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    (rank_dir,) = (p for p in dst.glob("iter_*/mp_rank_*") if p.is_dir())
+    m = torch.load(rank_dir / "model_optim_rng.pt", weights_only=False)
+    optim = torch.load(rank_dir / "distrib_optim.pt", weights_only=False)
+    sd = m["model"]
+    to_module = any(k.endswith(".mixer.conv1d_weight") for k in sd)  # the other form
+    pattern = m["args"].hybrid_layer_pattern if getattr(m["args"], "hybrid_layer_pattern", None) \
+        else m["args"].hybrid_override_pattern
+    order = [WORD] + [f"decoder.layers.{i}.{n}" for i, sym in enumerate(pattern)
+                      for n in hybrid_layer_params(sym, 0, to_module)]
+    order += ["decoder.final_norm.weight", "output_layer.weight"]
+    tensors = {k: v for k, v in sd.items() if torch.is_tensor(v)}
+    new_keys = sorted(tensors, key=lambda k: order.index(hybrid_universal_name(k, pattern, 0)))
+
+    def renamed(k: str) -> str:
+        for param_form, module_form in ((".mixer.conv1d_weight", ".mixer.conv1d.weight"),
+                                        (".mixer.conv1d_bias", ".mixer.conv1d.bias")):
+            old, new = (param_form, module_form) if to_module else (module_form, param_form)
+            if k.endswith(old):
+                return k[: -len(old)] + new
+        return k
+
+    old_at, _ = flat_layout([(k, v.numel()) for k, v in tensors.items()], set())
+    new_at, total = flat_layout([(k, tensors[k].numel()) for k in new_keys], set())
+    (key,) = optim[0]
+    flat = optim[0][key]
+    for s in STATES:
+        t = torch.zeros(total, dtype=flat[s].dtype)
+        for k in new_keys:
+            n = tensors[k].numel()
+            t[new_at[k]:new_at[k] + n] = flat[s][old_at[k]:old_at[k] + n]
+        flat[s] = t
+    flat["numel_unpadded"] = total
+    m["model"] = {**{renamed(k): tensors[k] for k in new_keys},
+                  **{k: v for k, v in sd.items() if not torch.is_tensor(v)}}
+    torch.save(m, rank_dir / "model_optim_rng.pt")
+    torch.save(optim, rank_dir / "distrib_optim.pt")
+    return to_module
+
+
+def test_hybrid_legacy_save_of_the_other_release_converts(converted, tmp_path):
+    """A hybrid `--ckpt-format torch` save in the other release's Mamba form (its conv1d names and
+    parameter order, made from this release's by hand) converts to the same universal tensors,
+    bitwise (before: refused, "saved only: [...mixer.conv1d.bias, ...]")."""
+    reshard(CKPT, tmp_path / "ours", Layout(tp=1, pp=1, dp=2), "torch", progress=False)
+    to_module = other_release_legacy(tmp_path / "ours", tmp_path / "other")
+    saved = torch.load(next((tmp_path / "other").glob("iter_*/mp_rank_*/model_optim_rng.pt")),
+                       weights_only=False)["model"]
+    assert ("decoder.layers.0.mixer.conv1d.weight" in saved) == to_module
+    _, t1 = universal_tensors(converted)
+    _, t2 = universal_tensors(convert_legacy(tmp_path / "other", tmp_path / "u", progress=False))
+    assert t1.keys() == t2.keys()
+    assert all(torch.equal(t, t2[k]) for k, t in t1.items())
