@@ -19,6 +19,14 @@ What differs, and where it is handled:
   Without Triton (torch's CPU build), 0.16's `megatron.core.ssm.mamba_mixer` cannot be imported at
   all: it imports dynamic inference's Triton kernels at module level (0.19 does not):
   `mamba_modules` registers a stand-in for that module first.
+  The Mamba mixer's conv1d is an `nn.Conv1d` submodule up to 0.18 and two parameters of the mixer
+  (`conv1d_weight`, `conv1d_bias`) from 0.19. A module yields its own parameters before its
+  submodules', so the mixers register their parameters in another order (0.18: dt_bias, A_log, D,
+  in_proj, conv1d, norm, out_proj; 0.19: conv1d, dt_bias, A_log, D, in_proj, norm, out_proj), and
+  DDP's flat buffers, which follow that order, differ: a dp_reshardable save of one release is
+  sliced in its order under the other (`mamba_conv1d_is_module`, `saved_parameter_order`). The
+  `--ckpt-format torch` state dicts name them `mixer.conv1d.weight` / `mixer.conv1d_weight` too:
+  `saved_mamba_conv1d_form` tells the form from the saved names, `mamba_state_key` renames them.
 * MLA's Q/KV norms: 0.19 resolves them in `QKNormConfigResolver`, which wants a Q norm fused into
   `linear_q_proj` when there is no query LoRA rank (only Transformer Engine has that layer); 0.16
   builds no Q norm there: `local_mla_qk_norm_without_q_lora`.
@@ -204,6 +212,75 @@ def mamba_modules():
     from megatron.core.ssm import mamba_block, mamba_mixer
 
     return mamba_mixer, mamba_block
+
+
+def mamba_conv1d_is_module() -> bool:
+    """Whether this release's Mamba mixer holds conv1d as an nn.Conv1d submodule (<= 0.18), not as
+    its own two parameters `conv1d_weight` / `conv1d_bias` (0.19; see the module docstring)."""
+    mamba_mixer, _ = mamba_modules()
+    return "conv1d_weight" not in mamba_mixer.MambaMixer.__init__.__code__.co_names
+
+
+# a Mamba mixer's parameters (local names, either release's) in each form's registration order
+_MIXER_ORDER = {
+    True: ("dt_bias", "A_log", "D", "in_proj.", "conv1d.weight", "conv1d.bias", "norm.", "out_proj."),
+    False: ("conv1d.weight", "conv1d.bias", "dt_bias", "A_log", "D", "in_proj.", "norm.", "out_proj."),
+}
+
+
+def saved_parameter_order(module, conv1d_module: bool) -> list[tuple[str, Any]]:
+    """`module.named_parameters()` in the order a release whose Mamba mixers hold conv1d as a
+    submodule (`conv1d_module`, <= 0.18) or as two parameters (0.19) registers them: each mixer's
+    parameters put in that release's order, everything else where this release has it. Raises
+    ValueError where a mixer holds a parameter neither release has."""
+    mamba_mixer, _ = mamba_modules()
+    order = _MIXER_ORDER[conv1d_module]
+    mixers = [name for name, m in module.named_modules() if isinstance(m, mamba_mixer.MambaMixer)]
+    named = list(module.named_parameters())
+    for mixer in mixers:
+        prefix = f"{mixer}." if mixer else ""
+        at = [i for i, (n, _) in enumerate(named) if n.startswith(prefix)]
+
+        def rank(name: str, prefix: str = prefix) -> int:
+            local = name[len(prefix):].replace("conv1d_", "conv1d.")
+            found = [i for i, head in enumerate(order) if local == head or
+                     (head.endswith(".") and local.startswith(head))]
+            if not found:
+                raise ValueError(f"Mamba mixer parameter {name!r} is not one of {order}")
+            return found[0]
+
+        mine = sorted((named[i] for i in at), key=lambda np: rank(np[0]))  # stable: in_proj.* etc.
+        for i, np in zip(at, mine):
+            named[i] = np
+    return named
+
+
+# a Mamba mixer's conv1d in a state dict: (submodule form, parameter form)
+_CONV1D_KEYS = ((".mixer.conv1d.weight", ".mixer.conv1d_weight"),
+                (".mixer.conv1d.bias", ".mixer.conv1d_bias"))
+
+
+def saved_mamba_conv1d_form(keys) -> bool | None:
+    """From a saved model state dict's keys: True where its Mamba mixers hold conv1d as a submodule
+    (`mixer.conv1d.weight`, megatron-core <= 0.18), False as two parameters (`mixer.conv1d_weight`,
+    0.19), None without Mamba mixers."""
+    for key in keys:
+        for module_form, param_form in _CONV1D_KEYS:
+            if key.endswith(module_form):
+                return True
+            if key.endswith(param_form):
+                return False
+    return None
+
+
+def mamba_state_key(key: str) -> str:
+    """A saved model state-dict key with a Mamba mixer's conv1d named as this release names it."""
+    module_form = mamba_conv1d_is_module()
+    for as_module, as_param in _CONV1D_KEYS:
+        old, new = (as_param, as_module) if module_form else (as_module, as_param)
+        if key.endswith(old):
+            return key[: -len(old)] + new
+    return key
 
 
 def megatron_param_groups(model_chunks: list, args) -> list[dict]:

@@ -1086,6 +1086,12 @@ def hybrid_stage_layers(pattern: str) -> list[range]:
     return out
 
 
+def args_hybrid_pattern(args) -> str:
+    """A hybrid run's layer pattern in its Megatron-LM args: core_v0.19.0's `--hybrid-layer-pattern`,
+    core_v0.16.1's `--hybrid-override-pattern`."""
+    return getattr(args, "hybrid_layer_pattern", None) or args.hybrid_override_pattern
+
+
 def hybrid_sections(args) -> dict[str, list[int]]:
     """Section sizes (dim 0, TP 1) of the Mamba mixer's in_proj and conv1d, from the run's args:
     d_inner = 2 x hidden (megatron-core's expand), heads d_inner / head dim, B and C groups x state."""
@@ -1148,7 +1154,7 @@ def hybrid_legacy_full(ckpt: Path) -> dict[str, dict]:
         args = m["args"]
         assert args.untie_embeddings_and_output_weights and args.expert_model_parallel_size == 1
         assert not args.virtual_pipeline_model_parallel_size
-        pattern = args.hybrid_layer_pattern
+        pattern = args_hybrid_pattern(args)
         parts = [int(x) for x in rank_dir.name.split("_")[2:]]
         tp, pp = parts[0], parts[1] if args.pipeline_model_parallel_size > 1 else 0
         sd = {k: v for k, v in m["model"].items() if torch.is_tensor(v)}
@@ -1169,14 +1175,21 @@ def hybrid_legacy_full(ckpt: Path) -> dict[str, dict]:
                                       for k in ("model", *STATES)}} for n, c in copies.items()}
 
 
-def hybrid_layer_params(symbol: str, experts: int = 0) -> list[str]:
+def hybrid_layer_params(symbol: str, experts: int = 0, conv1d_module: bool = False) -> list[str]:
     """A hybrid layer's parameters (no biases, RMSNorm; a MoE layer of `experts` SequentialMLP
-    experts) in registration order, under their universal names (the Mamba mixer registers conv1d,
-    dt_bias, A_log, D before its in_proj, gated norm and out_proj; the layer's norm after its mixer;
-    attention's linear_proj before linear_qkv; a MoE layer its norm, router, then each expert)."""
+    experts) in registration order, under their universal names. A module registers its own
+    parameters before its submodules': megatron-core 0.19's Mamba mixer holds conv1d as two
+    parameters, so conv1d, dt_bias, A_log, D come before its in_proj, gated norm and out_proj;
+    0.16's holds an nn.Conv1d submodule (`conv1d_module`), so dt_bias, A_log, D come first, then
+    in_proj, conv1d, the gated norm and out_proj. The layer's norm after its mixer; attention's
+    linear_proj before linear_qkv; a MoE layer its norm, router, then each expert."""
     if symbol == "E":
         return ["pre_mlp_layernorm.weight", "mlp.router.weight"] + [
             f"mlp.experts.experts.{j}.linear_fc{k}.weight" for j in range(experts) for k in (1, 2)]
+    if symbol == "M" and conv1d_module:
+        return ["mixer.dt_bias", "mixer.A_log", "mixer.D", "mixer.in_proj.weight", "mixer.conv1d.weight",
+                "mixer.conv1d.bias", "mixer.norm.weight", "mixer.out_proj.weight",
+                "mixer.in_proj.layer_norm_weight"]
     return {"M": ["mixer.conv1d.weight", "mixer.conv1d.bias", "mixer.dt_bias", "mixer.A_log", "mixer.D",
                   "mixer.in_proj.weight", "mixer.norm.weight", "mixer.out_proj.weight",
                   "mixer.in_proj.layer_norm_weight"],
@@ -1186,7 +1199,7 @@ def hybrid_layer_params(symbol: str, experts: int = 0) -> list[str]:
                   "mlp.linear_fc2.weight"]}[symbol]
 
 
-def hybrid_dp_reshardable_full(ckpt: Path) -> dict[str, dict]:
+def hybrid_dp_reshardable_full(ckpt: Path, common: dict | None = None) -> dict[str, dict]:
     """Universal name -> {"model", state...} of a hybrid model's dp_reshardable torch_dist save
     (TP, no PP, untied output layer; MoE at EP1, its experts in the dense buffer): each TP rank's flat bucket
     `optimizer.distributed.dp_group_idx_<tp>.gbuf_idx_0.dtype_(<param>, torch.float32)
@@ -1194,17 +1207,22 @@ def hybrid_dp_reshardable_full(ckpt: Path) -> dict[str, dict]:
     layers of `hybrid_layer_params`, final norm, output layer), the TP-local shapes derived by hand
     (`hybrid_full_tensor`'s rules), and the model tensors (one key per section for in_proj and
     conv1d, concatenated; the experts of a MoE layer stacked, `mlp.experts.experts.linear_fc<k>.weight`
-    [experts, ...])."""
-    common = dist_common(ckpt)
+    [experts, ...]). `common`: the common state's fields used here, where this megatron-core
+    cannot unpickle the checkpoint's (a core_v0.19.0 save read under 0.16)."""
+    common = dist_common(ckpt) if common is None else common
     args = common["args"]
     assert args.pipeline_model_parallel_size == 1 and args.expert_model_parallel_size == 1
     assert not args.num_experts or args.tensor_model_parallel_size == 1  # (expert TP not sliced here)
     assert args.untie_embeddings_and_output_weights
-    tp_size, pattern = args.tensor_model_parallel_size, args.hybrid_layer_pattern
+    tp_size, pattern = args.tensor_model_parallel_size, args_hybrid_pattern(args)
     sections = hybrid_sections(args)
     stored = tensor_keys(ckpt)
+    # the buffers' Mamba order: megatron-core <= 0.18 (which writes common.pt) has a conv1d
+    # submodule, 0.19 not; megatron-ucp notes the form it wrote (it writes common.pt under 0.19 too)
+    note = common.get("megatron_ucp") or {}
+    conv1d_module = note.get("mamba_conv1d_module", (dist_iteration(ckpt) / "common.pt").exists())
     names = [WORD] + [f"decoder.layers.{i}.{n}" for i, sym in enumerate(pattern)
-                      for n in hybrid_layer_params(sym, args.num_experts or 0)]
+                      for n in hybrid_layer_params(sym, args.num_experts or 0, conv1d_module)]
     names += ["decoder.final_norm.weight", "output_layer.weight"]
 
     def key_parts(name: str) -> list[str]:

@@ -37,7 +37,12 @@ from megatron_ucp.formats.megatron_common import (
     set_hybrid_pattern_for_pp,
     world,
 )
-from megatron_ucp.mcore_compat import config_kwargs_from_args, rederive_weight_shards
+from megatron_ucp.mcore_compat import (
+    config_kwargs_from_args,
+    mamba_conv1d_is_module,
+    rederive_weight_shards,
+    saved_parameter_order,
+)
 from megatron_ucp.param_spec import local_params
 from megatron_ucp.spec import ParamSpec
 from megatron_ucp.validation import model_config as config_of
@@ -489,10 +494,16 @@ def _grouped_gemm_importable(needed: bool) -> Iterator[None]:
         util.grouped_gemm, util.ops = saved
 
 
-def wrap_ddp(chunks: list, args) -> list:
+def wrap_ddp(chunks: list, args, mamba_conv1d_module: bool | None = None) -> list:
     """The chunks inside megatron-core DistributedDataParallel with the run's buffer settings, as
     megatron.training.training.get_model builds the DDP config (only the buffer layout matters:
-    `buffers[i].param_index_map` and bucket offsets are what the importers read)."""
+    `buffers[i].param_index_map` and bucket offsets are what the importers read).
+
+    mamba_conv1d_module: how the release that saved a hybrid model held its Mamba mixers' conv1d
+    (a submodule up to megatron-core 0.18, two parameters from 0.19; None: as this release). The
+    buffers follow the registration order, which differs between the two
+    (`mcore_compat.saved_parameter_order`): where the saving release's differs from this one's,
+    DDP is shown the parameters in the saving release's order."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.utils import unwrap_model
 
@@ -510,9 +521,22 @@ def wrap_ddp(chunks: list, args) -> list:
                          else getattr(args, "ddp_bucket_size", None))
     kw = {k: v for k, v in kw.items() if k in fields}
     disable = getattr(args, "overlap_param_gather_with_optimizer_step", False)
-    return [DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(**kw),
-                                    module=c, disable_bucketing=(i > 0) or disable)
-            for i, c in enumerate(chunks)]
+    reorder = (mamba_conv1d_module is not None and hybrid_layer_pattern(args)
+               and mamba_conv1d_module != mamba_conv1d_is_module())
+    wrapped = []
+    for i, c in enumerate(chunks):
+        if reorder:  # megatron-core DDP takes its parameters from module.named_parameters()/parameters()
+            named = saved_parameter_order(c, mamba_conv1d_module)
+            c.named_parameters = lambda *a, _n=named, **k: iter(_n)
+            c.parameters = lambda *a, _n=named, **k: iter([p for _, p in _n])
+        try:
+            wrapped.append(DistributedDataParallel(
+                config=config, ddp_config=DistributedDataParallelConfig(**kw), module=c,
+                disable_bucketing=(i > 0) or disable))
+        finally:
+            if reorder:
+                del c.named_parameters, c.parameters
+    return wrapped
 
 
 def model_config(chunks: list, args) -> dict:

@@ -215,7 +215,9 @@ def local_mamba_stack_spec(normalization: str, num_experts: int | None, moe_grou
 
 # Megatron-LM's pretrain_hybrid.py (pretrain_mamba.py runs it) builds the stack from the spec named by
 # `--spec MODULE NAME` (hybrid_builders.py: `import_module(args.spec)`, a ModuleSpec object, not a
-# function); megatron-core 0.19 ships only Transformer Engine's `hybrid_stack_spec`. This is the
+# function); megatron-core 0.19 ships only Transformer Engine's `hybrid_stack_spec`. Megatron-LM
+# core_v0.16.1's pretrain_mamba.py takes the same `--spec` (mamba_builders.py, which raises without
+# one) and builds its MambaStack from this spec unchanged (tests/fixtures/megatron_lm/README.md). This is the
 # local one: `--spec megatron_ucp.testing.mamba_cpu hybrid_stack_spec_local`. Its norm class is the
 # local spec's RMSNorm choice, megatron-core's WrappedTorchNorm, which follows
 # `config.normalization` (LayerNorm or RMSNorm); the MoE layer's local experts (SequentialMLP) take

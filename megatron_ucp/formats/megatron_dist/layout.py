@@ -51,6 +51,10 @@ READ_SHARDINGS = (*SHARDINGS, FLATTENED)  # read only: megatron-core >= 0.16 no 
 FULLY_RESHARDABLE_CONTENT = {"distrib_optim_sharding_type": "fully_reshardable",
                              "distrib_optim_fully_reshardable_mem_efficient": False,
                              "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+# megatron-ucp's note in the common state of a hybrid model's save: {"mamba_conv1d_module": bool},
+# the Mamba conv1d form (megatron_rebuild.wrap_ddp) whose parameter order its flat buffers follow
+# (its common.pt does not tell: megatron-ucp writes one under 0.19 too). Megatron-LM ignores it.
+UCP_COMMON_KEY = "megatron_ucp"
 METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                  "common_backend": "torch", "common_backend_version": 1}
 
@@ -104,7 +108,18 @@ OPTIMIZER_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.")
 DENSE, EXPERT = "chained_0.", "chained_1."
 
 
-def optimizer_ranks(args) -> Iterator[tuple[int | None, int | None, list]]:
+def saved_mamba_conv1d_module(common: dict, ckpt: Path) -> bool:
+    """How the release that saved the torch_dist checkpoint `ckpt` held its Mamba mixers' conv1d
+    (megatron_rebuild.wrap_ddp): megatron-ucp's note where it wrote it, else from the file layout:
+    megatron-core <= 0.18 keeps `common.pt` and a conv1d submodule, 0.19 neither."""
+    note = common.get(UCP_COMMON_KEY) if isinstance(common, dict) else None
+    if isinstance(note, dict) and "mamba_conv1d_module" in note:
+        return bool(note["mamba_conv1d_module"])
+    return (ckpt / COMMON_FILE).exists()
+
+
+def optimizer_ranks(args, mamba_conv1d_module: bool | None = None
+                    ) -> Iterator[tuple[int | None, int | None, list]]:
     """A MoE run (dp_reshardable): (dense model-parallel rank or None, expert model-parallel rank
     or None, its chunks inside megatron-core DDP) for every global rank that stores a dense bucket
     (data-parallel rank 0) or an expert bucket (expert-data-parallel rank 0), each rank once per
@@ -126,18 +141,21 @@ def optimizer_ranks(args) -> Iterator[tuple[int | None, int | None, list]]:
                 continue
             dense_seen.add(dense)
             expert_seen.add(expert)
-            yield dense, expert, wrap_ddp(build_chunks(args), args)
+            yield dense, expert, wrap_ddp(build_chunks(args), args, mamba_conv1d_module)
 
 
-def buffer_sets(args, chained: bool, where) -> Iterator[tuple[int, str, list, dict]]:
+def buffer_sets(args, chained: bool, where, mamba_conv1d_module: bool | None = None
+                ) -> Iterator[tuple[int, str, list, dict]]:
     """(dp_group_idx, key prefix, DDP buffers, {id(param): LocalParam}) of each optimizer whose
     buckets a dp_reshardable save of the run `args` describe stores (no VPP: one chunk), yielded
     inside that rank's parallel state. chained: a MoE run whose experts have buffers of their own,
     a ChainedOptimizer's dense (`chained_0.`) and expert (`chained_1.`) optimizers
     (`optimizer_ranks`); else one optimizer per model-parallel rank, no prefix. where: the
-    checkpoint, named when its args build expert buffers it holds no state for."""
+    checkpoint, named when its args build expert buffers it holds no state for.
+    mamba_conv1d_module: the saving release's Mamba conv1d form (`megatron_rebuild.wrap_ddp`;
+    None: this release's)."""
     if not chained:
-        for mp_rank, chunks in model_parallel_ranks(args):
+        for mp_rank, chunks in model_parallel_ranks(args, mamba_conv1d_module):
             if chunks[0].expert_parallel_buffers:
                 raise UCPError(f"{where}: the model rebuilt from the checkpoint's args keeps its "
                                "experts in buffers of their own (a second, expert optimizer), but "
@@ -145,7 +163,7 @@ def buffer_sets(args, chained: bool, where) -> Iterator[tuple[int, str, list, di
                                "args do not describe the run that saved it")
             yield mp_rank, "", chunks[0].buffers, {id(lp.param): lp for lp in local_params(chunks[:1])}
         return
-    for dense, expert, chunks in optimizer_ranks(args):
+    for dense, expert, chunks in optimizer_ranks(args, mamba_conv1d_module):
         lps = {id(lp.param): lp for lp in local_params(chunks[:1])}
         if dense is not None:
             yield dense, DENSE, chunks[0].buffers, lps
@@ -153,7 +171,7 @@ def buffer_sets(args, chained: bool, where) -> Iterator[tuple[int, str, list, di
             yield expert, EXPERT, chunks[0].expert_parallel_buffers, lps
 
 
-def model_parallel_ranks(args) -> Iterator[tuple[int, list]]:
+def model_parallel_ranks(args, mamba_conv1d_module: bool | None = None) -> Iterator[tuple[int, list]]:
     """(model-parallel rank, its chunks inside megatron-core DDP) for every (PP, TP) rank at DP
     rank 0 of the run `args` describe: whose DistributedOptimizer buckets the dp_reshardable form
     stores. Each is rebuilt on a fake group with meta tensors (the layout, no data) and yielded
@@ -169,7 +187,8 @@ def model_parallel_ranks(args) -> Iterator[tuple[int, list]]:
                         ps.get_data_parallel_rank()) != (tp_rank, pp_rank, 0):
                     raise UCPError(f"rank {rank} is not (tp {tp_rank}, pp {pp_rank}, dp 0) in "
                                    "megatron's rank order; unsupported rank order")
-                yield ps.get_model_parallel_group().rank(), wrap_ddp(build_chunks(args), args)
+                yield ps.get_model_parallel_group().rank(), wrap_ddp(build_chunks(args), args,
+                                                                     mamba_conv1d_module)
 
 
 class ReadsDcp:

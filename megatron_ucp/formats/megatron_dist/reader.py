@@ -59,6 +59,7 @@ from megatron_ucp.formats.megatron_dist.layout import (
     is_iteration,
     param_groups_key,
     plan_model,
+    saved_mamba_conv1d_module,
     state_key,
 )
 from megatron_ucp.progress import Progress
@@ -149,7 +150,8 @@ class TorchDistSource(ReadsDcp):
                 if k == 0:
                     groups = (groups or []) + [(chain, x) for x in g]
             if sharding == "dp_reshardable":
-                replica_buckets = _plan_dp_reshardable(args, reader, self.plan, chained)
+                replica_buckets = _plan_dp_reshardable(args, reader, self.plan, chained,
+                                                       saved_mamba_conv1d_module(common, ckpt))
         _check_optimizer_keys(reader, self.plan, sharding, replica_buckets)
         if not groups:
             raise UCPError(f"{ckpt}: no optimizer param groups found (was it saved without optimizer?)")
@@ -267,13 +269,15 @@ def _check_optimizer_keys(reader: DistReader, plan: dict[str, Param], sharding: 
                        f" ({len(extra)} in all) belong to no parameter of the model built from args")
 
 
-def _plan_dp_reshardable(args, reader: DistReader, plan: dict[str, Param], chained: bool) -> set[str]:
+def _plan_dp_reshardable(args, reader: DistReader, plan: dict[str, Param], chained: bool,
+                         mamba_conv1d_module: bool | None = None) -> set[str]:
     """Attach each parameter's flat-buffer slabs, from megatron-core DDP at the source layout.
     Returns the buckets that hold replicas (read from their canonical copy, not from there).
     chained (a MoE run whose experts have their own buffers): the dense buffers of each
     model-parallel rank (`chained_0.`) and the expert buffers of each expert tensor-model-pipeline
     rank (`chained_1.`), see `optimizer_ranks`; a MoE run at EP1 keeps its experts in the dense
-    buffers, mapped like every other parameter."""
+    buffers, mapped like every other parameter. mamba_conv1d_module: the saving release's Mamba
+    conv1d form (`saved_mamba_conv1d_module`), whose order a hybrid model's buffers follow."""
     lay = layout(args)
     if lay.vpp or lay.cp > 1:
         raise UCPError(f"dp_reshardable torch_dist import supports TP/PP/DP layouts only (got {lay})")
@@ -282,7 +286,8 @@ def _plan_dp_reshardable(args, reader: DistReader, plan: dict[str, Param], chain
                        f"this checkpoint used transformer_impl={args.transformer_impl!r}, which "
                        "cannot be rebuilt here (TransformerEngine not installed)")
     replica_buckets = set()
-    for mp_rank, prefix, buffers, lps in buffer_sets(args, chained, reader.dir):
+    # the saving release's Mamba conv1d form orders a hybrid model's buffers (wrap_ddp)
+    for mp_rank, prefix, buffers, lps in buffer_sets(args, chained, reader.dir, mamba_conv1d_module):
         for g, buf in enumerate(buffers):
             for param, (start, _end, b) in buf.param_index_map.items():
                 lp = lps[id(param)]

@@ -28,6 +28,7 @@ from megatron_ucp.formats.megatron_common import (
     TRACKER,
     chained_groups,
     check_export,
+    hybrid_layer_pattern,
     iteration_dir_name,
     prepare_export,
     rng_for,
@@ -42,6 +43,7 @@ from megatron_ucp.formats.megatron_dist.layout import (
     FULLY_RESHARDABLE_CONTENT,
     METADATA_JSON,
     SHARDINGS,
+    UCP_COMMON_KEY,
     bucket_key,
     buffer_sets,
     model_parallel_ranks,
@@ -55,6 +57,7 @@ from megatron_ucp.formats.megatron_dist.reader import TorchDistSource
 from megatron_ucp.formats.megatron_rebuild import build_chunks, single_rank_args, source_rank
 from megatron_ucp.layout import Layout
 from megatron_ucp.local_slice import read_local
+from megatron_ucp.mcore_compat import mamba_conv1d_is_module
 from megatron_ucp.progress import Progress, bar
 from megatron_ucp.spec import STATES
 from megatron_ucp.storage import staged_dir
@@ -198,6 +201,8 @@ def write(source, save_dir: str | Path, target: Layout, args_template, *,
               "opt_param_scheduler": scheduler_state(manifest.scheduler),
               "num_floating_point_operations_so_far": float(num_floating_point_operations_so_far or 0.0),
               "content_metadata": content}
+    if hybrid_layer_pattern(args):  # the buffers follow this release's Mamba parameter order
+        common[UCP_COMMON_KEY] = {"mamba_conv1d_module": mamba_conv1d_is_module()}
 
     def read_back(d: Path) -> None:
         check_export(d, source, lambda path: TorchDistSource(path, progress=False))

@@ -29,6 +29,7 @@ from megatron_ucp.formats.megatron_common import (
     as_list,
     check_supported,
     group_step,
+    hybrid_layer_pattern,
     jsonable_tree,
     layout,
     optimizer_json,
@@ -48,7 +49,7 @@ from megatron_ucp.formats.megatron_legacy.layout import (
     read_args,
 )
 from megatron_ucp.formats.megatron_rebuild import build_chunks, model_config, wrap_ddp
-from megatron_ucp.mcore_compat import missing_module_hint
+from megatron_ucp.mcore_compat import mamba_state_key, missing_module_hint, saved_mamba_conv1d_form
 from megatron_ucp.param_spec import local_params
 from megatron_ucp.progress import Progress, bar
 from megatron_ucp.spec import STATES, ParamSpec, Piece
@@ -122,8 +123,12 @@ class LegacySource:
             files = _load_rank(iter_dir / name, iteration, trust_pickle)
             _check_same_run(files, args, found[0] / MODEL_FILE)
             head = head or files.model
+            # a hybrid model's buffers follow the saving release's Mamba parameter order
+            conv1d_module = saved_mamba_conv1d_form(k for key in files.model if key.startswith("model")
+                                                    and isinstance(files.model[key], dict)
+                                                    for k in files.model[key])
             with rank_context(args, rank, name):
-                chunks = wrap_ddp(build_chunks(args), args)
+                chunks = wrap_ddp(build_chunks(args), args, conv1d_module)
                 if not model_cfg:
                     model_cfg = model_config(chunks, args)
                 _collect(chunks, files, args, self.copies, self.specs)
@@ -227,6 +232,8 @@ def _collect(chunks: list, files: _RankFiles, args, copies: dict[str, list[_Copy
             raise UCPError(f"{model_file} has no {key!r} state dict; expected {keys} for "
                            f"{len(chunks)} model chunk(s) per rank (VPP {layout(args).vpp}): "
                            f"{_RESTORE}")
+        if hybrid_layer_pattern(args):  # another release's Mamba conv1d names, as this one's
+            saved = {mamba_state_key(k): v for k, v in saved.items()}
         ours = set(unwrap_model(chunk).state_dict())
         hint = missing_module_hint(set(saved) - ours)
         if hint:
