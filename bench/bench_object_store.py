@@ -2,7 +2,7 @@
 same bytes, in one run against one local SeaweedFS server (megatron_ucp.testing.s3_server).
 
     python bench/bench_object_store.py [--save-layout tp2] [--load-layout dp2] [--hidden-size 512]
-                                       [--dtype fp32|bf16]
+                                       [--dtype fp32|bf16] [--link-gbit 4]
 
 Save: every rank's synchronous `megatron_ucp.save` to s3:// (staging, crc32, multipart upload,
 index, manifest and `latest` commit) against a raw `obstore.put` multipart upload of a buffer of
@@ -29,10 +29,14 @@ the client, not what a real store delivers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,6 +115,33 @@ def _msc_anchor(args, cfg: dict, tmp: Path, endpoint: str) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def shaped_link(endpoint: str, gbit: float | None) -> Iterator[None]:
+    """With `gbit`: the traffic to and from the S3 port on loopback shaped to `gbit` Gbit/s (Linux
+    tc, HTB: one class for both directions), as a store across a network link would be; the
+    server's own internal hops and gloo between ranks stay unshaped. Needs root and `tc`."""
+    if not gbit:
+        yield
+        return
+    port = endpoint.rsplit(":", 1)[1]
+    rules = ["qdisc add dev lo root handle 1: htb default 10",
+             "class add dev lo parent 1: classid 1:10 htb rate 100gbit",
+             f"class add dev lo parent 1: classid 1:20 htb rate {gbit}gbit ceil {gbit}gbit",
+             *(f"filter add dev lo protocol ip parent 1: prio 1 u32 match ip {d} {port} 0xffff flowid 1:20"
+               for d in ("sport", "dport"))]
+    if shutil.which("tc") is None or os.geteuid() != 0:
+        raise SystemExit("--link-gbit shapes loopback with Linux tc: it needs root and tc (iproute2)")
+    try:
+        for rule in rules:
+            subprocess.run(["tc", *rule.split()], check=True, capture_output=True, text=True)
+        yield
+    except subprocess.CalledProcessError as e:
+        raise SystemExit(f"--link-gbit: `tc {' '.join(e.cmd[1:])}` failed: {e.stderr.strip()} (is "
+                         "another qdisc on lo? `tc qdisc del dev lo root` removes it)") from e
+    finally:
+        subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--save-layout", default="tp2")
@@ -122,6 +153,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
                    help="model weights (the checkpoint holds fp32 master weights and Adam moments "
                         "either way; bf16 halves the DP all-gather of the weights after a load)")
+    p.add_argument("--link-gbit", type=float, default=None,
+                   help="shape the client <-> S3 traffic to this many Gbit/s (tc on loopback, root "
+                        "only): the store behind a network link instead of on the ranks' own cores")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--no-anchors", action="store_true",
                    help="skip the DCP/s3fs and megatron-core/MSC anchors (ours vs raw obstore only)")
@@ -130,7 +164,8 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
            "ffn_hidden_size": args.ffn_hidden_size, "num_attention_heads": args.num_attention_heads,
            "dtype": args.dtype}
-    with tempfile.TemporaryDirectory(prefix="bench-s3-") as tmp, seaweedfs(Path(tmp)) as (endpoint, bucket):
+    with tempfile.TemporaryDirectory(prefix="bench-s3-") as tmp, seaweedfs(Path(tmp)) as (endpoint, bucket), \
+            shaped_link(endpoint, args.link_gbit):
         url = f"{bucket}/bench"
         saves = launch(Layout.parse(args.save_layout).world_size, "bench._s3_rank:save_bench",
                        {"layout": args.save_layout, "cfg": cfg, "url": url, "reps": args.reps}, timeout=1200)
@@ -143,6 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
             "dcp_s3fs": _dcp_anchor(args, cfg, url, endpoint),
             "mcore_torch_dist_msc": _msc_anchor(args, cfg, Path(tmp), endpoint)}
     res = {"config": cfg, "save_layout": args.save_layout, "load_layout": args.load_layout,
+           "link_gbit": args.link_gbit,
            "save": _summary(saves, sum(r["file_bytes"] for r in saves)),
            "load": _summary(loads, sum(r["bytes_read"] for r in loads)),
            "load_read_phase": _summary([{"ours": r["ours_read"], "raw": r["raw"]} for r in loads],

@@ -45,7 +45,7 @@ SCHEMES = {"s3": "s3", "gs": "gcs", "az": "azure", "abfs": "azure", "abfss": "az
 PART_BYTES = 32 * 2**20  # multipart part size (and the writer's buffer): S3 needs >= 5 MiB parts
 UPLOAD_STREAMS = 8  # parts of one object uploaded concurrently
 WINDOW_BYTES = 64 * 2**20  # planned ranges fetched together per object: a load holds two windows
-PREFETCH_THREADS = 4  # windows of different objects fetched concurrently in the background
+PREFETCH_OBJECTS = 4  # objects whose first window a planned load starts at once (others at their first read)
 COALESCE_BYTES = 2**20  # ranges less than this apart are fetched by one GET (obstore's rule too)
 STREAM_BYTES = 16 * 2**20  # a merged range longer than this is fetched as pieces of it, in parallel
 GET_STREAMS = 8  # ranged GETs of one process in flight at once (one stream each)
@@ -247,11 +247,6 @@ def get(path: ObjectPath) -> bytes:
 
 
 @functools.cache
-def _prefetcher() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="megatron-ucp-prefetch")
-
-
-@functools.cache
 def _streams() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(GET_STREAMS, thread_name_prefix="megatron-ucp-get")
 
@@ -274,12 +269,16 @@ def merged_requests(ranges: Sequence[tuple[int, int]]) -> int:
     return len(request_ranges(ranges))
 
 
+def start_ranges(path: ObjectPath, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int, Future]]:
+    """The GETs of `request_ranges` started, GET_STREAMS of them in flight at once (obstore
+    releases the GIL): (start, end, future of [bytes]) pieces that cover `ranges`, each usable as
+    soon as it has come, while the others still come."""
+    return [(a, b, _streams().submit(get_ranges, path, [a], [b])) for a, b in request_ranges(ranges)]
+
+
 def fetch_ranges(path: ObjectPath, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int, memoryview]]:
-    """The bytes of `ranges` of one object as (start, end, bytes) pieces that cover them: the
-    GETs of `request_ranges`, GET_STREAMS of them in flight at once (obstore releases the GIL)."""
-    requests = request_ranges(ranges)
-    futures = [_streams().submit(get_ranges, path, [a], [b]) for a, b in requests]
-    return [(a, b, f.result()[0]) for (a, b), f in zip(requests, futures)]
+    """The bytes of `ranges` of one object as (start, end, bytes) pieces that cover them."""
+    return [(a, b, f.result()[0]) for a, b, f in start_ranges(path, ranges)]
 
 
 def get_ranges(path: ObjectPath, starts: Sequence[int], ends: Sequence[int]) -> list[memoryview]:
@@ -442,10 +441,12 @@ class SafetensorsObject:
                 raise self._bad(f"tensor {key!r} lies outside the object or has dtype {e['dtype']}")
             self.entries[key] = (_ST_DTYPES[e["dtype"]], tuple(e["shape"]), self.start + begin,
                                  self.start + end)
-        self._cache: list[tuple[int, int, memoryview]] = []  # fetched pieces (the current window)
+        # the current window's pieces, coming or come (start, end, future of [bytes])
+        self._cache: list[tuple[int, int, Future]] = []
         self._planned: list[tuple[int, int]] = []  # ranges a planned load will read, in order
         self._next = 0  # the first planned range not fetched yet
-        self._ahead: tuple[list[tuple[int, int]], Future] | None = None  # the next window, coming
+        # the next window (its ranges, its pieces), coming
+        self._ahead: tuple[list[tuple[int, int]], list[tuple[int, int, Future]]] | None = None
 
     def _bad(self, why: str) -> UCPError:
         return UCPError(f"{self.path}: not a readable safetensors object ({why}); the object is "
@@ -460,8 +461,9 @@ class SafetensorsObject:
     def plan(self, ranges: Sequence[tuple[int, int]], start: bool = True) -> None:
         """The byte ranges (absolute, in the order they will be read) a load needs of this object:
         a read that misses fetches it together with the planned ranges after it, up to
-        `WINDOW_BYTES`, in one `get_ranges` call (nearby ranges merged into one GET, the GETs in
-        parallel), and the window after it is fetched in the background while this one is used.
+        `WINDOW_BYTES` (nearby ranges merged into one GET, the GETs in parallel), and the window
+        after it is fetched in the background while this one is used. A read waits only for the
+        GETs it needs: the first pieces of a window are copied out while the rest still come.
         Memory holds two windows per object, not the rank's share of the checkpoint. start: fetch
         the first window now, in the background (else at the first read)."""
         self._planned = [r for r in ranges if r[1] > r[0]]
@@ -469,7 +471,7 @@ class SafetensorsObject:
         self._ahead = None
         if start and self._planned:  # the first window comes while the load reads other objects
             window, self._next = self._window_from(0)
-            self._ahead = (window, _prefetcher().submit(self._get, window))
+            self._ahead = (window, self._get(window))
 
     def _window_from(self, i: int, first: tuple[int, int] | None = None) -> tuple[list[tuple[int, int]], int]:
         """Planned ranges from index i (after `first`, the read that missed) up to WINDOW_BYTES;
@@ -484,16 +486,17 @@ class SafetensorsObject:
             i += 1
         return window, i
 
-    def _get(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int, memoryview]]:
+    def _get(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int, Future]]:
         self.requests += merged_requests(ranges)
-        return fetch_ranges(self.path, ranges)
+        return start_ranges(self.path, ranges)
 
     def _cached(self, begin: int, end: int) -> list[memoryview] | None:
-        """The bytes begin..end from the fetched pieces (several when they span pieces), or None."""
+        """The bytes begin..end from the window's pieces (several when they span pieces; waiting
+        for those still coming), or None."""
         out, at = [], begin
-        for a, b, data in self._cache:  # (pieces are sorted and do not overlap)
+        for a, b, piece in self._cache:  # (pieces are sorted and do not overlap)
             if a <= at < b:
-                out.append(data[at - a:min(end, b) - a])
+                out.append(piece.result()[0][at - a:min(end, b) - a])
                 at = min(end, b)
                 if at == end:
                     return out
@@ -505,7 +508,7 @@ class SafetensorsObject:
             return found
         ahead, self._ahead = self._ahead, None
         if ahead is not None and any(a <= begin and end <= b for a, b in ahead[0]):
-            self._cache = ahead[1].result()  # fetched while the previous window was used
+            self._cache = ahead[1]  # started while the previous window was used
         else:
             i = self._next
             while i < len(self._planned) and self._planned[i][1] <= begin:
@@ -514,7 +517,7 @@ class SafetensorsObject:
             self._cache = self._get(window)
         if self._next < len(self._planned):  # the next window comes while this one is used
             window, self._next = self._window_from(self._next)
-            self._ahead = (window, _prefetcher().submit(self._get, window))
+            self._ahead = (window, self._get(window))
         found = self._cached(begin, end)
         if found is None:
             raise self._bad(f"bytes {begin}-{end} did not come back")

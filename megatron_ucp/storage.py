@@ -31,7 +31,7 @@ from safetensors import safe_open
 
 from megatron_ucp.errors import UCPError
 from megatron_ucp.object_store import (
-    PREFETCH_THREADS,
+    PREFETCH_OBJECTS,
     DcpObjectReader,
     ObjectPath,
     ObjectWriter,
@@ -566,7 +566,7 @@ def plan_reads(source: ReadsFiles, reads: Callable[[ReadsFiles], None]) -> None:
     # the first objects the load reads start coming at once (a window each, in the background);
     # the others at their first read, so memory holds a few windows, not one per object
     for i, (path, ranges) in enumerate(planner.reader.ranges.items()):
-        source.reader.open(path).plan(ranges, start=i < PREFETCH_THREADS)
+        source.reader.open(path).plan(ranges, start=i < PREFETCH_OBJECTS)
 
 
 def fsync_path(path: Location) -> None:
