@@ -22,6 +22,16 @@ from megatron_ucp.formats import manifest as mf
 from megatron_ucp.storage import location
 
 
+def _machine_jiffies() -> tuple[int, int]:
+    """(all, idle) CPU time of this machine so far (/proc/stat), (0, 0) where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return 0, 0
+    return sum(ticks), ticks[3] + ticks[4]
+
+
 def _between_barriers(fn) -> float:
     dist.barrier()
     t0 = time.perf_counter()
@@ -89,10 +99,14 @@ def load_bench(layout: str, cfg: dict, url: str, reps: int, local: str) -> dict:
         for p in files:
             object_store.get_ranges(p, [0], [share])
     raw_get()
-    ours, raw = [], []
+    ours, raw, busy = [], [], []
     for _ in range(reps):
         ours.append(_between_barriers(ours_load))
+        before = _machine_jiffies()
         raw.append(_between_barriers(raw_get))
+        after = _machine_jiffies()
+        if after[0] > before[0]:  # how much of the machine the raw GETs and the server kept busy
+            busy.append(1 - (after[1] - before[1]) / (after[0] - before[0]))
     # each timed load's read phase (open, checks, plan, reads into the optimizer state) and its
     # DP all-gather of the model weights, from LoadResult
     phases = [(x.read_seconds, x.param_sync_seconds) for x in results[-reps:]]
@@ -102,7 +116,8 @@ def load_bench(layout: str, cfg: dict, url: str, reps: int, local: str) -> dict:
     tg.destroy()
     return {"ours": ours, "raw": raw, "local": from_disk, "planning": min(store_planning),
             "ours_read": [r for r, _ in phases], "ours_param_sync": [p for _, p in phases],
-            "bytes_read": r.bytes_read, "requests": r.requests, "files_opened": r.files_opened}
+            "bytes_read": r.bytes_read, "requests": r.requests, "files_opened": r.files_opened,
+            "raw_machine_busy": busy}
 
 
 def dcp_bench(layout: str, cfg: dict, url: str, reps: int, endpoint: str) -> dict:

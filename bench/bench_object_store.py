@@ -187,7 +187,8 @@ def main(argv: list[str] | None = None) -> dict:
            "load_from_local_disk_s": min(max(r["local"][i] for r in loads) for i in range(args.reps)),
            "load_planning_s": max(r["planning"] for r in loads),
            "requests_per_rank_per_load": [r["requests"] for r in loads],
-           "files_opened_per_rank": [r["files_opened"] for r in loads], "anchors": anchors}
+           "files_opened_per_rank": [r["files_opened"] for r in loads], "anchors": anchors,
+           "raw_load_machine_busy": max((b for r in loads for b in r["raw_machine_busy"]), default=None)}
     print(f"{'op':<28} {'ours s':>8} {'raw s':>8} {'MB':>8} {'ours MB/s':>10} {'raw MB/s':>9} "
           f"{'raw/ours':>8} {'paired median':>13}")
     for op, what in (("save", f"save {args.save_layout}"),
@@ -214,6 +215,9 @@ def main(argv: list[str] | None = None) -> dict:
           "(gloo on CPU; the param sync every optimizer step ends with)")
     print(f"the same load from a local copy (page cache warm): {res['load_from_local_disk_s']:.3f} s; "
           f"its planning pass in the store load: {res['load_planning_s']:.3f} s")
+    if res["raw_load_machine_busy"] is not None:  # near 100%: the client and server CPU set the pace
+        print(f"this machine's {os.cpu_count()} cores during the raw GETs: "
+              f"{100 * res['raw_load_machine_busy']:.0f}% busy (the busiest round)")
     print(f"GET requests per rank per load: {res['requests_per_rank_per_load']} "
           f"(rank files opened: {res['files_opened_per_rank']})")
     Path(args.out).parent.mkdir(exist_ok=True)
