@@ -44,16 +44,10 @@ MAMBA = ("mixer.in_proj.weight", "mixer.conv1d.weight", "mixer.conv1d.bias", "mi
          "mixer.dt_bias", "mixer.norm.weight", "mixer.out_proj.weight", "mixer.in_proj.layer_norm_weight")
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("hybrid019")
-    return {s: fn(FIXTURES / s / "ckpt", root / s, progress=False) for s, (fn, _) in SETS.items()}
-
-
-@pytest.mark.parametrize("name", SETS)
-def test_hybrid_sets_match_independent_assembly(converted, name):
-    manifest, tensors = universal_tensors(converted[name])
-    full = SETS[name][1](FIXTURES / name / "ckpt")
+def holds_assembly(universal: Path, full: dict[str, dict]) -> dict:
+    """The universal conversion of a 6-iteration fixture holds the hand assembly `full` of its
+    files bitwise; returns its manifest."""
+    manifest, tensors = universal_tensors(universal)
     assert set(full) == set(manifest["params"]), sorted(set(full) ^ set(manifest["params"]))
     for n, states in full.items():
         assert manifest["params"][n]["step"] == 6.0, n
@@ -62,6 +56,18 @@ def test_hybrid_sets_match_independent_assembly(converted, name):
         # the master weights cast to bf16 are the stored model weights (the offsets are right)
         assert torch.equal(tensors[f"{n}/param"].to(torch.bfloat16), states["model"]), n
     assert manifest["iteration"] == 6 and manifest["scheduler"]["num_steps"] == 24
+    return manifest
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hybrid019")
+    return {s: fn(FIXTURES / s / "ckpt", root / s, progress=False) for s, (fn, _) in SETS.items()}
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_hybrid_sets_match_independent_assembly(converted, name):
+    manifest = holds_assembly(converted[name], SETS[name][1](FIXTURES / name / "ckpt"))
     # every Mamba piece of both Mamba layers, in_proj and conv1d with their sections
     pattern = manifest["model"]["hybrid_layer_pattern"]
     mamba_layers = [i for i, c in enumerate(pattern.replace("|", "")) if c == "M"]
