@@ -214,6 +214,7 @@ def mamba_modules():
     return mamba_mixer, mamba_block
 
 
+@functools.cache  # (asked for every saved key of a hybrid model)
 def mamba_conv1d_is_module() -> bool:
     """Whether this release's Mamba mixer holds conv1d as an nn.Conv1d submodule (<= 0.18), not as
     its own two parameters `conv1d_weight` / `conv1d_bias` (0.19; see the module docstring)."""

@@ -744,6 +744,18 @@ def _yarn_mscale(factor: float, mscale: float) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
+def _megatron_yarn_scale(factor: float, mscale: float, mscale_all_dim: float) -> float:
+    """The cos/sin scale megatron-core's YaRN applies: mscale(mscale) / mscale(mscale_all_dim)."""
+    return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+
+
+def _transformers_yarn_scale(factor: float, mscale: float | None, mscale_all_dim: float | None) -> float:
+    """The attention_factor transformers infers when a config gives none: megatron-core's ratio
+    only when both are non-zero, else mscale(1)."""
+    return _megatron_yarn_scale(factor, mscale, mscale_all_dim) if mscale and mscale_all_dim \
+        else _yarn_mscale(factor, 1.0)
+
+
 def _hf_yarn(rope_theta: float, *, factor: float, original: int, beta_fast: float, beta_slow: float,
              mscale: float, mscale_all_dim: float, truncate: bool | None = None) -> dict:
     """transformers' rope_parameters for megatron-core's YaRN settings."""
@@ -752,12 +764,9 @@ def _hf_yarn(rope_theta: float, *, factor: float, original: int, beta_fast: floa
             "mscale": mscale, "mscale_all_dim": mscale_all_dim}
     if truncate is not None:  # megatron-core's yarn_correction_range_round_to_int
         rope["truncate"] = truncate
-    # megatron-core scales cos/sin by mscale(mscale) / mscale(mscale_all_dim); transformers
-    # infers that only when both are non-zero, else takes mscale(1): say it when they differ
-    inferred = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
-                if mscale and mscale_all_dim else _yarn_mscale(factor, 1.0))
-    wanted = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
-    if inferred != wanted:
+    # say the scale where transformers would infer another one
+    wanted = _megatron_yarn_scale(factor, mscale, mscale_all_dim)
+    if _transformers_yarn_scale(factor, mscale, mscale_all_dim) != wanted:
         rope["attention_factor"] = wanted
     return rope
 
@@ -1153,9 +1162,8 @@ def _deepseek_v3_args(d: dict, args: dict, refuse, mtp_layers: int) -> tuple[dic
         # transformers' cos/sin scale (attention_factor) against megatron-core's
         theirs = rope.get("attention_factor")
         if theirs is None:
-            theirs = (_yarn_mscale(factor, rope["mscale"]) / _yarn_mscale(factor, rope["mscale_all_dim"])
-                      if rope.get("mscale") and rope.get("mscale_all_dim") else _yarn_mscale(factor, 1.0))
-        if not math.isclose(theirs, _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim),
+            theirs = _transformers_yarn_scale(factor, rope.get("mscale"), rope.get("mscale_all_dim"))
+        if not math.isclose(theirs, _megatron_yarn_scale(factor, mscale, mscale_all_dim),
                             rel_tol=1e-12):
             raise refuse("rope_parameters.attention_factor", "megatron-core scales YaRN's cos/sin by "
                          "mscale(mscale) / mscale(mscale_all_dim)")
@@ -1288,14 +1296,14 @@ def _gpt_oss_yarn(d: dict, rope: dict, refuse) -> dict:
     transformers' yarn `rope`, read as transformers' _compute_yarn_parameters reads it."""
     original = rope.get("original_max_position_embeddings") or d["max_position_embeddings"]
     factor = float(rope.get("factor") or d["max_position_embeddings"] / original)
-    # megatron-core's cos/sin scale is mscale(f, mscale) / mscale(f, mscale_all_dim); transformers
-    # takes that ratio only when both are non-zero, else mscale(f, 1) = megatron-core's (1, 0)
+    # transformers' inferred scale: its ratio of both where both are non-zero, else mscale(f, 1),
+    # which is megatron-core's at (1, 0)
     if rope.get("mscale") and rope.get("mscale_all_dim"):
         mscale, mscale_all_dim = float(rope["mscale"]), float(rope["mscale_all_dim"])
     else:
         mscale, mscale_all_dim = 1.0, 0.0
     given = rope.get("attention_factor")
-    if given is not None and given != _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim):
+    if given is not None and given != _megatron_yarn_scale(factor, mscale, mscale_all_dim):
         if factor <= 1:
             raise refuse("rope_parameters.attention_factor", f"megatron-core does not scale YaRN's "
                          f"cos/sin when factor={factor} <= 1")
