@@ -16,7 +16,7 @@ STAMP312 := $(VENV312)/.installed
 export PIP_NO_CACHE_DIR := 1
 # Free space a venv build needs (GiB), checked before pip starts so that a full disk is named as
 # such instead of surfacing as pip's "[Errno 28]" halfway through. Measured (fresh clone, 2026-11-27):
-# .venv 1.5, .venv312 5.9 at its peak (5.3 once installed); then the suite's temp data, ~1.
+# .venv 1.5, .venv312 5.9 at its peak (5.3 once installed); the suite's temp data stays under 0.6.
 need_free = @avail=$$(df -Pk . | awk 'NR==2 {print int($$4 / 1048576)}'); \
 	test "$$avail" -ge $(1) || { echo "make: $(2) needs about $(1) GiB free on the disk of $$(pwd);" \
 	"$$avail GiB are free. Free space (old clones, /tmp) and rerun."; exit 1; }
@@ -45,7 +45,7 @@ $(STAMP): setup.py
 
 $(STAMP312): setup.py
 	@test -n "$(PY312)" || { echo "megatron-core 0.19 needs Python 3.12: set PY312=/path/to/python3.12"; exit 1; }
-	$(call need_free,8,$(VENV312) (Python 3.12 with CUDA torch run on the CPU and megatron-core 0.19))
+	$(call need_free,7,$(VENV312) (Python 3.12 with CUDA torch run on the CPU and megatron-core 0.19))
 	test -x $(BIN312)/python || $(PY312) -m venv $(VENV312)
 	$(BIN312)/pip install -q --upgrade pip
 	$(BIN312)/pip install -q torch==2.13.0
