@@ -14,12 +14,13 @@ STAMP312 := $(VENV312)/.installed
 # pip keeps no copy of the wheels: the CUDA torch that Python 3.12 gets (there is no CPU wheel for
 # it) is ~3.5 GB of wheels and 5.3 GB installed, and a cache would hold the wheels a second time.
 export PIP_NO_CACHE_DIR := 1
-# Free space a venv build needs (GiB), checked before pip starts so that a full disk is named as
+# Free space a new venv needs (GiB), checked before pip starts so that a full disk is named as
 # such instead of surfacing as pip's "[Errno 28]" halfway through. Measured (fresh clone, 2026-11-27):
 # .venv 1.5, .venv312 5.9 at its peak (5.3 once installed); the suite's temp data stays under 0.6.
-need_free = @avail=$$(df -Pk . | awk 'NR==2 {print int($$4 / 1048576)}'); \
-	test "$$avail" -ge $(1) || { echo "make: $(2) needs about $(1) GiB free on the disk of $$(pwd);" \
-	"$$avail GiB are free. Free space (old clones, /tmp) and rerun."; exit 1; }
+# An existing venv is updated in place and needs next to nothing.
+need_free = @test -x $(1)/bin/python || { avail=$$(df -Pk . | awk 'NR==2 {print int($$4 / 1048576)}'); \
+	test "$$avail" -ge $(2) || { echo "make: $(1) ($(3)) needs about $(2) GiB free on the disk of" \
+	"$$(pwd); $$avail GiB are free. Free space (old clones, /tmp) and rerun."; exit 1; }; }
 # The part of the suite that runs on megatron-core 0.19 (the full suite runs on 0.16): the live
 # save/load (every transition kind incl. MoE), every on-disk format, the Megatron-LM hooks, the
 # CLI and the release checks. See README "Supported releases".
@@ -35,7 +36,7 @@ TESTS_MCORE19 ?= tests/test_mcore_release.py tests/test_transitions.py tests/tes
 .PHONY: demo test test-mcore16 test-mcore19 test-full test-gpu lint bench install install-mcore19
 
 $(STAMP): setup.py
-	$(call need_free,3,$(VENV) (Python 3.11 with CPU torch and megatron-core 0.16))
+	$(call need_free,$(VENV),3,Python 3.11 with CPU torch and megatron-core 0.16)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
@@ -45,7 +46,7 @@ $(STAMP): setup.py
 
 $(STAMP312): setup.py
 	@test -n "$(PY312)" || { echo "megatron-core 0.19 needs Python 3.12: set PY312=/path/to/python3.12"; exit 1; }
-	$(call need_free,7,$(VENV312) (Python 3.12 with CUDA torch run on the CPU and megatron-core 0.19))
+	$(call need_free,$(VENV312),7,Python 3.12 with CUDA torch run on the CPU and megatron-core 0.19)
 	test -x $(BIN312)/python || $(PY312) -m venv $(VENV312)
 	$(BIN312)/pip install -q --upgrade pip
 	$(BIN312)/pip install -q torch==2.13.0
