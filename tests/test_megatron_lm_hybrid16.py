@@ -28,6 +28,7 @@ import pytest
 import torch
 from oracles import (
     WORD,
+    args_hybrid_pattern,
     flat_layout,
     hybrid_dp_reshardable_full,
     hybrid_layer_params,
@@ -103,8 +104,7 @@ def other_release_legacy(src: Path, dst: Path) -> bool:
     optim = torch.load(rank_dir / "distrib_optim.pt", weights_only=False)
     sd = m["model"]
     to_module = any(k.endswith(".mixer.conv1d_weight") for k in sd)  # the other form
-    pattern = m["args"].hybrid_layer_pattern if getattr(m["args"], "hybrid_layer_pattern", None) \
-        else m["args"].hybrid_override_pattern
+    pattern = args_hybrid_pattern(m["args"])
     order = [WORD] + [f"decoder.layers.{i}.{n}" for i, sym in enumerate(pattern)
                       for n in hybrid_layer_params(sym, 0, to_module)]
     order += ["decoder.final_norm.weight", "output_layer.weight"]

@@ -67,21 +67,25 @@ FIXTURE = {"core_v0.19.0": {"torch_dist_hybrid_tp2": (dict(fmt="torch_dist", tp=
 FIXTURE["core_v0.19.0"]["core_v0.16.1:torch_dist_hybrid_tp2"] = \
     FIXTURE["core_v0.16.1"]["torch_dist_hybrid_tp2"]
 REFERENCE = {"core_v0.16.1:torch_dist_hybrid_tp2": "core_v0.16.1:torch_dist_hybrid_tp2 -> torch TP2xPP1xDP1"}
+
+
+def tp2_cases(torch_target: dict) -> list[tuple]:
+    """The TP2 torch_dist fixture's cases in each release: DP2 both forms, PP2 fully_reshardable,
+    the saved TP in the other format, the control; `torch_target`: its torch row's layout."""
+    return [
+        ("torch_dist_hybrid_tp2", "torch_dist", dict(tp=1, pp=1, dp=2), "dp_reshardable", []),
+        ("torch_dist_hybrid_tp2", "torch", torch_target, None, []),
+        ("torch_dist_hybrid_tp2", "torch_dist", dict(tp=1, pp=2, dp=1), "fully_reshardable",
+         ["--dist-ckpt-optim-fully-reshardable"]),
+        ("torch_dist_hybrid_tp2", "torch", dict(tp=2, pp=1, dp=1), None, []),  # the saved TP, other format
+        ("torch_dist_hybrid_tp2", "torch_dist", dict(tp=1, pp=1, dp=2), "dp_reshardable",
+         ["--no-load-optim"]),
+    ]
+
+
 # release -> (fixture, target format, target layout, torch_dist optimizer form, extra Megatron flags)
-CASES = {"core_v0.16.1": [
-    ("torch_dist_hybrid_tp2", "torch_dist", dict(tp=1, pp=1, dp=2), "dp_reshardable", []),
-    ("torch_dist_hybrid_tp2", "torch", dict(tp=1, pp=1, dp=2), None, []),
-    ("torch_dist_hybrid_tp2", "torch_dist", dict(tp=1, pp=2, dp=1), "fully_reshardable",
-     ["--dist-ckpt-optim-fully-reshardable"]),
-    ("torch_dist_hybrid_tp2", "torch", dict(tp=2, pp=1, dp=1), None, []),  # the saved TP, other format
-    ("torch_dist_hybrid_tp2", "torch_dist", dict(tp=1, pp=1, dp=2), "dp_reshardable", ["--no-load-optim"]),
-], "core_v0.19.0": [
-    ("torch_dist_hybrid_tp2", "torch_dist", dict(tp=1, pp=1, dp=2), "dp_reshardable", []),
-    ("torch_dist_hybrid_tp2", "torch", dict(tp=1, pp=2, dp=1), None, []),
-    ("torch_dist_hybrid_tp2", "torch_dist", dict(tp=1, pp=2, dp=1), "fully_reshardable",
-     ["--dist-ckpt-optim-fully-reshardable"]),
-    ("torch_dist_hybrid_tp2", "torch", dict(tp=2, pp=1, dp=1), None, []),  # the saved TP, other format
-    ("torch_dist_hybrid_tp2", "torch_dist", dict(tp=1, pp=1, dp=2), "dp_reshardable", ["--no-load-optim"]),
+CASES = {"core_v0.16.1": tp2_cases(dict(tp=1, pp=1, dp=2)), "core_v0.19.0": [
+    *tp2_cases(dict(tp=1, pp=2, dp=1)),
     ("torch_hybrid_pp2", "torch", dict(tp=1, pp=1, dp=2), None, []),
     ("torch_hybrid_pp2", "torch_dist", dict(tp=1, pp=1, dp=2), "dp_reshardable", []),
     ("torch_hybrid_pp2", "torch_dist", dict(tp=1, pp=1, dp=2), "fully_reshardable",
