@@ -38,6 +38,7 @@ from pathlib import Path
 
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.megatron_common import null_tokenizer_vocab
+from megatron_ucp.mcore_compat import training as mcore_training
 
 UNIVERSAL_FORMAT = "universal"  # the --ckpt-format value that means "megatron-ucp, both ways"
 # Megatron-LM args written to the checkpoint's `extra` and restored on load: the training loop
@@ -167,16 +168,10 @@ def _original(name: str) -> Callable:
 
 # -------------------------------------------------------------------------------------- hooks
 
-# save_checkpoint's / load_checkpoint's parameters after checkpointing_context, in order. Each
-# release appends to the list (core_v0.16.1 ends at dp_cp_group; core_v0.19.0 adds dp_group,
-# expt_dp_group, rng_state_key_prefix), so the hooks take them as *rest/**kw and forward them as
-# they came: one hook for every release.
-SAVE_PARAMS = ("pipeline_rank", "expert_rank", "tensor_rank", "pipeline_parallel", "expert_parallel",
-               "non_persistent_ckpt", "train_data_iterator", "preprocess_common_state_dict_fn",
-               "release", "tp_group", "pp_group", "dp_cp_group", "dp_group", "expt_dp_group",
-               "rng_state_key_prefix")
-LOAD_PARAMS = ("skip_load_to_model_and_opt", "tp_group", "pp_group", "dp_cp_group", "dp_group",
-               "expt_dp_group", "rng_state_key_prefix")
+# save_checkpoint's / load_checkpoint's parameters after checkpointing_context, in order: each
+# release appends to the list (mcore_compat.training), so the hooks take them as *rest/**kw and
+# forward them as they came: one hook for every release.
+SAVE_PARAMS, LOAD_PARAMS = mcore_training.SAVE_PARAMS, mcore_training.LOAD_PARAMS
 
 
 def _named(names: tuple[str, ...], rest: tuple, kw: dict) -> dict:
@@ -332,7 +327,7 @@ def _update_megatron_lm_state(args: argparse.Namespace, iteration: int) -> None:
     checkpoint version and loaded-iteration globals (skipped where megatron.training is absent)."""
     from megatron.core import num_microbatches_calculator as nmc
 
-    if nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None:
+    if mcore_training.microbatches_calculator_initialized():
         nmc.update_num_microbatches(consumed_samples=args.consumed_train_samples, verbose=True)
     try:
         import megatron.training.checkpointing as ckpt
@@ -416,17 +411,15 @@ def install() -> None:
     current = async_utils.maybe_finalize_async_save
     if current is not maybe_finalize_async_save:
         _ORIGINALS["maybe_finalize_async_save"] = current
-    for module in (async_utils, training, ckpt):
-        if hasattr(module, "maybe_finalize_async_save"):
-            module.maybe_finalize_async_save = maybe_finalize_async_save
+    for module in mcore_training.modules_holding("maybe_finalize_async_save",
+                                                 (async_utils, training, ckpt)):
+        module.maybe_finalize_async_save = maybe_finalize_async_save
     # training.py imported get_forward_backward_func by name; ours hands back megatron-core's
     # unless --overlap-recompute is set
     training.get_forward_backward_func = get_forward_backward_func
-    # core_v0.16.1's initialize imported parse_args by name; core_v0.19.0's has none (its
-    # parse_and_validate_args calls arguments.parse_args)
-    for module in (arguments, initialize):
-        if hasattr(module, "parse_args"):
-            module.parse_args = _wrap_parse_args(module.parse_args)
+    # core_v0.16.1's initialize imported parse_args by name; core_v0.19.0's has none
+    for module in mcore_training.modules_holding("parse_args", (arguments, initialize)):
+        module.parse_args = _wrap_parse_args(module.parse_args)
 
 
 def run_script(script: str, argv: list[str]) -> None:

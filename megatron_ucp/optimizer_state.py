@@ -1,9 +1,9 @@
 """Reading and writing megatron-core DistributedOptimizer state through its own range maps.
 
 Each DP rank owns a contiguous range of every parameter's flattened elements (possibly empty); the
-optimizer's `_get_model_param_range_map(param)["param"]` says which. Main (fp32) params and Adam
-moments are read and written with `_get/_set_main_param_and_optimizer_states`, the accessors the
-optimizer's own checkpoint code uses.
+optimizer's range map says which (`mcore_compat.optimizer.param_range`). Main (fp32) params and
+Adam moments are read and written in place through the accessors the optimizer's own checkpoint
+code uses (megatron-core's private methods, called only through `mcore_compat.optimizer`).
 
 The Adam step lives in one of two places: torch's Adam/AdamW keep a `step` tensor in every
 parameter's state; Transformer Engine's and Apex's FusedAdam (what megatron-core picks when either
@@ -16,6 +16,7 @@ import torch
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from megatron_ucp.errors import UCPError
+from megatron_ucp.mcore_compat import optimizer as mcore_optimizer
 from megatron_ucp.spec import STATES
 
 # is_expert_parallel is not part of the identity: at EP1 experts join the dense optimizer
@@ -44,8 +45,8 @@ class OptimizerIndex:
         o = self.owner.get(param)
         if o is None:
             return None
-        r = o._get_model_param_range_map(param)["param"]
-        return (r.start, r.end) if r.end > r.start else None
+        start, end = mcore_optimizer.param_range(o, param)
+        return (start, end) if end > start else None
 
     def region_range(self, lp) -> tuple[tuple[int, int], int, int] | None:
         """(shard, a, b): this rank's optimizer shard of `lp`'s parameter (a LocalParam) and the
@@ -66,7 +67,7 @@ class OptimizerIndex:
         not copied), plus the Adam step as the optimizer holds it (`staging.steps_to_floats`
         converts many at once without a device sync per parameter)."""
         o = self.owner[param]
-        states = o._get_main_param_and_optimizer_states(param)
+        states = mcore_optimizer.main_param_and_optimizer_states(o, param)
         if "exp_avg" not in states:
             raise UCPError("the optimizer has no Adam state yet (no step taken); nothing to save")
         step = states["step"] if "step" in states else self._group(param).get("step", 0)
@@ -77,12 +78,12 @@ class OptimizerIndex:
         for o in self.opts:
             if any(len(o.optimizer.state.get(p, {})) == 0
                    for g in o.optimizer.param_groups for p in g["params"]):
-                o._init_optimizer_states_with_dummy_values()
+                mcore_optimizer.init_optimizer_states(o)
 
     def states(self, param: torch.nn.Parameter) -> dict[str, torch.Tensor]:
         """This rank's shard of `param`'s fp32 master weight and Adam moments: the optimizer's own
         tensors (on its device), which a load fills in place (`set_step` then sets the step)."""
-        tensors = self.owner[param]._get_main_param_and_optimizer_states(param)
+        tensors = mcore_optimizer.main_param_and_optimizer_states(self.owner[param], param)
         missing = [k for k in STATES if k not in tensors]
         if missing:
             raise UCPError(f"the optimizer has no {missing} state for a parameter; call ensure_state()")
@@ -148,7 +149,7 @@ class OptimizerIndex:
     def copy_main_to_model(self, model_chunks: list) -> None:
         """Write the loaded master weights into the model weights and all-gather them over DP."""
         for o in self.opts:
-            o._copy_main_params_to_model_params()
+            mcore_optimizer.copy_main_params_to_model_params(o)
         for chunk in model_chunks:
             chunk.start_param_sync(force_sync=True)
 

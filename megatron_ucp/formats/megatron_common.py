@@ -20,6 +20,11 @@ import torch
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.manifest import check_same_params, not_committed
 from megatron_ucp.layout import Layout
+
+# a hybrid model's layer pattern in Megatron-LM args, whichever release's name holds it (the
+# formats' shared name for it)
+from megatron_ucp.mcore_compat.mamba import args_hybrid_pattern as hybrid_layer_pattern
+from megatron_ucp.mcore_compat.mamba import set_args_hybrid_pattern
 from megatron_ucp.object_store import ObjectPath
 from megatron_ucp.storage import Location, location, refuse_non_empty
 from megatron_ucp.validation import check_layout
@@ -267,30 +272,24 @@ def null_tokenizer_vocab(args) -> int | None:
 
 
 # `--spec` values of a hybrid (Mamba) run whose stack megatron-ucp rebuilds: megatron-core's local
-# layers with the TE spec's parameter names (`megatron_rebuild.hybrid_stack_spec`). Megatron-LM's
+# layers with the TE spec's parameter names (`megatron_ucp.hybrid_spec`). Megatron-LM's
 # pretrain_hybrid.py needs a `--spec` (megatron-core 0.19 ships only Transformer Engine's); without
-# TE this is the one that builds (megatron_ucp.testing.mamba_cpu's, for CPU runs).
-LOCAL_HYBRID_SPECS = (("megatron_ucp.testing.mamba_cpu", "hybrid_stack_spec_local"),)
-
-
-def hybrid_layer_pattern(args) -> str | None:
-    """A hybrid model's layer pattern in Megatron-LM args (0.19: `--hybrid-layer-pattern`; before:
-    `--hybrid-override-pattern`), None for a GPT model."""
-    return getattr(args, "hybrid_override_pattern", None) or getattr(args, "hybrid_layer_pattern", None)
+# TE this is the one that builds. The second name is the same spec where CPU runs import it, with
+# the CPU stand-ins of the Mamba kernels (the Megatron-LM fixtures' args name it).
+LOCAL_HYBRID_SPECS = (("megatron_ucp.hybrid_spec", "hybrid_stack_spec_local"),
+                      ("megatron_ucp.testing.mamba_cpu", "hybrid_stack_spec_local"))
 
 
 def set_hybrid_pattern_for_pp(args, pp: int) -> None:
     """Megatron-LM 0.19 cuts a hybrid pattern's pipeline stages at its `|`s (their count must be
     the PP size, or a multiple of it for virtual stages); a pattern without them is split by
     megatron-core itself at any PP. The same model at another PP than the pattern's stages: the
-    pattern without its `|`s (set in place, in whichever of the two args holds it)."""
+    pattern without its `|`s (set in place, in whichever of the release's args holds it)."""
     pattern = hybrid_layer_pattern(args)
     if not pattern or "|" not in pattern.split("/")[0] or pattern.split("/")[0].count("|") + 1 == pp:
         return
     main, *mtp = pattern.split("/")
-    for attr in ("hybrid_override_pattern", "hybrid_layer_pattern"):
-        if getattr(args, attr, None):
-            setattr(args, attr, "/".join([main.replace("|", ""), *mtp]))
+    set_args_hybrid_pattern(args, "/".join([main.replace("|", ""), *mtp]))
 
 
 def check_supported(args, where: Path | str) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import types
 from collections.abc import Iterator
 
 import torch
@@ -37,12 +36,10 @@ from megatron_ucp.formats.megatron_common import (
     set_hybrid_pattern_for_pp,
     world,
 )
-from megatron_ucp.mcore_compat import (
-    config_kwargs_from_args,
-    mamba_conv1d_is_module,
-    rederive_weight_shards,
-    saved_parameter_order,
-)
+from megatron_ucp.formats.megatron_hybrid import build_hybrid_chunk
+from megatron_ucp.mcore_compat.config import config_kwargs_from_args, rederive_weight_shards
+from megatron_ucp.mcore_compat.mamba import mamba_conv1d_is_module, saved_parameter_order
+from megatron_ucp.mcore_compat.moe import grouped_gemm_importable
 from megatron_ucp.param_spec import local_params
 from megatron_ucp.spec import ParamSpec
 from megatron_ucp.validation import model_config as config_of
@@ -245,13 +242,13 @@ def build_chunks(args) -> list:
 
     config = transformer_config(args)
     vpp = layout(args).vpp
-    with _grouped_gemm_importable(getattr(args, "moe_grouped_gemm", False)), _mla_without_te(config):
+    with grouped_gemm_importable(getattr(args, "moe_grouped_gemm", False)), _mla_without_te(config):
         if hybrid_layer_pattern(args):
             if vpp:
                 raise UCPError("a hybrid (Mamba) model has no virtual pipeline stages in megatron-core "
                                "(MambaStack refuses them); the args ask for "
                                f"{vpp} per pipeline rank")
-            chunks = [_build_hybrid_chunk(args, config)]
+            chunks = [build_hybrid_chunk(args, config)]
         else:
             chunks = [_build_chunk(args, config, i if vpp else None) for i in range(vpp or 1)]
     if args.fp16 or args.bf16:
@@ -311,152 +308,6 @@ def _build_chunk(args, config, vp: int | None):
     return model
 
 
-def hybrid_stack_spec(normalization: str, num_experts: int | None, moe_grouped_gemm: bool = False,
-                      norm=None):
-    """The hybrid stack (MambaStack) with megatron-core's local layers: megatron-core's
-    `mamba_stack_spec` with the local GPT layer spec's modules in place of Transformer Engine's
-    (megatron-core 0.16 ships no such spec).
-
-    As the local GPT spec does for the norms TE fuses into the next linear, the Mamba layer's
-    input norm is declared under the TE spec's name (`mixer.in_proj.layer_norm_weight`), and so
-    are the attention and MLP layers' norms, so a checkpoint names them the same whichever spec
-    trained it. `norm`: the norm class (default: the local spec's for `normalization`)."""
-    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
-    from megatron.core.ssm.mlp_layer import MLPLayer
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.identity_op import IdentityOp
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_layer import (
-        MoETransformerLayer,
-        TransformerLayer,
-        TransformerLayerSubmodules,
-    )
-
-    from megatron_ucp.mcore_compat import mamba_modules
-
-    mamba_mixer, mamba_block = mamba_modules()
-    dense = get_gpt_layer_local_spec(normalization=normalization).submodules
-    layer_norm = norm or dense.input_layernorm
-    attention = TransformerLayerSubmodules(
-        input_layernorm=layer_norm, self_attention=dense.self_attention, self_attn_bda=dense.self_attn_bda,
-        sharded_state_dict_keys_map={"input_layernorm.": "self_attention.linear_qkv.layer_norm_"})
-    mlp = TransformerLayerSubmodules(
-        pre_mlp_layernorm=layer_norm, mlp=dense.mlp, mlp_bda=dense.mlp_bda,
-        sharded_state_dict_keys_map={"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"})
-    moe_layer = None
-    if num_experts:
-        moe = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
-                                       normalization=normalization)
-        moe_layer = ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
-            pre_mlp_layernorm=layer_norm, mlp=moe.submodules.mlp, mlp_bda=get_bias_dropout_add))
-    return ModuleSpec(module=mamba_block.MambaStack, submodules=mamba_block.MambaStackSubmodules(
-        mamba_layer=ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
-            norm=layer_norm,
-            mixer=ModuleSpec(module=mamba_mixer.MambaMixer, submodules=mamba_mixer.MambaMixerSubmodules(
-                in_proj=ColumnParallelLinear, out_proj=RowParallelLinear)),
-            mamba_bda=get_bias_dropout_add,
-            sharded_state_dict_keys_map={"norm.": "mixer.in_proj.layer_norm_"})),
-        attention_layer=ModuleSpec(module=TransformerLayer, submodules=attention),
-        mlp_layer=ModuleSpec(module=MLPLayer, submodules=mlp),
-        moe_layer=moe_layer or IdentityOp))
-
-
-class _GatedNormSpecOnly(torch.nn.Module):
-    """The Mamba mixer's gated RMSNorm in a rebuild (structure only, never run), where mamba_ssm,
-    which provides it, is not installed: its weight, declared split on dim 0 over TP as
-    megatron-core's ExtendedRMSNorm declares it."""
-
-    def __init__(self, hidden_size: int, *_: object, device=None, dtype=None, **__: object):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
-
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
-        from megatron.core import parallel_state
-        from megatron.core.transformer.utils import (
-            ensure_metadata_has_dp_cp_group,
-            make_sharded_tensors_for_checkpoint,
-        )
-
-        return make_sharded_tensors_for_checkpoint(
-            self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 0}, sharded_offsets,
-            tp_group=parallel_state.get_tensor_model_parallel_group(),
-            dp_cp_group=ensure_metadata_has_dp_cp_group(metadata)["dp_cp_group"])
-
-    def forward(self, *_: object, **__: object):
-        raise UCPError("a model rebuilt by megatron-ucp from checkpoint args has no forward")
-
-
-class _NormSpecOnly(torch.nn.Module):
-    """MambaStack's final norm (Transformer Engine's TENorm) in a rebuild without TE: its weight
-    (and bias for LayerNorm), replicated."""
-
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.empty(hidden_size))
-        if config.normalization == "LayerNorm":
-            self.bias = torch.nn.Parameter(torch.empty(hidden_size))
-
-    def forward(self, *_: object, **__: object):
-        raise UCPError("a model rebuilt by megatron-ucp from checkpoint args has no forward")
-
-
-@contextlib.contextmanager
-def _mamba_structure_only() -> Iterator[None]:
-    """While building a hybrid model on the meta device: megatron-core's Mamba mixer without
-    mamba_ssm (which it refuses without; its gated norm then is `_GatedNormSpecOnly`), its RNG
-    forks without a CUDA RNG tracker (nothing is initialised that matters), and MambaStack's final
-    TENorm without Transformer Engine (`_NormSpecOnly`). Everything is restored on exit."""
-    import sys
-
-    from megatron.core.extensions import transformer_engine as te_extensions
-
-    from megatron_ucp.mcore_compat import mamba_modules
-
-    mamba_mixer, mamba_block = mamba_modules()
-    stack_module = sys.modules[mamba_block.MambaStack.__module__]
-    saved = (mamba_mixer.HAVE_MAMBA_SSM, mamba_mixer.ExtendedRMSNorm, mamba_mixer.get_cuda_rng_tracker,
-             stack_module.TENorm)
-    try:
-        if not mamba_mixer.HAVE_MAMBA_SSM:
-            mamba_mixer.HAVE_MAMBA_SSM, mamba_mixer.ExtendedRMSNorm = True, _GatedNormSpecOnly
-        mamba_mixer.get_cuda_rng_tracker = lambda: types.SimpleNamespace(fork=contextlib.nullcontext)
-        if not te_extensions.HAVE_TE:
-            stack_module.TENorm = _NormSpecOnly
-        yield
-    finally:
-        (mamba_mixer.HAVE_MAMBA_SSM, mamba_mixer.ExtendedRMSNorm, mamba_mixer.get_cuda_rng_tracker,
-         stack_module.TENorm) = saved
-
-
-def _build_hybrid_chunk(args, config):
-    """The hybrid model (MambaModel; HybridModel in 0.19) as Megatron-LM's mamba builder makes it,
-    with `hybrid_stack_spec`'s local layers (the same parameter names as the TE spec's)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-    from megatron.core.models.mamba import MambaModel
-
-    with _mamba_structure_only():
-        model = MambaModel(
-            config=config,
-            mamba_stack_spec=hybrid_stack_spec(args.normalization, getattr(args, "num_experts", None),
-                                               getattr(args, "moe_grouped_gemm", False)),
-            vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
-            pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-            hybrid_override_pattern=hybrid_layer_pattern(args),
-            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            position_embedding_type=args.position_embedding_type,
-            rotary_percent=getattr(args, "rotary_percent", 1.0),
-            rotary_base=getattr(args, "rotary_base", 10000))
-    for p in model.parameters():
-        # the Mamba mixer marks its per-channel parameters `tensor_model_parallel` (split on dim
-        # 0) without a partition_dim; the defaults would add partition_dim -1
-        if not hasattr(p, "tensor_model_parallel"):
-            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
-    return model
-
-
 def _dense_layer_spec(args):
     """gpt_builders' local layer spec of a dense model (the MoE switches, grouped GEMM and legacy
     GroupedMLP, select nothing without experts)."""
@@ -466,32 +317,6 @@ def _dense_layer_spec(args):
         num_experts=None, qk_layernorm=getattr(args, "qk_layernorm", False),
         multi_latent_attention=getattr(args, "multi_latent_attention", False),
         normalization=args.normalization, qk_l2_norm=getattr(args, "qk_l2_norm", False))
-
-
-@contextlib.contextmanager
-def _grouped_gemm_importable(needed: bool) -> Iterator[None]:
-    """GroupedMLP's constructor asserts that the CUDA `grouped_gemm` library is importable. The
-    rebuild builds modules on the meta device and runs no forward, so while it builds, a module
-    whose `gmm` refuses to run stands in when the library is absent (only megatron-core's handle
-    to it is set, and restored afterwards)."""
-    from megatron_ucp.mcore_compat import GROUPED_GEMM_UTIL as util
-
-    if not needed or util is None or util.grouped_gemm is not None:  # None: no GroupedMLP (0.19)
-        yield
-        return
-
-    def gmm(*_a, **_k):
-        raise UCPError("grouped_gemm is not installed: a model rebuilt by megatron-ucp from "
-                       "checkpoint args has no forward")
-
-    stand_in = types.ModuleType("grouped_gemm")
-    stand_in.ops = types.SimpleNamespace(gmm=gmm)
-    saved = (util.grouped_gemm, util.ops)
-    util.grouped_gemm, util.ops = stand_in, stand_in.ops
-    try:
-        yield
-    finally:
-        util.grouped_gemm, util.ops = saved
 
 
 def wrap_ddp(chunks: list, args, mamba_conv1d_module: bool | None = None) -> list:

@@ -51,6 +51,7 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
+from megatron_ucp.mcore_compat.schedules import selective_recompute_groups
 from megatron_ucp.recompute.hardware import DTYPE_BYTES
 from megatron_ucp.recompute.plan import LayerPlan, Plan
 from megatron_ucp.recompute.profile import SELECTIVE, Profile
@@ -86,20 +87,10 @@ class NothingFitsError(PlannerError):
 
 
 def runnable_groups(model: dict | None = None) -> list[str]:
-    """The SELECTIVE groups megatron-core 0.16.1 can actually recompute for this model.
-
-    Its `mlp` recompute returns linear_fc2's bias parameter from the checkpoint, which then gets
-    the checkpoint node as grad_fn and the backward recurses forever (layers with linear biases,
-    the GPT default). Its `layernorm` recompute calls Transformer Engine even with fp8 off
-    (`CheckpointWithoutOutput` sets fp8 = `fp8 is not None`), so it needs TE layers.
-    """
-    model = model or {}
-    groups = ["core_attn"]
-    if model.get("transformer_impl") == "transformer_engine":
-        groups.append("layernorm")
-    if not model.get("add_bias_linear", True):
-        groups.append("mlp")
-    return sorted(groups)
+    """The SELECTIVE groups megatron-core can actually recompute for this model
+    (`mcore_compat.schedules.selective_recompute_groups`: its `mlp` recompute hangs with linear
+    biases, its `layernorm` recompute needs Transformer Engine)."""
+    return selective_recompute_groups(model)
 
 
 def selective_names(groups: list[str] | None = None) -> list[str]:

@@ -30,15 +30,15 @@ from dataclasses import dataclass, field
 
 import torch
 from megatron.core import parallel_state as ps
-from megatron.core.pipeline_parallel import p2p_communication, schedules
+from megatron.core.pipeline_parallel import schedules
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator, is_single_shape
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.tensor_parallel import random as tp_random
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import get_model_config, unwrap_model
 from torch.utils.checkpoint import detach_variable
 
+from megatron_ucp.mcore_compat import schedules as mcore
 from megatron_ucp.recompute.plan import LayerPlan, Plan, PlanError
 
 # TransformerLayer.forward's arguments in `_forward_attention` order (positional calls are mapped)
@@ -68,14 +68,14 @@ class _Checkpoint:
 
 def _recompute(cp: _Checkpoint) -> None:
     """CheckpointFunction.backward's recomputation, kept for a later backward (same ops, order)."""
-    tp_random._set_checkpointing()
+    mcore.set_checkpointing()
     inputs = cp.ctx().saved_tensors
-    with tp_random._fork_rng():
-        tp_random._set_all_rng_states(*cp.rng_states)
+    with mcore.forked_rng():
+        mcore.set_all_rng_states(cp.rng_states)
         detached_inputs = detach_variable(inputs)
         with torch.enable_grad():
             outputs = cp.run_function(*detached_inputs)
-    tp_random._unset_checkpointing()
+    mcore.unset_checkpointing()
     cp.outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
     cp.detached_inputs = detached_inputs
 
@@ -90,15 +90,15 @@ class DeferredCheckpointFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, run_function, cp: _Checkpoint, *args):
-        tp_random._set_checkpointing()
+        mcore.set_checkpointing()
         cp.run_function = run_function
-        cp.rng_states = tp_random._get_all_rng_states()
+        cp.rng_states = mcore.all_rng_states()
         with torch.no_grad():
             outputs = run_function(*args)
         ctx.save_for_backward(*args)
         ctx.checkpoint = cp
         cp.ctx = weakref.ref(ctx)
-        tp_random._unset_checkpointing()
+        mcore.unset_checkpointing()
         return outputs
 
     @staticmethod
@@ -110,7 +110,7 @@ class DeferredCheckpointFunction(torch.autograd.Function):
         if cp.outputs is None:
             _recompute(cp)
             RUNTIME.counts["inline"] += 1
-        tp_random._set_checkpointing()
+        mcore.set_checkpointing()
         outputs, detached_inputs = cp.outputs, cp.detached_inputs
         # drop every reference to the recomputed graph and the node: freed after this backward
         cp.outputs = cp.detached_inputs = cp.ctx = cp.run_function = None
@@ -120,7 +120,7 @@ class DeferredCheckpointFunction(torch.autograd.Function):
         torch.autograd.backward(outputs, grads)
         input_grads = tuple(inp.grad if isinstance(inp, torch.Tensor) else inp
                             for inp in detached_inputs)
-        tp_random._unset_checkpointing()
+        mcore.unset_checkpointing()
         return (None, None) + input_grads
 
 
@@ -289,7 +289,7 @@ def _set_selective(layer: TransformerLayer, lp: LayerPlan) -> None:
                             f"with core-attention checkpointing, not {type(layer.self_attention).__name__}")
         layer.self_attention.checkpoint_core_attention = True
     if "layernorm" in lp.modules:
-        if not tp_random.HAVE_TE:
+        if not mcore.have_transformer_engine():
             # CheckpointWithoutOutput(fp8=False) sets `self.fp8 = fp8 is not None` (True) and then
             # calls Transformer Engine's FP8GlobalStateManager: megatron's own
             # --recompute-modules layernorm fails the same way without TE
@@ -368,7 +368,7 @@ class OverlapP2PCommunicator(P2PCommunicator):
         (megatron asserts wait_on_reqs for batched ops; the ops are the same, waited later)."""
         config = self.config
         if config.variable_seq_lengths or config.mtp_standalone:
-            _, recv_next_shape = self._communicate_shapes(tensor_send_next, None, False, True)
+            _, recv_next_shape = mcore.communicate_shapes(self, tensor_send_next, None, False, True)
         else:
             recv_next_shape = tensor_shape
         if config.pipeline_dtype is None:
@@ -378,8 +378,7 @@ class OverlapP2PCommunicator(P2PCommunicator):
                                "tensor_shape is (seq_length, micro_batch_size, hidden_size)")
         tensor_recv_next = torch.empty(recv_next_shape, requires_grad=True,
                                        device=torch.cuda.current_device(), dtype=config.pipeline_dtype)
-        p2p_func = (p2p_communication._batched_p2p_ops if config.batch_p2p_comm
-                    else p2p_communication._p2p_ops)
+        p2p_func = mcore.p2p_ops(batched=config.batch_p2p_comm)
         reqs = p2p_func(tensor_send_prev=None, tensor_recv_prev=None, tensor_send_next=tensor_send_next,
                         tensor_recv_next=tensor_recv_next, group=self.pp_group,
                         prev_pipeline_rank=self.prev_rank, next_pipeline_rank=self.next_rank)

@@ -28,7 +28,7 @@ Every parameter is megatron-core's own (in_proj, conv1d, dt_bias, A_log, D, norm
 by MambaMixer itself, so a checkpoint holds exactly what it holds on a GPU; only the arithmetic
 differs (reference math instead of fused kernels). `local_mamba_stack_spec` is the hybrid stack's
 layer spec with megatron-core's local (non-TE) layers, which megatron-core 0.16 does not ship
-(`megatron_rebuild.hybrid_stack_spec`).
+(`megatron_ucp.hybrid_spec.hybrid_stack_spec`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from megatron_ucp.formats.megatron_rebuild import hybrid_stack_spec
+from megatron_ucp.hybrid_spec import hybrid_stack_spec
 from megatron_ucp.mcore_compat import mamba_modules
 
 mamba_mixer, mamba_block = mamba_modules()  # see above (0.16 without Triton)
@@ -208,18 +208,12 @@ if not te_extensions.HAVE_TE:  # (megatron-core 0.19 moved MambaStack to models/
 
 def local_mamba_stack_spec(normalization: str, num_experts: int | None, moe_grouped_gemm: bool = False,
                            norm=None):
-    """The hybrid stack with megatron-core's local layers (`megatron_rebuild.hybrid_stack_spec`,
+    """The hybrid stack with megatron-core's local layers (`megatron_ucp.hybrid_spec.hybrid_stack_spec`,
     which the HF importer's rebuild uses too)."""
     return hybrid_stack_spec(normalization, num_experts, moe_grouped_gemm, norm)
 
 
-# Megatron-LM's pretrain_hybrid.py (pretrain_mamba.py runs it) builds the stack from the spec named by
-# `--spec MODULE NAME` (hybrid_builders.py: `import_module(args.spec)`, a ModuleSpec object, not a
-# function); megatron-core 0.19 ships only Transformer Engine's `hybrid_stack_spec`. Megatron-LM
-# core_v0.16.1's pretrain_mamba.py takes the same `--spec` (mamba_builders.py, which raises without
-# one) and builds its MambaStack from this spec unchanged (tests/fixtures/megatron_lm/README.md). This is the
-# local one: `--spec megatron_ucp.testing.mamba_cpu hybrid_stack_spec_local`. Its norm class is the
-# local spec's RMSNorm choice, megatron-core's WrappedTorchNorm, which follows
-# `config.normalization` (LayerNorm or RMSNorm); the MoE layer's local experts (SequentialMLP) take
-# their count from the config (8 here only selects MoE, as in megatron-core's TE spec).
-hybrid_stack_spec_local = local_mamba_stack_spec("RMSNorm", num_experts=8)
+# The `--spec` of the Megatron-LM fixtures' hybrid runs on CPU (`--spec megatron_ucp.testing.mamba_cpu
+# hybrid_stack_spec_local`): the library's spec (megatron_ucp.hybrid_spec), imported here so that
+# the stand-ins above are installed first.
+from megatron_ucp.hybrid_spec import hybrid_stack_spec_local  # noqa: E402,F401

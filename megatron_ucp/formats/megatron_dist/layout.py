@@ -38,19 +38,19 @@ from megatron_ucp.formats.megatron_rebuild import (
     source_rank,
     wrap_ddp,
 )
+from megatron_ucp.mcore_compat.dist_ckpt import (  # noqa: F401  (what each release writes)
+    COMMON_STATE_KEY,
+    FLATTENED,
+    FULLY_RESHARDABLE_CONTENT,
+)
+from megatron_ucp.mcore_compat.mamba import conv1d_module_from_files
 from megatron_ucp.param_spec import declared_state_dict, flatten, local_params
 from megatron_ucp.storage import dcp_reader, location, names_in
 
 COMMON_FILE = "common.pt"
-COMMON_STATE_KEY = "common_state/shard_0_1"  # megatron-core 0.19: the common state, in the .distcp files
 METADATA_FILE = ".metadata"
-FLATTENED = "fully_sharded_model_space"  # the flattened_range form of megatron-core 0.13-0.15
 SHARDINGS = ("dp_reshardable", "fully_reshardable")  # the forms written (and read)
 READ_SHARDINGS = (*SHARDINGS, FLATTENED)  # read only: megatron-core >= 0.16 no longer loads it
-# common.pt['content_metadata'] of a `--dist-ckpt-optim-fully-reshardable` save (megatron-core 0.16)
-FULLY_RESHARDABLE_CONTENT = {"distrib_optim_sharding_type": "fully_reshardable",
-                             "distrib_optim_fully_reshardable_mem_efficient": False,
-                             "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 # megatron-ucp's note in the common state of a hybrid model's save: {"mamba_conv1d_module": bool},
 # the Mamba conv1d form (megatron_rebuild.wrap_ddp) whose parameter order its flat buffers follow
 # (its common.pt does not tell: megatron-ucp writes one under 0.19 too). Megatron-LM ignores it.
@@ -115,7 +115,7 @@ def saved_mamba_conv1d_module(common: dict, ckpt: Path) -> bool:
     note = common.get(UCP_COMMON_KEY) if isinstance(common, dict) else None
     if isinstance(note, dict) and "mamba_conv1d_module" in note:
         return bool(note["mamba_conv1d_module"])
-    return (ckpt / COMMON_FILE).exists()
+    return conv1d_module_from_files((ckpt / COMMON_FILE).exists())
 
 
 def optimizer_ranks(args, mamba_conv1d_module: bool | None = None

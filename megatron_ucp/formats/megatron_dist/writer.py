@@ -57,7 +57,8 @@ from megatron_ucp.formats.megatron_dist.reader import TorchDistSource
 from megatron_ucp.formats.megatron_rebuild import build_chunks, single_rank_args, source_rank
 from megatron_ucp.layout import Layout
 from megatron_ucp.local_slice import read_local
-from megatron_ucp.mcore_compat import mamba_conv1d_is_module
+from megatron_ucp.mcore_compat.dist_ckpt import rng_shard_dp_forms
+from megatron_ucp.mcore_compat.mamba import mamba_conv1d_is_module
 from megatron_ucp.progress import Progress, bar
 from megatron_ucp.spec import STATES
 from megatron_ucp.storage import staged_dir
@@ -165,11 +166,7 @@ def write(source, save_dir: str | Path, target: Layout, args_template, *,
     for k, v in objects.items():
         state_dict[k] = object_value(v)
     if rng_state is not None:
-        # one rng shard per (PP, TP) rank; with expert parallelism Megatron-LM core_v0.16.x keeps
-        # one per (PP, TP, DP) rank instead (0.13-0.15 and 0.17-0.19: per (PP, TP)), and a load
-        # wants the keys its own release writes: both forms, so that any of them resumes (a
-        # load ignores stored keys it does not ask for)
-        dps = [None] + ([(d, target.dp) for d in range(target.dp)] if target.ep > 1 else [])
+        dps = rng_shard_dp_forms(target.dp, target.ep)  # every release's RNG shard keys
         for pp_rank in range(target.pp):
             for tp_rank in range(target.tp):
                 rs = object_value(rng_for(rng_state, (pp_rank, tp_rank)))

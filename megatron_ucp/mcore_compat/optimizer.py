@@ -1,0 +1,53 @@
+"""megatron-core's DistributedOptimizer and param groups: the private accessors megatron-ucp uses.
+
+megatron-core has no public API for one parameter's optimizer shard, so megatron-ucp calls the
+accessors the optimizer's own checkpoint code uses. They are underscore names, the likeliest to
+change in a new release: every call goes through here (tests/test_mcore_release.py enforces it).
+Checked the same in 0.16 and 0.19.
+"""
+
+from __future__ import annotations
+
+
+def param_range(optimizer, param) -> tuple[int, int]:
+    """[start, end) of `param`'s flattened elements this rank's DistributedOptimizer shard holds
+    (`_get_model_param_range_map(param)["param"]`; empty when end <= start)."""
+    r = optimizer._get_model_param_range_map(param)["param"]
+    return r.start, r.end
+
+
+def main_param_and_optimizer_states(optimizer, param) -> dict:
+    """{"param": fp32 main shard, "exp_avg": ..., "exp_avg_sq": ...} of `param` on this rank
+    (`_get_main_param_and_optimizer_states`): views into the optimizer's own tensors."""
+    return optimizer._get_main_param_and_optimizer_states(param)
+
+
+def init_optimizer_states(optimizer) -> None:
+    """Allocate the Adam states before the first step (`_init_optimizer_states_with_dummy_values`),
+    so that a load can write into them."""
+    optimizer._init_optimizer_states_with_dummy_values()
+
+
+def copy_main_params_to_model_params(optimizer) -> None:
+    """Write the fp32 main shards into the model's parameters (`_copy_main_params_to_model_params`)."""
+    optimizer._copy_main_params_to_model_params()
+
+
+def megatron_param_groups(model_chunks: list, args) -> list[dict]:
+    """The optimizer param groups megatron-core builds for `model_chunks` of the run `args`
+    describe, in its order ({'params': [...], 'wd_mult': ..., ...}), as Megatron-LM's training
+    builds them (OptimizerConfig from the args' fields, the standard overrides: no weight decay
+    on biases and 1-D parameters, decoupled LR). The private `_get_param_groups(model_chunks,
+    config, config_overrides)` and `get_standard_config_overrides` are the same in 0.16 and 0.19.
+    Call inside `megatron_rebuild.source_rank` (it all-gathers the group keys)."""
+    import dataclasses
+
+    from megatron.core.optimizer import (
+        OptimizerConfig,
+        _get_param_groups,
+        get_standard_config_overrides,
+    )
+
+    names = {f.name for f in dataclasses.fields(OptimizerConfig)}
+    config = OptimizerConfig(**{k: v for k, v in vars(args).items() if k in names})
+    return _get_param_groups(model_chunks, config, get_standard_config_overrides(config))
