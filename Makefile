@@ -2,13 +2,15 @@
 # `make test` also creates .venv312 (Python 3.12, megatron-core 0.19.x) and runs the suite on both
 # releases; each venv is built once (its stamp) and reused.
 PY ?= python3
+# The supported releases (venv, megatron-core pin, torch, Python, tests) are configs/mcore_releases.json
+RELEASE = $(shell python3 tools/mcore_releases.py get $(1) $(2))
 # megatron-core 0.19 needs Python >= 3.12
-PY312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12.1/bin/python) \
-                     $(shell command -v python3.12 2>/dev/null))
-VENV := .venv
+PY312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/$(call RELEASE,0.19,python_tested)/bin/python) \
+                     $(shell command -v python$(call RELEASE,0.19,python_minor) 2>/dev/null))
+VENV := $(call RELEASE,0.16,venv)
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-VENV312 := .venv312
+VENV312 := $(call RELEASE,0.19,venv)
 BIN312 := $(VENV312)/bin
 STAMP312 := $(VENV312)/.installed
 # pip keeps no copy of the wheels: the CUDA torch that Python 3.12 gets (there is no CPU wheel for
@@ -23,15 +25,8 @@ need_free = @test -x $(1)/bin/python || { avail=$$(df -Pk . | awk 'NR==2 {print 
 	"$$(pwd); $$avail GiB are free. Free space (old clones, /tmp) and rerun."; exit 1; }; }
 # The part of the suite that runs on megatron-core 0.19 (the full suite runs on 0.16): the live
 # save/load (every transition kind incl. MoE), every on-disk format, the Megatron-LM hooks, the
-# CLI and the release checks. See README "Supported releases".
-TESTS_MCORE19 ?= tests/test_mcore_release.py tests/test_transitions.py tests/test_megatron_legacy.py \
-	tests/test_megatron_legacy_out.py tests/test_megatron_dist.py tests/test_megatron_dist_out.py \
-	tests/test_megatron_dist_flat.py tests/test_megatron_lm_hooks.py tests/test_async_save.py tests/test_hf_import.py \
-	tests/test_deepspeed_import.py tests/test_param_spec.py tests/test_api.py tests/test_hygiene.py \
-	tests/test_cli.py tests/test_recompute_runtime.py tests/test_recompute_profile.py \
-	tests/test_recompute_plan.py tests/test_model_families.py tests/test_hybrid_mamba.py \
-	tests/test_megatron_lm_v019.py tests/test_object_store_formats.py tests/test_megatron_lm_families_v019.py \
-	tests/test_megatron_lm_hybrid.py tests/test_megatron_lm_hybrid16.py tests/test_hf_export.py
+# CLI and the release checks: the 0.19 release's `tests` in configs/mcore_releases.json.
+TESTS_MCORE19 ?= $(call RELEASE,0.19,tests)
 
 .PHONY: demo test test-mcore16 test-mcore19 test-full test-gpu lint bench install install-mcore19
 
@@ -39,8 +34,8 @@ $(STAMP): setup.py
 	$(call need_free,$(VENV),3,Python 3.11 with CPU torch and megatron-core 0.16)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q "megatron-core==0.16.*" safetensors tqdm
+	$(BIN)/pip install -q torch==$(call RELEASE,0.16,torch)
+	$(BIN)/pip install -q "$(call RELEASE,0.16,pip)" safetensors tqdm
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $(STAMP)
 
@@ -49,8 +44,8 @@ $(STAMP312): setup.py
 	$(call need_free,$(VENV312),7,Python 3.12 with CUDA torch run on the CPU and megatron-core 0.19)
 	test -x $(BIN312)/python || $(PY312) -m venv $(VENV312)
 	$(BIN312)/pip install -q --upgrade pip
-	$(BIN312)/pip install -q torch==2.13.0
-	$(BIN312)/pip install -q "megatron-core==0.19.*" safetensors tqdm
+	$(BIN312)/pip install -q torch==$(call RELEASE,0.19,torch)
+	$(BIN312)/pip install -q "$(call RELEASE,0.19,pip)" safetensors tqdm
 	$(BIN312)/pip install -q -e ".[dev]"
 	touch $(STAMP312)
 

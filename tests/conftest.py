@@ -17,7 +17,10 @@ FULL = os.environ.get("UCP_FULL_MATRIX") == "1"
 REPORT: dict[str, dict] = {}
 
 
-# Skips of tests that only one megatron-core release can run (make test runs both releases)
+# The supported megatron-core releases, as the Makefile and the README read them
+MCORE_RELEASES = json.loads((Path(__file__).resolve().parent.parent / "configs" / "mcore_releases.json")
+                            .read_text())
+# Skips of tests that only one megatron-core release can run (make test runs every tested release)
 RELEASE_SKIP = "release: "
 
 
@@ -35,11 +38,12 @@ NEEDS_LEGACY_GROUPED_MLP = _legacy_grouped_mlp_mark()
 
 
 def _mcore_19_mark():
-    from megatron_ucp.mcore_compat import MCORE_VERSION
+    from megatron_ucp.mcore_compat import has_core_v019_enums, release_name
 
     return pytest.mark.skipif(
-        MCORE_VERSION[:2] < (0, 19),
-        reason=f"{RELEASE_SKIP}Megatron-LM core_v0.19.0's checkpoints pickle megatron-core 0.19 enums")
+        not has_core_v019_enums(),
+        reason=f"{RELEASE_SKIP}Megatron-LM core_v0.19.0's checkpoints pickle megatron-core 0.19 enums, "
+               f"which {release_name()} lacks")
 
 
 # tests of Megatron-LM core_v0.19.0's checkpoints (tests/fixtures/megatron_lm_v019): the 0.19 run

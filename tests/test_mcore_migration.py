@@ -11,19 +11,21 @@ the releases too.
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import SCENARIOS
+from conftest import MCORE_RELEASES, SCENARIOS
 from reference import assemble, compare_to_reference
 
 from megatron_ucp.testing.launch import launch
 
 ROOT = Path(__file__).resolve().parent.parent
-PYTHONS = {"0.16": os.environ.get("UCP_PYTHON_MCORE16", str(ROOT / ".venv" / "bin" / "python")),
-           "0.19": os.environ.get("UCP_PYTHON_MCORE19", str(ROOT / ".venv312" / "bin" / "python"))}
+# each tested release's interpreter: its venv (configs/mcore_releases.json), or its `python_env`
+PYTHONS = {r["series"]: os.environ.get(r["python_env"], str(ROOT / r["venv"] / "bin" / "python"))
+           for r in MCORE_RELEASES["releases"]}
 CFG = {"num_experts": 4, "add_bias_linear": False, "num_layers": 2}
 SRC_CFG = {**CFG, "sequence_parallel": True}  # megatron-core wants SP with MoE and TP
 STEPS = 2
@@ -50,7 +52,7 @@ def pythons() -> dict[str, str]:
     return PYTHONS
 
 
-@pytest.mark.parametrize("src,dst", [("0.16", "0.19"), ("0.19", "0.16")])
+@pytest.mark.parametrize("src,dst", list(itertools.permutations(PYTHONS, 2)))
 def test_checkpoint_crosses_releases_at_another_layout(src, dst, pythons, tmp_path):
     # as cpu_shim sets it, but before torch is imported: on 0.19 a MoE router function is compiled,
     # and dynamo's device probe cannot handle the shim's CPU "current device"

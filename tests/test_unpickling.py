@@ -23,7 +23,7 @@ from megatron_ucp.checks import diff, verify
 from megatron_ucp.formats import open_source
 from megatron_ucp.formats.megatron_common import torch_load
 from megatron_ucp.layout import Layout
-from megatron_ucp.mcore_compat import MCORE_VERSION
+from megatron_ucp.mcore_compat import has_core_v019_enums
 from megatron_ucp.reshard import convert, convert_legacy, convert_torch_dist, reshard
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "megatron_lm"
@@ -106,7 +106,7 @@ def test_enum_of_a_newer_megatron_core_reads_as_its_value(tmp_path, monkeypatch)
     assert (args.scope, args.layers) == (2, 3)
 
 
-@pytest.mark.skipif(MCORE_VERSION[:2] >= (0, 19), reason="megatron-core 0.19 has the enum")
+@pytest.mark.skipif(has_core_v019_enums(), reason="megatron-core 0.19 has the enum")
 def test_core_v0_19_checkpoint_converts_under_0_16_for_0_16_to_load(tmp_path):
     """Megatron-LM core_v0.19.0's args pickle InferenceCudaGraphScope (absent from 0.16): its
     checkpoints read under megatron-core 0.16, and what is written there unpickles with plain
