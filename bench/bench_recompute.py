@@ -33,8 +33,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from megatron_ucp.recompute import planner  # noqa: E402
+from megatron_ucp.recompute import baseline, planner, stages  # noqa: E402
 from megatron_ucp.recompute.hardware import load_model_config, published_profile  # noqa: E402
+from megatron_ucp.recompute.simulator import simulate_chunks  # noqa: E402
 
 GIB = 2**30
 # (config, tp, pp, dp)
@@ -48,9 +49,9 @@ BINDING_POINTS = (0.5, 0.1)
 def none_peak(profile, model: dict, pp: int, dp: int, nmb: int) -> int:
     """Megatron without recompute, most even partition: the largest per-GPU peak (static + act)."""
     peaks = []
-    for part in planner.most_even_partitions(model["num_layers"], pp):
-        chunks = planner.megatron_chunks(profile, {"recompute_granularity": None}, part, None)
-        res = planner.simulate_chunks(chunks, nmb, profile.p2p.time(profile.boundary_bytes),
+    for part in stages.most_even_partitions(model["num_layers"], pp):
+        chunks = baseline.megatron_chunks(profile, {"recompute_granularity": None}, part, None)
+        res = simulate_chunks(chunks, nmb, profile.p2p.time(profile.boundary_bytes),
                                       profile.compute_slots)
         peaks.append(max(res.prediction(planner.static_bytes(model, profile.tp, dp, part)).peak_bytes))
     return min(peaks)
@@ -71,7 +72,7 @@ def bench_row(config: str, tp: int, pp: int, dp: int, gpu: str, micro_batch: int
     # limits above the GPU's are left out (memory binds at 80 GiB already there)
     limits = [80 * GIB] + [int(min_fit + f * (peak_none - min_fit)) for f in BINDING_POINTS
                            if min_fit + f * (peak_none - min_fit) < 80 * GIB]
-    even = planner.most_even_partitions(model["num_layers"], pp)
+    even = stages.most_even_partitions(model["num_layers"], pp)
     row = {"model": config, "gpu": gpu, "profile": profile.device, "profile_source": profile.source,
            "tp": tp, "pp": pp, "dp": dp, "micro_batch": micro_batch, "global_batch": GLOBAL_BATCH,
            "num_microbatches": nmb, "min_fit_gib": min_fit / GIB, "none_peak_gib": peak_none / GIB,

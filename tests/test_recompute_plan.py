@@ -13,15 +13,15 @@ from dataclasses import astuple
 
 import pytest
 
-from megatron_ucp.recompute import hardware, planner, simulator
+from megatron_ucp.recompute import hardware, planner, schedule, simulator, stages
 from megatron_ucp.recompute import plan as plan_io
 from megatron_ucp.recompute.plan import LayerPlan
 from megatron_ucp.recompute.profile import LinkCost, ModuleCost, Profile, StageEnds
+from megatron_ucp.recompute.schedule import rank_ops
 from megatron_ucp.recompute.simulator import (
     ChunkCost,
     chunk_costs,
     memory_terms,
-    rank_ops,
     simulate,
     simulate_chunks,
 )
@@ -109,7 +109,7 @@ def test_interleaved_order_matches_megatron_core():
             self.virtual_pipeline_model_parallel_size = vpp
             self.pp_group = type("G", (), {"size": lambda _: pp, "rank": lambda _: rank})()
 
-    from megatron_ucp.recompute.simulator import schedule_table
+    from megatron_ucp.recompute.schedule import schedule_table
 
     for pp, vpp, nmb in ((2, 2, 4), (4, 2, 8), (4, 3, 6), (3, 2, 5)):
         assert schedule_table(nmb, vpp, pp) == get_schedule_table(nmb, vpp, pp)
@@ -144,7 +144,7 @@ def test_memory_terms_equal_the_walk():
                                  + (out if (r, c) == (pp - 1, vpp - 1) else 0), 30, 17,
                                  out if (r, c) == (pp - 1, vpp - 1) else 0) for c in range(vpp)]
                       for r in range(pp)]
-            walked = simulator._activation_peaks(simulator._schedule(pp, nmb, vpp), chunks)
+            walked = simulator._activation_peaks(schedule.op_schedule(pp, nmb, vpp), chunks)
             fast = simulate_chunks(chunks, nmb, 0.0, detail=False).activation_peak_bytes
             for r, terms in enumerate(memory_terms(pp, nmb, vpp)):
                 kept, last_out = 100 + 10 * r, out if r == pp - 1 else 0
@@ -317,7 +317,7 @@ def test_static_memory_formula():
     model = hardware.normalize_model({"num_layers": 2, "hidden_size": 8, "num_attention_heads": 2,
                                       "seq_length": 4, "vocab_size": 16, "dtype": "bf16"})
     layer = (8 * 24 + 24) + (8 * 8 + 8) + (8 * 32 + 32) + (32 * 8 + 8) + 2 * 16
-    params = planner.stage_params(model, 1, [1, 1])
+    params = stages.stage_params(model, 1, [1, 1])
     assert params == [layer + 16 * 8 + 4 * 8, layer + 16 + 16 * 8]  # embedding+pos / norm+output
     assert planner.static_bytes(model, 1, 4, [1, 1]) == [math.ceil(p * (2 + 4 + 12 / 4)) for p in params]
     fp32 = {**model, "dtype": "fp32"}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_ucp.recompute import profiler
+from megatron_ucp.recompute import links, profiler
 from megatron_ucp.recompute.profile import MODULES, Profile, load, save
 from megatron_ucp.testing.launch import launch
 
@@ -111,14 +111,14 @@ def test_measured_links_are_positive_fits(checks):
 def test_fit_link_is_exact_on_alpha_beta_data():
     alpha, bandwidth = 37e-6, 3.5e9
     sizes = [4096 * 4**i for i in range(7)]
-    fit = profiler.fit_link([[n, alpha + n / bandwidth] for n in sizes])
+    fit = links.fit_link([[n, alpha + n / bandwidth] for n in sizes])
     assert fit.alpha_s == pytest.approx(alpha, rel=1e-9)
     assert fit.bytes_per_s == pytest.approx(bandwidth, rel=1e-9)
     # latency below what the samples resolve: a bandwidth-only fit, never a negative alpha
-    fit = profiler.fit_link([[1000, 1e-6], [2000, 3e-6], [4000, 7e-6]])
+    fit = links.fit_link([[1000, 1e-6], [2000, 3e-6], [4000, 7e-6]])
     assert fit.alpha_s == 0.0 and fit.bytes_per_s > 0
     with pytest.raises(profiler.ProfilerError, match="distinct message sizes"):
-        profiler.fit_link([[4096, 1e-4]])
+        links.fit_link([[4096, 1e-4]])
 
 
 def test_bad_input_is_refused_with_the_field(tmp_path, capsys):

@@ -10,6 +10,9 @@ non-interleaved schedule, so vpp plans never use it; the last stage never waits 
 there it is recomputed inline and costs as "full:inline" - the planner labels those layers inline
 unless "full:inline" is not an allowed choice).
 
+The pieces: `stages` (choices, partitions, static memory), `search` (the search below),
+`baseline` (Megatron-LM's best setting), all scored by `simulator`.
+
 Search (all scoring by `simulator.simulate_chunks`):
 1. per stage and layer count, the options: for every number of full layers f and of them z in
    "p2p_wait", and every transient level (the largest re-created unit among the selective choices
@@ -28,618 +31,28 @@ Search (all scoring by `simulator.simulate_chunks`):
    less activation memory.
 Steps 2 and 3 are where the search is not exhaustive; tests/test_recompute_plan.py checks it against
 an exhaustive search over every per-layer assignment and partition of small models.
-Static memory per stage (megatron's distributed optimizer, Megatron-LM defaults): 16-bit weights
-2 B + fp32 main gradients 4 B + (fp32 master weights 4 B + Adam moments 8 B) / DP per parameter;
-fp32 models 4 + 4 + 8 / DP. Parameters: the stage's layers at its TP shard, the embedding (+ learned
-position embedding) on the first stage, the final norm and the output layer (or the tied copy of the
-embedding, as megatron keeps it when pp > 1) on the last. Allocator overhead, CUDA context and
-communication buffers are not modelled: pass a lower limit to keep room for them.
-
-Megatron's best (the baseline): none; selective with any subset of recompute-modules (core_attn
-is its default); full/uniform with recompute_num_layers n dividing the layers of every chunk (one
-checkpoint per n layers); full/block with n = 1.. (the first n layers of every chunk) - on the even
-partition (or, when the layers do not split evenly, the most even ones megatron-LM accepts), the
-fastest simulated setting that fits the limit.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
-from dataclasses import asdict, dataclass, replace
 
-import numpy as np
-
-from megatron_ucp.mcore_compat.schedules import selective_recompute_groups
-from megatron_ucp.recompute.hardware import DTYPE_BYTES
-from megatron_ucp.recompute.plan import LayerPlan, Plan
-from megatron_ucp.recompute.profile import SELECTIVE, Profile
-from megatron_ucp.recompute.simulator import (
-    ChunkCost,
-    add_stage_ends,
-    chunk_costs,
-    chunk_layers,
-    memory_terms,
-    simulate,
-    simulate_chunks,
+from megatron_ucp.recompute.baseline import megatron_best
+from megatron_ucp.recompute.plan import Plan
+from megatron_ucp.recompute.profile import Profile
+from megatron_ucp.recompute.search import Search, choose, layer_plans
+from megatron_ucp.recompute.simulator import simulate
+from megatron_ucp.recompute.stages import (
+    GIB,
+    NothingFitsError,
+    PlannerError,
+    all_choices,
+    megatron_partitions,
+    num_microbatches,
+    selective_names,
+    static_bytes,
 )
-
-GIB = 2**30
-PARTITIONS_RANKED = 16  # partitions (best by estimate) simulated with their least-busy options
-PARTITIONS_SIMULATED = 6  # of them, the best simulated, that get the budget sweep
-BUDGETS_SIMULATED = 8  # bottleneck budgets tried per partition
-DESCENT_PASSES = 3
-SHARED_OPTIONS = 48  # stage options kept when ranks share cores (no Pareto pruning then)
-KEY_STRIDE = 2**44  # > any kept-bytes total of one chunk (16 TiB)
-
-
-class PlannerError(ValueError):
-    """A planning request that cannot be served; the message says which input and what to do."""
-
-
-class NothingFitsError(PlannerError):
-    """No plan fits the memory limit; `min_limit_bytes` is the smallest limit that fits."""
-
-    def __init__(self, message: str, min_limit_bytes: int):
-        super().__init__(message)
-        self.min_limit_bytes = min_limit_bytes
-
-
-def runnable_groups(model: dict | None = None) -> list[str]:
-    """The SELECTIVE groups megatron-core can actually recompute for this model
-    (`mcore_compat.schedules.selective_recompute_groups`: its `mlp` recompute hangs with linear
-    biases, its `layernorm` recompute needs Transformer Engine)."""
-    return selective_recompute_groups(model)
-
-
-def selective_names(groups: list[str] | None = None) -> list[str]:
-    groups = sorted(SELECTIVE) if groups is None else sorted(groups)
-    return ["selective:" + "+".join(c) for n in range(1, len(groups) + 1)
-            for c in itertools.combinations(groups, n)]
-
-
-def all_choices(model: dict | None = None) -> list[str]:
-    """Every choice of one layer; with `model`, only the selective groups it can run."""
-    groups = None if model is None else runnable_groups(model)
-    return ["none", *selective_names(groups), "full:inline", "full:p2p_wait"]
-
-
-def num_microbatches(global_batch_size: int, micro_batch_size: int, dp: int) -> int:
-    if global_batch_size % (micro_batch_size * dp):
-        raise PlannerError(f"--global-batch {global_batch_size} is not a multiple of --micro-batch "
-                           f"{micro_batch_size} x --dp {dp}")
-    return global_batch_size // (micro_batch_size * dp)
-
-
-def stage_params(model: dict, tp: int, layers_per_stage: list) -> list[int]:
-    """Parameters held by one TP rank of each pipeline stage."""
-    h, f = model["hidden_size"], model["ffn_hidden_size"]
-    a, g = model["num_attention_heads"], model["num_query_groups"]
-    d, bias = h // a, bool(model.get("add_bias_linear", True))
-    fc1_out = 2 * f if model.get("swiglu") else f
-    norm = 2 * h if model.get("normalization", "LayerNorm") == "LayerNorm" else h
-    qkv_out = a * d + 2 * g * d
-    layer = (h * qkv_out // tp + (qkv_out // tp if bias else 0) + a * d * h // tp + (h if bias else 0)
-             + h * fc1_out // tp + (fc1_out // tp if bias else 0) + f * h // tp + (h if bias else 0)
-             + 2 * norm)
-    embedding = model["vocab_size"] * h // tp
-    if model.get("position_embedding_type", "learned_absolute") == "learned_absolute":
-        embedding += model["seq_length"] * h
-    pp = len(layers_per_stage)
-    output = norm + (model["vocab_size"] * h // tp if model.get("untie_embeddings") or pp > 1 else 0)
-    params = [n * layer for n in layers_per_stage]
-    params[0] += embedding
-    params[-1] += output
-    return params
-
-
-def bytes_per_param(dtype: str, dp: int) -> float:
-    """Distributed optimizer: weights + fp32 main grads + (fp32 master + Adam m, v) / DP."""
-    if DTYPE_BYTES[dtype] == 4:
-        return 4 + 4 + 8 / dp
-    return DTYPE_BYTES[dtype] + 4 + 12 / dp
-
-
-def static_bytes(model: dict, tp: int, dp: int, layers_per_stage: list) -> list[int]:
-    per = bytes_per_param(model.get("dtype", "bf16"), dp)
-    return [int(math.ceil(p * per)) for p in stage_params(model, tp, layers_per_stage)]
-
-
-def megatron_partitions(num_layers: int, pp: int, vpp: int | None = None) -> list[list[int]]:
-    """Every layers-per-stage split megatron-LM accepts: first f, last l, middle stages even (>= 1)."""
-    vpp = vpp or 1
-    if pp == 1:
-        return [[num_layers]]
-    if vpp > 1:
-        if num_layers % (pp * vpp):
-            raise PlannerError(f"an interleaved schedule needs num_layers ({num_layers}) divisible by "
-                               f"pp x vpp ({pp} x {vpp})")
-        return [[num_layers // pp] * pp]
-    out = []
-    if pp == 2:
-        return [[first, num_layers - first] for first in range(1, num_layers)]
-    for middle in range(1, (num_layers - 2) // (pp - 2) + 1):
-        rest = num_layers - middle * (pp - 2)
-        for first in range(1, rest):
-            out.append([first, *[middle] * (pp - 2), rest - first])
-    return out
-
-
-def most_even_partitions(num_layers: int, pp: int, vpp: int | None = None) -> list[list[int]]:
-    """The partitions megatron-LM accepts with the smallest largest stage (the even one if it exists)."""
-    parts = megatron_partitions(num_layers, pp, vpp)
-    if num_layers % pp == 0 and [num_layers // pp] * pp in parts:
-        return [[num_layers // pp] * pp]
-    smallest = min(max(p) for p in parts)
-    return [p for p in parts if max(p) == smallest]
-
-
-@dataclass
-class _Kind:
-    """A non-full per-layer choice: recompute time added to the backward, bytes kept, re-created."""
-
-    name: str
-    modules: tuple
-    extra_s: float
-    kept: int
-    transient: int
-
-
-@dataclass
-class _Option:
-    """A stage's count vector (per chunk) and what it costs."""
-
-    busy_s: float
-    crit_s: float
-    counts: dict  # kind name -> layers per chunk
-    full: int  # full layers per chunk
-    overlapped: int  # of them, in window p2p_wait
-    chunk: ChunkCost  # per chunk, without the stage ends
-
-
-class _Search:
-    """Shared state of one planning request (profile, layout, limit) and its caches."""
-
-    def __init__(self, profile: Profile, model: dict, pp: int, dp: int, num_layers: int, nmb: int,
-                 limit: int, vpp: int | None, choices: list[str]):
-        self.profile, self.pp, self.dp, self.num_layers, self.nmb = profile, pp, dp, num_layers, nmb
-        self.limit, self.vpp = limit, vpp or 1
-        self.model = {**model, "num_layers": num_layers}
-        self.p2p_s = profile.p2p.time(profile.boundary_bytes)
-        self.lf, self.lb = profile.layer_fwd_s, profile.layer_bwd_s
-        self.act, self.inp = profile.layer_act_bytes, profile.layer_input_bytes
-        self.recreated = self.act - self.inp
-        self.kinds = []
-        for name in choices:
-            if name == "none":
-                self.kinds.append(_Kind("none", (), 0.0, self.act, 0))
-            elif name.startswith("selective:"):
-                groups = tuple(name.split(":", 1)[1].split("+"))
-                mods = [m for grp in groups for m in SELECTIVE[grp]]
-                sel_act = sum(profile.module(m).act_bytes for m in mods)
-                self.kinds.append(_Kind(name, groups, sum(profile.module(m).fwd_s for m in mods),
-                                        self.act - sel_act, sel_act))
-        self.full_inline = "full:inline" in choices
-        self.full_p2p = "full:p2p_wait" in choices and self.vpp == 1
-        self.any_full = self.full_inline or self.full_p2p
-        self.terms = memory_terms(pp, nmb, self.vpp)
-        self.shared = profile.compute_slots is not None and profile.compute_slots < pp
-        ends = profile.ends
-        # kept bytes the backward frees before it re-creates anything (the output layer and loss,
-        # last stage's last chunk: simulator.ChunkCost.output_bytes)
-        self.out_bytes = [ends.output_act_bytes if s == pp - 1 else 0 for s in range(pp)]
-        self.ends_s = [0.0] * pp
-        self.ends_s[0] += ends.embedding_fwd_s + ends.embedding_bwd_s
-        self.ends_s[-1] += ends.output_fwd_s + ends.output_bwd_s
-        self._frontiers = self._nonfull_levels()
-        self._pairs: dict = {}
-        self._options: dict = {}
-        self.sims = 0
-
-    # -- one stage ---------------------------------------------------------------------------
-    def _nonfull_levels(self) -> list[dict]:
-        """Per transient level t (the non-full choices whose transient is <= t), the Pareto fronts of
-        (kept bytes, recompute s) over their count vectors for k = 0, 1, ... layers, grown on demand
-        by `_grow`. The fronts of all k are concatenated under the sort key k * KEY_STRIDE + kept
-        bytes, so one searchsorted finds, for any (k, byte threshold), the cheapest count vector
-        that keeps at most that many bytes."""
-        levels = []
-        for t in sorted({k.transient for k in self.kinds}) or [0]:  # [0]: full layers only
-            kinds = [k for k in self.kinds if k.transient <= t]
-            levels.append({"t": t, "kinds": kinds, "kmax": 0,
-                           "step_kept": np.array([k.kept for k in kinds], dtype=np.int64),
-                           "step_cost": np.array([k.extra_s for k in kinds]),
-                           "last": (np.zeros(1, np.int64), np.zeros(1), np.zeros((1, len(kinds)), np.int64)),
-                           "keys": np.zeros(1, np.int64), "offsets": [0, 1], "kept": np.zeros(1, np.int64),
-                           "cost": np.zeros(1), "counts": np.zeros((1, len(kinds)), np.int64)})
-        return levels
-
-    def _grow(self, kmax: int) -> None:
-        """Extend every level's fronts to kmax layers."""
-        for level in self._frontiers:
-            if level["kmax"] >= kmax:
-                continue
-            target = kmax
-            unit = np.eye(len(level["kinds"]), dtype=np.int64)
-            new = []
-            pk, pc, pn = level["last"]
-            for k in range(level["kmax"] + 1, target + 1):
-                if not level["kinds"]:  # no non-full choice: no count vector of k >= 1 layers
-                    pk, pc, pn = pk[:0], pc[:0], pn[:0]
-                    new.append((k, pk, pc, pn))
-                    continue
-                kk = (pk[:, None] + level["step_kept"][None, :]).ravel()
-                cc = (pc[:, None] + level["step_cost"][None, :]).ravel()
-                nn = (pn[:, None, :] + unit[None, :, :]).reshape(-1, len(unit))
-                order = np.lexsort((cc, kk))
-                kk, cc, nn = kk[order], cc[order], nn[order]
-                best_before = np.minimum.accumulate(np.concatenate(([np.inf], cc[:-1])))
-                keep = cc < best_before - 1e-15
-                pk, pc, pn = kk[keep], cc[keep], nn[keep]
-                new.append((k, pk, pc, pn))
-            level["last"], level["kmax"] = (pk, pc, pn), target
-            level["keys"] = np.concatenate([level["keys"], *[k * KEY_STRIDE + f for k, f, _, _ in new]])
-            level["kept"] = np.concatenate([level["kept"], *[f for _, f, _, _ in new]])
-            level["cost"] = np.concatenate([level["cost"], *[c for _, _, c, _ in new]])
-            level["counts"] = np.concatenate([level["counts"], *[n for _, _, _, n in new]])
-            for _, f, _, _ in new:
-                level["offsets"].append(level["offsets"][-1] + len(f))
-
-    def _budget(self, stage: int, nlayers: int) -> float:
-        """Bytes left for activations on this stage: the limit less its static bytes."""
-        key = ("budget", stage, nlayers)
-        if key not in self._options:
-            lps = [nlayers if s == stage else 0 for s in range(self.pp)]
-            self._options[key] = self.limit - static_bytes(self.model, self.profile.tp, self.dp, lps)[stage]
-        return self._options[key]
-
-    def waits(self, stage: int) -> bool:
-        """Does the stage wait for an output gradient before its backwards? Not the last one: its
-        "p2p_wait" layers are recomputed inline (runtime), so they cost and keep as inline ones."""
-        return stage < self.pp - 1
-
-    def _fixed(self, stage: int, terms: tuple, overlapped, transient):
-        """One memory term's bytes besides the kept ones: overlapped layers held (per chunk, the
-        ones really overlapped), the transient re-created in B (the last stage's last chunk first
-        frees its output layer's bytes), the stage ends' kept bytes."""
-        _, n_first, n_last, holds_overlap, holds_transient, holds_transient_last = terms
-        ends = self.profile.ends
-        return (holds_overlap * overlapped * self.recreated + holds_transient * transient
-                + holds_transient_last * np.maximum(0, transient - self.out_bytes[stage])
-                + (n_first * ends.embedding_act_bytes if stage == 0 else 0)
-                + n_last * self.out_bytes[stage])
-
-    def _peak(self, stage: int, kept, overlapped, transient):
-        """Activation peak of the stage (memory_terms) for per-chunk kept bytes, really overlapped
-        layers per chunk and transient bytes (arrays broadcast)."""
-        peak = None
-        for terms in self.terms[stage]:
-            value = terms[0] * kept + self._fixed(stage, terms, overlapped, transient)
-            peak = value if peak is None else np.maximum(peak, value)
-        return peak
-
-    def _windows(self, nc: int, waits: bool = True) -> tuple[np.ndarray, np.ndarray]:
-        """(full layers, of them in window p2p_wait) per chunk: every pair the allowed windows
-        permit; on a stage that does not wait (p2p_wait = inline there) only one window."""
-        if (nc, waits) in self._pairs:
-            return self._pairs[(nc, waits)]
-        counts = np.arange(nc + 1, dtype=np.int64)
-        if self.full_inline and self.full_p2p and waits:
-            full, overlapped = np.tril_indices(nc + 1)
-        elif self.full_p2p and not self.full_inline:
-            full, overlapped = counts, counts
-        elif self.full_inline or self.full_p2p:
-            full, overlapped = counts, np.zeros_like(counts)
-        else:
-            full, overlapped = counts[:1], counts[:1]
-        self._pairs[(nc, waits)] = (full.astype(np.int64), overlapped.astype(np.int64))
-        return self._pairs[(nc, waits)]
-
-    def stage_options(self, stage: int, nlayers: int) -> list[_Option]:
-        """Pareto set over (busy, critical-path time) of the count vectors of this stage whose
-        activation peak fits limit - static bytes, sorted by busy time (empty: nothing fits)."""
-        key = (stage, nlayers)
-        if key in self._options:
-            return self._options[key]
-        budget = self._budget(stage, nlayers)
-        nc = nlayers // self.vpp
-        self._grow(nc)
-        full, overlapped = self._windows(nc, self.waits(stage))
-        held = overlapped if self.waits(stage) else np.zeros_like(overlapped)  # really overlapped
-        offsets_cache = {}
-        rows = []  # per level: (busy, crit, level, front index, full, overlapped)
-        for li, level in enumerate(self._frontiers):
-            t = level["t"]
-            transient = np.where(held == full, t, max(t, self.recreated))
-            # the largest kept bytes per chunk that fit: every memory term is linear in them
-            room = np.full(len(full), np.inf)
-            for terms in self.terms[stage]:
-                room = np.minimum(room, (budget - self._fixed(stage, terms, held, transient)) / terms[0])
-            threshold = np.floor(room - full * self.inp)
-            threshold = np.clip(threshold, -1, KEY_STRIDE - 1).astype(np.int64)
-            k = nc - full
-            pos = np.searchsorted(level["keys"], k * KEY_STRIDE + threshold, side="right") - 1
-            if li not in offsets_cache:
-                offsets_cache[li] = np.asarray(level["offsets"])
-            ok = pos >= offsets_cache[li][k]
-            pos = np.where(ok, pos, 0)
-            cost = level["cost"][pos]
-            busy = self.vpp * (nc * (self.lf + self.lb) + cost + full * self.lf) + self.ends_s[stage]
-            crit = busy - self.vpp * held * self.lf
-            n = int(ok.sum())
-            rows.append(np.stack([busy[ok], crit[ok], np.full(n, li), pos[ok], full[ok],
-                                  overlapped[ok]], 1))
-        table = np.concatenate(rows)
-        if not len(table):
-            self._options[key] = []
-            return []
-        table = table[np.lexsort((table[:, 1], table[:, 0]))]
-        if self.shared:
-            # R competes with the other ranks for the shared cores, so less overlap can be faster:
-            # keep every distinct (busy, critical-path) pair, the least busy first
-            _, first = np.unique(table[:, :2], axis=0, return_index=True)
-            table = table[np.sort(first)][:SHARED_OPTIONS]
-        else:
-            best_before = np.minimum.accumulate(np.concatenate(([np.inf], table[:-1, 1])))
-            table = table[table[:, 1] < best_before - 1e-12 * np.maximum(1.0, table[:, 1])]
-        options = [self._option(*row, nc=nc, stage=stage) for row in table]
-        self._options[key] = options
-        return options
-
-    def _option(self, busy, crit, level, pos, full, overlapped, nc: int, stage: int) -> _Option:
-        level = self._frontiers[int(level)]
-        pos, full, overlapped = int(pos), int(full), int(overlapped)
-        held = overlapped if self.waits(stage) else 0  # p2p_wait layers really overlapped
-        counts = {k.name: int(c) for k, c in zip(level["kinds"], level["counts"][pos]) if c}
-        transient = max([k.transient for k in level["kinds"] if counts.get(k.name)], default=0)
-        if full > held:
-            transient = max(transient, self.recreated)
-        chunk = ChunkCost(fwd_s=nc * self.lf,
-                          bwd_s=nc * self.lb + float(level["cost"][pos]) + (full - held) * self.lf,
-                          rec_s=held * self.lf, kept_bytes=int(level["kept"][pos]) + full * self.inp,
-                          overlap_bytes=held * self.recreated, transient_bytes=transient)
-        return _Option(float(busy), float(crit), counts, full, overlapped, chunk)
-
-    def min_activation(self, stage: int, nlayers: int) -> float:
-        """The smallest activation peak any count vector of this stage reaches."""
-        key = ("least", stage, nlayers)
-        if key in self._options:
-            return self._options[key]
-        nc = nlayers // self.vpp
-        full, overlapped = self._windows(nc, self.waits(stage))
-        if not self.waits(stage):  # p2p_wait is inline there
-            overlapped = np.zeros_like(overlapped)
-        least_memory = (overlapped == 0) | (overlapped == full)  # more overlap only adds bytes
-        full, overlapped = full[least_memory], overlapped[least_memory]
-        best = np.inf
-        for level in self._frontiers:
-            if not level["kinds"]:
-                full, overlapped = full[full == nc], overlapped[full == nc]
-            least = level["step_kept"].min() if level["kinds"] else 0
-            kept = (nc - full) * least + full * self.inp  # least kept bytes
-            t = level["t"]
-            transient = np.where(overlapped == full, t, max(t, self.recreated))
-            best = min(best, float(self._peak(stage, kept, overlapped, transient).min()))
-        self._options[key] = best
-        return best
-
-    # -- whole pipeline ----------------------------------------------------------------------
-    def chunks_of(self, options: list[_Option]) -> list[list[ChunkCost]]:
-        ends = self.profile.ends
-        out = []
-        for r, opt in enumerate(options):
-            row = []
-            for c in range(self.vpp):
-                cc = replace(opt.chunk)
-                add_stage_ends(cc, ends, first=r == 0 and c == 0,
-                               last=r == self.pp - 1 and c == self.vpp - 1)
-                row.append(cc)
-            out.append(row)
-        return out
-
-    def score(self, options: list[_Option]) -> tuple[float, int]:
-        """(simulated step s, total activation peak): lower is better, memory breaks ties."""
-        self.sims += 1
-        res = simulate_chunks(self.chunks_of(options), self.nmb, self.p2p_s,
-                              self.profile.compute_slots, detail=False)
-        return (res.step_s, sum(res.activation_peak_bytes))
-
-    def stage_bound(self, stage: int, nlayers: int) -> tuple[float, float]:
-        """Lower bounds of (busy, critical-path time) of any option of this stage: no recompute, plus
-        the bytes the kept activations must shed to fit, each at the cheapest recompute s per byte
-        any choice offers (an LP relaxation: overlap and transient bytes only add memory)."""
-        key = ("bound", stage, nlayers)
-        if key not in self._options:
-            nc = nlayers // self.vpp
-            busy = self.vpp * nc * (self.lf + self.lb) + self.ends_s[stage]
-            ends = self.profile.ends
-            budget = self._budget(stage, nlayers)
-            excess = max(((n_live * nc * self.act + (n_first * ends.embedding_act_bytes if stage == 0 else 0)
-                           + (n_last * ends.output_act_bytes if stage == self.pp - 1 else 0) - budget)
-                          / n_live) for n_live, n_first, n_last, *_ in self.terms[stage])
-            rates = [k.extra_s / (self.act - k.kept) for k in self.kinds if self.act > k.kept]
-            if self.any_full and self.recreated > 0:
-                rates.append(self.lf / self.recreated)
-            shed = self.vpp * max(0.0, excess) * min(rates, default=math.inf)
-            self._options[key] = (busy + shed if shed < math.inf else math.inf, busy)
-        return self._options[key]
-
-    def estimate(self, options: list[_Option] | None, part: list[int]) -> float:
-        """1F1B estimate used only to rank partitions: the longest of the paths where stage k is the
-        bottleneck (M x its busy time) and every other stage adds its fill and drain (critical-path
-        time); with options None, the same from `stage_bound` (a lower bound of it)."""
-        if options is None:
-            busy, crit = zip(*[self.stage_bound(r, n) for r, n in enumerate(part)])
-        else:
-            busy, crit = [o.busy_s for o in options], [o.crit_s for o in options]
-        total_crit = sum(crit)
-        est = max(self.nmb * b + (total_crit - c) / self.vpp for b, c in zip(busy, crit))
-        est += 2 * (self.pp - 1) * self.p2p_s
-        slots = self.profile.compute_slots
-        if slots is not None and slots < self.pp:
-            est = max(est, self.nmb * sum(busy) / slots)
-        return est
-
-    def fits_at_all(self, stage: int, nlayers: int) -> bool:
-        key = ("fits", stage, nlayers)
-        if key not in self._options:
-            self._options[key] = self.min_activation(stage, nlayers) <= self._budget(stage, nlayers)
-        return self._options[key]
-
-
-def _better(a: tuple, b: tuple) -> bool:
-    """Is score a better than b: faster beyond float noise, or as fast with less memory."""
-    tol = 1e-9 * max(1.0, b[0])
-    return a[0] < b[0] - tol or (abs(a[0] - b[0]) <= tol and a[1] < b[1])
-
-
-def _choose(search: _Search, partitions: list[list[int]]) -> tuple | None:
-    """Best (partition, per-stage options, score) over the given partitions (None: nothing fits)."""
-    # Rank partitions by the 1F1B estimate, computing stage options only while a partition's lower
-    # bound (`_Search.stage_bound`) can still beat the PARTITIONS_RANKED-th best.
-    feasible = [i for i, part in enumerate(partitions)
-                if all(search.fits_at_all(r, n) for r, n in enumerate(part))]
-    bounds = sorted((search.estimate(None, partitions[i]), i) for i in feasible)
-    ranked: list = []
-    for bound, i in bounds:
-        if len(ranked) >= PARTITIONS_RANKED and bound > ranked[PARTITIONS_RANKED - 1][0]:
-            break
-        part = partitions[i]
-        opts = [search.stage_options(r, n) for r, n in enumerate(part)]
-        if all(opts):
-            ranked.append((search.estimate([o[0] for o in opts], part), i, part, opts))
-            ranked.sort(key=lambda x: x[:2])
-    if not ranked:
-        return None
-    # the estimate only pre-selects: the partitions that get the budget sweep are the best simulated
-    simulated = sorted((search.score([o[0] for o in opts]), i, part, opts)
-                       for _, i, part, opts in ranked[:PARTITIONS_RANKED])
-    score, _, part, opts = simulated[0]
-    best = (part, [o[0] for o in opts], score, opts)
-    for _, _, part, opts in simulated[:PARTITIONS_SIMULATED]:
-        floor = max(o[0].busy_s for o in opts)
-        budgets = sorted({o.busy_s for stage in opts for o in stage if o.busy_s >= floor})
-        for budget in budgets[:BUDGETS_SIMULATED]:
-            pick = []
-            for stage in opts:
-                within = [o for o in stage if o.busy_s <= budget * (1 + 1e-12)]
-                pick.append(min(within, key=lambda o: (o.crit_s, o.busy_s)) if within else stage[0])
-            score = search.score(pick)
-            if _better(score, best[2]):
-                best = (part, pick, score, opts)
-    part, pick, score, opts = best
-    for _ in range(DESCENT_PASSES):  # coordinate descent over the stages' Pareto options
-        improved = False
-        for r, stage in enumerate(opts):
-            for option in stage:
-                if option is pick[r]:
-                    continue
-                trial = pick[:r] + [option] + pick[r + 1:]
-                trial_score = search.score(trial)
-                if _better(trial_score, score):
-                    pick, score, improved = trial, trial_score, True
-        if not improved:
-            break
-    return part, pick, score
-
-
-def _layer_plans(search: _Search, part: list[int], options: list[_Option]) -> list[LayerPlan]:
-    """Per-layer choices: in each chunk the overlapped full layers first, then inline full, then
-    selective, then none (the order inside a chunk changes neither cost nor memory)."""
-    layers: dict[int, LayerPlan] = {}
-    for r, ranges in enumerate(chunk_layers(part, search.vpp if search.vpp > 1 else None)):
-        opt = options[r]
-        for idx in ranges:
-            seq = [("full", [], "p2p_wait")] * opt.overlapped
-            seq += [("full", [], "inline")] * (opt.full - opt.overlapped)
-            for name, count in sorted(opt.counts.items()):
-                if name.startswith("selective:"):
-                    seq += [("selective", sorted(name.split(":", 1)[1].split("+")), None)] * count
-            seq += [("none", [], None)] * opt.counts.get("none", 0)
-            for i, (rec, mods, window) in zip(idx, seq):
-                layers[i] = LayerPlan(index=i, stage=r, recompute=rec, modules=list(mods), window=window)
-    return [layers[i] for i in range(sum(part))]
-
-
-def megatron_settings(layers_per_chunk_max: int, layers_per_chunk: list[int],
-                      groups: list[str] | None = None) -> list[dict]:
-    """Megatron-LM recompute settings: none, selective (each subset of `groups`, default all),
-    full uniform n, full block n."""
-    out = [{"recompute_granularity": None}]
-    groups = sorted(SELECTIVE) if groups is None else sorted(groups)
-    for n in range(1, len(groups) + 1):
-        for c in itertools.combinations(groups, n):
-            out.append({"recompute_granularity": "selective", "recompute_modules": list(c)})
-    for n in range(1, layers_per_chunk_max + 1):
-        if all(k % n == 0 for k in layers_per_chunk):
-            out.append({"recompute_granularity": "full", "recompute_method": "uniform",
-                        "recompute_num_layers": n})
-    for n in range(1, layers_per_chunk_max):  # n = max is the same as uniform 1
-        out.append({"recompute_granularity": "full", "recompute_method": "block",
-                    "recompute_num_layers": n})
-    return out
-
-
-def megatron_flags(setting: dict) -> list[str]:
-    if setting.get("recompute_granularity") is None:
-        return []
-    if setting["recompute_granularity"] == "selective":
-        return ["--recompute-granularity", "selective", "--recompute-modules",
-                *setting["recompute_modules"]]
-    return ["--recompute-granularity", "full", "--recompute-method", setting["recompute_method"],
-            "--recompute-num-layers", str(setting["recompute_num_layers"])]
-
-
-def megatron_chunks(profile: Profile, setting: dict, layers_per_stage: list,
-                    vpp: int | None) -> list[list[ChunkCost]]:
-    """Per-chunk costs of a Megatron-LM recompute setting (block/uniform count per model chunk)."""
-    granularity = setting.get("recompute_granularity")
-    layers = [LayerPlan(i, 0, "none") for i in range(sum(layers_per_stage))]
-    uniform = 1
-    for r, ranges in enumerate(chunk_layers(layers_per_stage, vpp)):
-        for idx in ranges:
-            for j, i in enumerate(idx):
-                lp = layers[i]
-                lp.stage = r
-                if granularity == "selective":
-                    lp.recompute, lp.modules = "selective", list(setting["recompute_modules"])
-                elif granularity == "full" and (setting["recompute_method"] == "uniform"
-                                                or j < setting["recompute_num_layers"]):
-                    lp.recompute, lp.window = "full", "inline"
-    if granularity == "full" and setting["recompute_method"] == "uniform":
-        uniform = setting["recompute_num_layers"]
-    chunks = chunk_costs(profile, layers, layers_per_stage, vpp)
-    if uniform > 1:  # one checkpoint per `uniform` layers: fewer kept inputs, a bigger re-created unit
-        for r, ranges in enumerate(chunk_layers(layers_per_stage, vpp)):
-            for c, idx in zip(chunks[r], ranges):
-                c.kept_bytes -= (len(idx) - len(idx) // uniform) * profile.layer_input_bytes
-                c.transient_bytes = uniform * profile.layer_act_bytes - profile.layer_input_bytes
-    return chunks
-
-
-def megatron_best(profile: Profile, model: dict, pp: int, dp: int, nmb: int, limit: int,
-                  vpp: int | None = None) -> dict:
-    """The fastest Megatron-LM recompute setting that fits `limit` (see module docstring)."""
-    num_layers = model["num_layers"]
-    p2p_s = profile.p2p.time(profile.boundary_bytes)
-    best = None
-    for part in most_even_partitions(num_layers, pp, vpp):
-        per_chunk = [n // (vpp or 1) for n in part]
-        static = static_bytes(model, profile.tp, dp, part)
-        for setting in megatron_settings(max(per_chunk), per_chunk, runnable_groups(model)):
-            res = simulate_chunks(megatron_chunks(profile, setting, part, vpp), nmb, p2p_s,
-                                  profile.compute_slots)
-            pred = res.prediction(static)
-            if max(pred.peak_bytes) > limit:
-                continue
-            if best is None or pred.step_s < best["predicted"]["step_s"] * (1 - 1e-12):
-                best = {"setting": setting, "layers_per_stage": part, "flags": megatron_flags(setting),
-                        "predicted": asdict(pred)}
-    if best is None:
-        return {"setting": None, "predicted": None,
-                "note": "no Megatron-LM recompute setting fits the memory limit"}
-    return best
 
 
 def plan(profile: Profile, *, pp: int, dp: int, global_batch_size: int, memory_limit_bytes: int,
@@ -671,7 +84,7 @@ def plan(profile: Profile, *, pp: int, dp: int, global_batch_size: int, memory_l
     if choices != [c for c in choices if c in all_choices(model)]:
         raise PlannerError(f"recompute choice(s) {sorted(set(choices) - set(all_choices(model)))} "
                            "cannot run on this model with megatron-core 0.16.1 (see "
-                           f"planner.runnable_groups); runnable: {all_choices(model)}")
+                           f"stages.runnable_groups); runnable: {all_choices(model)}")
     if not any(c in choices for c in ("none", "full:inline", "full:p2p_wait", *selective_names())):
         raise PlannerError("no recompute choice left to plan with")
     micro = int(profile.model.get("micro_batch_size", 1))
@@ -681,7 +94,7 @@ def plan(profile: Profile, *, pp: int, dp: int, global_batch_size: int, memory_l
         if not choices:
             raise PlannerError("the interleaved schedule (vpp) cannot overlap recomputation with "
                                "p2p waits (runtime limitation); allow another choice")
-    search = _Search(profile, model, pp, dp, num_layers, nmb, int(memory_limit_bytes), vpp, choices)
+    search = Search(profile, model, pp, dp, num_layers, nmb, int(memory_limit_bytes), vpp, choices)
     partitions = megatron_partitions(num_layers, pp, vpp)
     if layers_per_stage is not None:
         if list(layers_per_stage) not in partitions:
@@ -689,9 +102,9 @@ def plan(profile: Profile, *, pp: int, dp: int, global_batch_size: int, memory_l
                                f"accepts for {num_layers} layers on {pp} stages"
                                f"{f' x {vpp} chunks' if vpp else ''}")
         partitions = [list(layers_per_stage)]
-    chosen = _choose(search, partitions)
+    chosen = choose(search, partitions)
     if chosen is None:
-        need = min(max(search.limit - search._budget(r, n) + search.min_activation(r, n)
+        need = min(max(search.limit - search.budget(r, n) + search.min_activation(r, n)
                        for r, n in enumerate(part)) for part in partitions)
         need = int(math.ceil(need))
         raise NothingFitsError(
@@ -700,7 +113,7 @@ def plan(profile: Profile, *, pp: int, dp: int, global_batch_size: int, memory_l
             "weights/grads/optimizer + activations); raise --memory-gib, or add pipeline/tensor/"
             "data parallelism or a smaller micro-batch", need)
     part, options, (searched_s, _) = chosen
-    layers = _layer_plans(search, part, options)
+    layers = layer_plans(search, part, options)
     result = simulate(profile, layers, part, nmb, vpp)  # the plan as the runtime will see it
     predicted = result.prediction(static_bytes(search.model, profile.tp, dp, part))
     if (max(predicted.peak_bytes) > memory_limit_bytes

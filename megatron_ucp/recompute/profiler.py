@@ -29,74 +29,33 @@ attributed to exactly one module, so the modules add up to the whole layer exact
 Stage ends: the embedding (first stage) and the final layernorm + output layer + cross-entropy
 (last stage), measured the same way on the same model.
 
-Links: p2p send/recv between two ranks (ping-pong, megatron's batched isend/irecv) and all-reduce,
-over message sizes, fitted by least squares to time = alpha + bytes / bandwidth (relative residuals,
-so small messages count as much as large ones). gloo on CPU, NCCL on GPU.
+Links: `links` (p2p and all-reduce costs fitted to alpha + bytes / bandwidth).
 
-On a CPU-only host the caller installs a torch.cuda stand-in before megatron-core is imported (the
-tests use megatron_ucp.testing.cpu_shim; `python -m megatron_ucp.testing.recompute_profile` is this
-module's `main` with it). On a GPU nothing is patched. The layer is built in this process; at tp > 1
+It measures on a GPU (`megatron-ucp profile-recompute`); nothing is patched. (The test suite runs it
+on CPU hosts under its torch.cuda stand-in.) The layer is built in this process; at tp > 1
 the caller runs one process per TP rank (torchrun) and every rank calls `profile_layer`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import socket
 import statistics
 import sys
-import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from megatron_ucp.recompute.activations import ActivationCounter
 from megatron_ucp.recompute.hardware import ModelConfigError, check_tp, load_model_config, normalize_model
+from megatron_ucp.recompute.links import LINK_SIZES, free_port, measure_links, measure_links_spawned
+from megatron_ucp.recompute.probe import AttributingCounter, LayerProbe, intervals
 from megatron_ucp.recompute.profile import MODULES, LinkCost, ModuleCost, Profile, StageEnds, save
+from megatron_ucp.recompute.timing import ProfilerError, compute_clock, on_gpu
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
-# Submodule of a TransformerLayer for each profile module name.
-SUBMODULES = {"input_layernorm": "input_layernorm", "qkv": "self_attention.linear_qkv",
-              "core_attn": "self_attention.core_attention", "proj": "self_attention.linear_proj",
-              "pre_mlp_layernorm": "pre_mlp_layernorm", "mlp": "mlp"}
-CHECKPOINTED = ("core_attn", "mlp")  # megatron's `checkpoint` keeps their output
-LINK_SIZES = tuple(4096 * 4**i for i in range(7))  # 4 KiB .. 16 MiB
 
-
-class ProfilerError(ValueError):
-    """A model config or setting the profiler cannot use; the message names the field."""
-
-
-def on_gpu() -> bool:
-    """True on a real CUDA device; False on a CPU host with a torch.cuda stand-in installed."""
-    if not torch.cuda.is_available():
-        raise ProfilerError("no CUDA device and no torch.cuda stand-in: on a CPU host install one "
-                            "before megatron-core is imported (python -m "
-                            "megatron_ucp.testing.recompute_profile does it), or run on a GPU")
-    return torch.empty(0, device="cuda").device.type == "cuda"
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()  # a no-op on the CPU stand-in
-
-
-def _wall() -> float:
-    """Wall seconds after the device finished its queued work (links, GPU compute)."""
-    _sync()
-    return time.perf_counter()
-
-
-def compute_clock(gpu: bool, tp: int = 1):
-    """The clock module costs are read with: wall time on a GPU (after a synchronize) or when TP
-    collectives run inside the layer (their waits are part of its time); else, on a CPU, the
-    thread's CPU time, so the seconds the core spent on other processes (a shared host) are not
-    charged to the layer - on an idle core the two are the same for this single-threaded work."""
-    return _wall if gpu or tp > 1 else time.thread_time
 
 
 def transformer_config(model: dict, tp: int, gpu: bool):
@@ -149,116 +108,6 @@ def build_model(model: dict, tp: int, gpu: bool):
     return gpt
 
 
-class _AttributingCounter(ActivationCounter):
-    """ActivationCounter that also records which segment saved each storage first."""
-
-    def __init__(self, params):
-        super().__init__(params)
-        self.segment: str | None = None
-        self.saver: dict[int, str | None] = {}
-
-    def _pack(self, t: torch.Tensor):
-        saved = super()._pack(t)
-        if saved.key is not None and self._refs[saved.key][0] == 1:  # a storage new to the graph
-            self.saver[saved.key] = self.segment
-        return saved
-
-
-def _tensors(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    return []
-
-
-class _LayerProbe:
-    """Hooks on one TransformerLayer's six submodules: segment boundaries, producers, backward marks."""
-
-    def __init__(self, layer, params, clock):
-        self.clock = clock
-        self.modules = {name: layer.get_submodule(path) for name, path in SUBMODULES.items()}
-        self.params = {p.untyped_storage().data_ptr() for p in params}
-        self.counter: _AttributingCounter | None = None
-        self.fwd_marks: list[tuple[str, float]] = []
-        self.bwd_marks: list[tuple[str, float]] = []
-        self.producer: dict[int, str] = {}  # storage ptr -> module that made it
-        self.keep: list[torch.Tensor] = []  # registered tensors stay alive: no storage reuse
-        self.handles = []
-        for name, module in self.modules.items():
-            self.handles.append(module.register_forward_pre_hook(self._pre(name)))
-            self.handles.append(module.register_forward_hook(self._post(name)))
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-    def begin(self, counter: _AttributingCounter | None, inputs: list[torch.Tensor]) -> None:
-        self.counter, self.fwd_marks, self.bwd_marks = counter, [], []
-        self.producer, self.keep = {}, list(inputs)
-        for t in inputs:
-            self.producer[t.untyped_storage().data_ptr()] = "outside"
-        if counter is not None:
-            counter.segment = "qkv"  # before the first hook: nothing is saved there
-
-    def _register(self, tensors: list[torch.Tensor], name: str) -> None:
-        for t in tensors:
-            key = t.untyped_storage().data_ptr()
-            if key not in self.producer and key not in self.params:
-                self.producer[key] = name
-                self.keep.append(t)
-
-    def _pre(self, name: str):
-        def hook(module, args):
-            self.fwd_marks.append((name, self.clock()))
-            # inputs no module produced were made by the glue after the previous module
-            previous = self.fwd_marks[-2][0] if len(self.fwd_marks) > 1 else "outside"
-            self._register(_tensors(args), previous)
-            if self.counter is not None:
-                self.counter.segment = name
-        return hook
-
-    def _post(self, name: str):
-        def hook(module, args, output):
-            tensors = _tensors(output)
-            self._register(tensors, name)
-            for t in tensors:
-                if t.requires_grad and t.untyped_storage().data_ptr() not in self.params:
-                    t.register_hook(self._grad_ready(name))
-                    break  # the first output is the one the next module consumes
-        return hook
-
-    def _grad_ready(self, name: str):
-        def hook(grad):
-            self.bwd_marks.append((name, self.clock()))
-        return hook
-
-    def attribute(self) -> dict[str, int]:
-        """Live saved bytes per module (the rule in the module docstring); sums to live_bytes."""
-        per_module = dict.fromkeys(MODULES, 0)
-        for key, (_, nbytes) in self.counter._refs.items():
-            saver = self.counter.saver.get(key) or "qkv"
-            producer = self.producer.get(key, saver)  # not registered: made inside its saver
-            if producer == "outside":
-                owner = "qkv"
-            elif producer in CHECKPOINTED and saver != producer:
-                owner = saver
-            else:
-                owner = producer
-            per_module[owner] += nbytes
-        return per_module
-
-
-def _intervals(marks: list[tuple[str, float]], start: float, end: float, first: str) -> dict[str, float]:
-    """Seconds from each mark to the next (the time before the first mark goes to `first`)."""
-    out = dict.fromkeys(MODULES, 0.0)
-    marks = sorted(marks, key=lambda m: m[1])
-    edges = [(first, start)] + marks + [(None, end)]
-    for (name, t0), (_, t1) in zip(edges, edges[1:]):
-        out[name] += t1 - t0
-    return out
-
-
 def _layer_inputs(model: dict, tp: int, gpu: bool, seed: int):
     s, b, h = model["seq_length"], model["micro_batch_size"], model["hidden_size"]
     if model["sequence_parallel"]:
@@ -297,11 +146,11 @@ def measure_layer(gpt, model: dict, tp: int, gpu: bool, warmup: int, repeats: in
     params = list(gpt.parameters())
     hidden, grad, mask = _layer_inputs(model, tp, gpu, seed)
     rotary = _rotary(gpt, model)
-    probe = _LayerProbe(layer, params, clock)
+    probe = LayerProbe(layer, params, clock)
     try:
         # bytes: one hooked forward under the attributing counter
         x = hidden.detach().requires_grad_()
-        counter = _AttributingCounter(params)
+        counter = AttributingCounter(params)
         probe.begin(counter, [x, mask])
         with counter:
             out, _ = layer(x, attention_mask=mask, rotary_pos_emb=rotary)
@@ -322,8 +171,8 @@ def measure_layer(gpt, model: dict, tp: int, gpu: bool, warmup: int, repeats: in
             out.backward(grad)
             t2 = clock()
             if i >= warmup:
-                fwd_parts.append(_intervals(probe.fwd_marks, t0, t1, "input_layernorm"))
-                bwd_parts.append(_intervals(probe.bwd_marks, t1, t2, "mlp"))
+                fwd_parts.append(intervals(probe.fwd_marks, t0, t1, "input_layernorm"))
+                bwd_parts.append(intervals(probe.bwd_marks, t1, t2, "mlp"))
             del out
     finally:
         probe.remove()
@@ -407,117 +256,6 @@ def measure_ends(gpt, model: dict, tp: int, gpu: bool, warmup: int, repeats: int
     return ends
 
 
-def fit_link(samples: list) -> LinkCost:
-    """Least-squares time = alpha + bytes / bytes_per_s over [[bytes, seconds], ...].
-
-    Residuals are relative (weight 1/seconds), so the fit holds for small messages (latency) as
-    well as large ones (bandwidth); exact for noiseless alpha-beta data. alpha is kept >= 0.
-    """
-    pts = [(float(n), float(t)) for n, t in samples]
-    if len(pts) < 2 or len({n for n, _ in pts}) < 2 or any(t <= 0 or n < 0 for n, t in pts):
-        raise ProfilerError(f"link samples {samples!r}: need >= 2 distinct message sizes with positive times")
-    w = [1.0 / t for _, t in pts]
-    # weighted normal equations for t = a + b * n
-    s00 = sum(wi * wi for wi in w)
-    s01 = sum(wi * wi * n for wi, (n, _) in zip(w, pts))
-    s11 = sum(wi * wi * n * n for wi, (n, _) in zip(w, pts))
-    r0 = sum(wi * wi * t for wi, (_, t) in zip(w, pts))
-    r1 = sum(wi * wi * n * t for wi, (n, t) in zip(w, pts))
-    det = s00 * s11 - s01 * s01
-    a = (r0 * s11 - r1 * s01) / det
-    b = (s00 * r1 - s01 * r0) / det
-    if a < 0:  # latency below resolution: a pure bandwidth fit through the origin
-        a, b = 0.0, r1 / s11
-    if b <= 0:  # time does not grow with size (noise): latency only, bandwidth unbounded
-        a, b = statistics.median(t for _, t in pts), 0.0
-    return LinkCost(alpha_s=a, bytes_per_s=1.0 / b if b > 0 else 1e18,
-                    samples=[[int(n), t] for n, t in pts])
-
-
-def measure_links(sizes=LINK_SIZES, warmup: int = 2, repeats: int = 5, ranks=(0, 1),
-                  allreduce_group=None, device: str | None = None) -> tuple[LinkCost, LinkCost]:
-    """(p2p, all-reduce) fits, measured between `ranks` inside an initialised process group.
-
-    Every rank of the group calls this. p2p: ping-pong between the two ranks with batched
-    isend/irecv (as megatron-core's 1F1B), one-way time = round trip / 2. All-reduce: over
-    `allreduce_group` (default: a new group of `ranks`). The fits of rank ranks[0] are returned
-    on every rank.
-    """
-    rank = dist.get_rank()
-    if device is None:
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    group = allreduce_group if allreduce_group is not None else dist.new_group(list(ranks))
-    in_group = allreduce_group is not None or rank in ranks
-    p2p, allreduce = [], []
-    for nbytes in sizes:
-        numel = max(1, nbytes // 4)
-        buf = torch.ones(numel, dtype=torch.float32, device=device)
-        if rank in ranks:
-            me, peer = ranks.index(rank), ranks[1 - ranks.index(rank)]
-            times = []
-            for i in range(warmup + repeats):
-                t0 = _wall()
-                for step in (0, 1):  # rank ranks[0] sends first, then receives the echo
-                    op = dist.isend if (step == 0) == (me == 0) else dist.irecv
-                    for req in dist.batch_isend_irecv([dist.P2POp(op, buf, peer)]):
-                        req.wait()
-                t1 = _wall()
-                if i >= warmup:
-                    times.append((t1 - t0) / 2)
-            p2p.append([numel * 4, statistics.median(times)])
-        if in_group:
-            times = []
-            for i in range(warmup + repeats):
-                t0 = _wall()
-                dist.all_reduce(buf, group=group)
-                t1 = _wall()
-                if i >= warmup:
-                    times.append(t1 - t0)
-            allreduce.append([numel * 4, statistics.median(times)])
-    result = [[p2p, allreduce] if rank == ranks[0] else None]
-    dist.broadcast_object_list(result, src=ranks[0])
-    p2p, allreduce = result[0]
-    return fit_link(p2p), fit_link(allreduce)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _links_worker(rank: int, port: int, sizes, warmup: int, repeats: int, backend: str, out: str) -> None:
-    torch.set_num_threads(1)
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        p2p, allreduce = measure_links(sizes, warmup, repeats)
-        if rank == 0:
-            Path(out).write_text(json.dumps({"p2p": p2p.__dict__, "allreduce": allreduce.__dict__}))
-    finally:
-        dist.destroy_process_group()
-
-
-def measure_links_spawned(gpu: bool, sizes=LINK_SIZES, warmup: int = 2,
-                          repeats: int = 5) -> tuple[LinkCost, LinkCost]:
-    """`measure_links` on two freshly spawned local processes (gloo on CPU, NCCL on two GPUs)."""
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    if gpu and torch.cuda.device_count() < 2:
-        raise ProfilerError("measuring NCCL links needs two GPUs on this host; run the profiler under "
-                            "torchrun on >= 2 GPUs, or pass --no-links (links then cost nothing)")
-    with tempfile.TemporaryDirectory(prefix="ucp_links_") as tmp:
-        out = str(Path(tmp) / "links.json")
-        mp.start_processes(_links_worker, args=(_free_port(), list(sizes), warmup, repeats,
-                                                "nccl" if gpu else "gloo", out),
-                           nprocs=2, join=True, start_method="spawn")
-        data = json.loads(Path(out).read_text())
-    return LinkCost(**data["p2p"]), LinkCost(**data["allreduce"])
-
-
 def compute_slots(gpu: bool) -> int | None:
     """Ranks that can compute at once: the CPU cores this process may use; None on a GPU."""
     if gpu:
@@ -564,7 +302,7 @@ def profile_layer(model_cfg: dict, tp: int = 1, micro_batch_size: int | None = N
             raise ProfilerError(f"tp={tp}: run one process per TP rank (torchrun --nproc-per-node {tp})")
         if gpu:
             torch.cuda.set_device(0)
-        dist.init_process_group("nccl" if gpu else "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}",
+        dist.init_process_group("nccl" if gpu else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
                                 rank=0, world_size=1)
         own_group = True
     elif dist.get_world_size() % tp:
