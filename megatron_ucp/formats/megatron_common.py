@@ -2,14 +2,14 @@
 `torch_dist`) share: the tracker file, iteration and rank directory names, which global rank
 writes which rank directory, the run's layout from its `args`, the args of the same run at
 another layout, and the optimizer param groups and scheduler state as Megatron-LM stores them.
+Unpickling its files: `megatron_pickle`; what differs between megatron-core releases:
+`megatron_ucp.mcore_compat`.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import io
-import pickle
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -19,12 +19,13 @@ import torch
 
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.manifest import check_same_params, not_committed
+from megatron_ucp.formats.megatron_pickle import MEGATRON_HOLDS, unpickle
 from megatron_ucp.layout import Layout
 
 # a hybrid model's layer pattern in Megatron-LM args, whichever release's name holds it (the
 # formats' shared name for it)
 from megatron_ucp.mcore_compat.mamba import args_hybrid_pattern as hybrid_layer_pattern
-from megatron_ucp.mcore_compat.mamba import set_args_hybrid_pattern
+from megatron_ucp.mcore_compat.mamba import set_hybrid_pattern_for_pp
 from megatron_ucp.object_store import ObjectPath
 from megatron_ucp.storage import Location, location, refuse_non_empty
 from megatron_ucp.validation import check_layout
@@ -90,68 +91,6 @@ def holds_checkpoint(path: str | Path, is_iteration: Callable[[Path], bool]) -> 
     except UCPError:  # a tracker that names no iteration: not a checkpoint of this format
         return False
     return tracked is not None and is_iteration(tracked[0])
-
-
-TRUST_PICKLE = "--trust-pickle (trust_pickle=True)"
-
-
-@functools.lru_cache(maxsize=1)  # asked for every unpickled object: build it once
-def allowed_globals() -> list:
-    """The types a Megatron-LM checkpoint pickles besides tensors and containers: `args`
-    (argparse.Namespace holding enums, signal numbers and dtypes) and the numpy RNG state."""
-    import argparse
-    import enum
-    import signal
-
-    import megatron.core.enums as core_enums
-    import megatron.core.transformer.enums as transformer_enums
-    import numpy as np
-
-    try:
-        from numpy._core.multiarray import _reconstruct
-    except ImportError:  # numpy 1.x
-        from numpy.core.multiarray import _reconstruct
-    enums = [v for m in (core_enums, transformer_enums) for v in vars(m).values()
-             if isinstance(v, type) and issubclass(v, enum.Enum) and v.__module__ == m.__name__]
-    dtypes = [type(np.dtype(t)) for t in ("bool", "uint8", "int8", "uint16", "int16", "uint32",
-                                          "int32", "uint64", "int64", "float16", "float32", "float64")]
-    # an array pickled under numpy 1.x names numpy.core.multiarray, under 2.x numpy._core.multiarray
-    # (Megatron-LM 0.13-0.15 runs often had numpy 1.x): both names load with either numpy
-    renamed = [(_reconstruct, f"{m}.multiarray._reconstruct") for m in ("numpy.core", "numpy._core")
-               if f"{m}.multiarray" != _reconstruct.__module__]
-    return [argparse.Namespace, signal.Signals, _reconstruct, *renamed, np.ndarray, np.dtype, *dtypes,
-            *enums]
-
-
-MEGATRON_HOLDS = ("a Megatron-LM checkpoint holds (tensors, argparse.Namespace, Megatron enums, "
-                  "numpy RNG state)")
-
-
-def unpickle(load: Callable[[bool], Any], where: Path | str, trust_pickle: bool,
-             holds: str = MEGATRON_HOLDS) -> Any:
-    """`load(weights_only)` with torch's restricted unpickler and `allowed_globals()`: anything
-    else is refused, naming the type, unless the caller trusts the file (then plain pickle).
-    `holds` says, in the refusal, what the format's files are expected to hold."""
-    if trust_pickle:
-        return load(False)
-    standins: list[tuple[Callable, str]] = []  # enums of a newer megatron-core (mcore_compat)
-    while True:
-        try:
-            with torch.serialization.safe_globals([*allowed_globals(), *standins]):
-                return load(True)
-        except pickle.UnpicklingError as e:
-            found = re.search(r"GLOBAL ([\w.]+)", str(e))
-            what = found.group(1) if found else "an object of a type outside the allowlist"
-            if found and all(name != what for _, name in standins):
-                from megatron_ucp.mcore_compat import absent_enum_standin  # imports megatron.core
-
-                standin = absent_enum_standin(what)
-                if standin is not None:
-                    standins.append((standin, what))
-                    continue
-            raise UCPError(f"{where}: refusing to unpickle {what}: it is none of the types {holds}, "
-                           "and unpickling it could run code from the file. If you trust this "
-                           f"checkpoint, pass {TRUST_PICKLE}") from None
 
 
 def torch_load(path: Location, what: str, trust_pickle: bool = False, holds: str = MEGATRON_HOLDS) -> Any:
@@ -278,18 +217,6 @@ def null_tokenizer_vocab(args) -> int | None:
 # the CPU stand-ins of the Mamba kernels (the Megatron-LM fixtures' args name it).
 LOCAL_HYBRID_SPECS = (("megatron_ucp.hybrid_spec", "hybrid_stack_spec_local"),
                       ("megatron_ucp.testing.mamba_cpu", "hybrid_stack_spec_local"))
-
-
-def set_hybrid_pattern_for_pp(args, pp: int) -> None:
-    """Megatron-LM 0.19 cuts a hybrid pattern's pipeline stages at its `|`s (their count must be
-    the PP size, or a multiple of it for virtual stages); a pattern without them is split by
-    megatron-core itself at any PP. The same model at another PP than the pattern's stages: the
-    pattern without its `|`s (set in place, in whichever of the release's args holds it)."""
-    pattern = hybrid_layer_pattern(args)
-    if not pattern or "|" not in pattern.split("/")[0] or pattern.split("/")[0].count("|") + 1 == pp:
-        return
-    main, *mtp = pattern.split("/")
-    set_args_hybrid_pattern(args, "/".join([main.replace("|", ""), *mtp]))
 
 
 def check_supported(args, where: Path | str) -> None:

@@ -33,12 +33,15 @@ from megatron_ucp.formats.megatron_common import (
     hybrid_layer_pattern,
     layout,
     rank_order,
-    set_hybrid_pattern_for_pp,
     world,
 )
 from megatron_ucp.formats.megatron_hybrid import build_hybrid_chunk
 from megatron_ucp.mcore_compat.config import config_kwargs_from_args, rederive_weight_shards
-from megatron_ucp.mcore_compat.mamba import mamba_conv1d_is_module, saved_parameter_order
+from megatron_ucp.mcore_compat.mamba import (
+    mamba_conv1d_is_module,
+    saved_parameter_order,
+    set_hybrid_pattern_for_pp,
+)
 from megatron_ucp.mcore_compat.moe import grouped_gemm_importable
 from megatron_ucp.param_spec import local_params
 from megatron_ucp.spec import ParamSpec

@@ -51,6 +51,18 @@ def set_args_hybrid_pattern(args, pattern: str) -> None:
             setattr(args, name, pattern)
 
 
+def set_hybrid_pattern_for_pp(args, pp: int) -> None:
+    """Megatron-LM 0.19 cuts a hybrid pattern's pipeline stages at its `|`s (their count must be
+    the PP size, or a multiple of it for virtual stages); a pattern without them is split by
+    megatron-core itself at any PP. The same model at another PP than the pattern's stages: the
+    pattern without its `|`s (set in place, in whichever of the release's args holds it)."""
+    pattern = args_hybrid_pattern(args)
+    if not pattern or "|" not in pattern.split("/")[0] or pattern.split("/")[0].count("|") + 1 == pp:
+        return
+    main, *mtp = pattern.split("/")
+    set_args_hybrid_pattern(args, "/".join([main.replace("|", ""), *mtp]))
+
+
 def build_hybrid_model(pattern: str, **kwargs):
     """megatron-core's hybrid model (MambaModel; 0.19: HybridModel's deprecated subclass, which still
     takes the pattern as `hybrid_override_pattern`) with `kwargs` as the constructor's."""
