@@ -195,8 +195,10 @@ def private_megatron_names(tree: ast.AST) -> list[tuple[int, str]]:
 
 
 def offenders(root: Path) -> dict[str, list[str]]:
-    """Release checks (library, tests, tools, bench) and private megatron-core names (library,
-    test harness megatron_ucp/testing excepted) outside megatron_ucp/mcore_compat."""
+    """Release checks (library, tests, tools, bench) and private megatron-core names (library)
+    outside megatron_ucp/mcore_compat. (tools/ and bench/ patch a private DistributedOptimizer
+    method of stock Megatron-LM for their resume checks: scripts about megatron-core, not the
+    library.)"""
     out: dict[str, list[str]] = {"release checks": [], "private megatron-core names": []}
     files = [*(root / "megatron_ucp").rglob("*.py"), *(root / "tests").glob("*.py"),
              *(root / "tools").rglob("*.py"), *(root / "bench").rglob("*.py")]
@@ -206,7 +208,7 @@ def offenders(root: Path) -> dict[str, list[str]]:
             continue
         tree = ast.parse(path.read_text())
         out["release checks"] += [f"{rel}:{line} {what}" for line, what in release_checks(tree)]
-        if rel.parts[0] == "megatron_ucp" and rel.parts[1] != "testing":
+        if rel.parts[0] == "megatron_ucp":
             out["private megatron-core names"] += [f"{rel}:{line} {what}"
                                                    for line, what in private_megatron_names(tree)]
     return out

@@ -19,6 +19,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import unwrap_model
 
 from megatron_ucp.layout import Layout
+from megatron_ucp.mcore_compat.schedules import have_transformer_engine
 from megatron_ucp.recompute import runtime
 from megatron_ucp.recompute.activations import ActivationCounter
 from megatron_ucp.recompute.plan import PlanError
@@ -178,7 +179,7 @@ def _refusals(lay: Layout, cfg: dict) -> dict:
     biased = tg.build(tg.TinyGPTConfig(**{**cfg, "add_bias_linear": True}), lay)
     out["mlp_with_bias"] = _refusal(lambda: runtime.apply_plan(
         biased.model, make_plan(["selective:mlp"] * n, lay.pp, cfg), stage))
-    out["layernorm_without_te"] = "Transformer Engine is installed" if runtime.tp_random.HAVE_TE else \
+    out["layernorm_without_te"] = "Transformer Engine is installed" if have_transformer_engine() else \
         _refusal(lambda: runtime.apply_plan(st.model, make_plan(["selective:layernorm"] * n, lay.pp, cfg),
                                             stage))
     # interleaved: p2p_wait refused; an inline plan passes through megatron's interleaved schedule

@@ -19,6 +19,7 @@ from megatron.core.utils import unwrap_model
 import megatron_ucp as ucp
 from megatron_ucp import saver
 from megatron_ucp.layout import Layout
+from megatron_ucp.mcore_compat import optimizer as mcore_optimizer
 from megatron_ucp.testing import tiny_gpt as tg  # installs the CPU shim first
 
 
@@ -48,12 +49,12 @@ def dump_local_state(state: tg.TrainState, dump_dir: str) -> None:
             e = {"chunk": chunk_index, "name": name, "model": _host_copy(p), "range": None}
             for o in opts:
                 if p in o.model_param_group_index_map:
-                    r = o._get_model_param_range_map(p)["param"]
-                    s = o._get_main_param_and_optimizer_states(p)
+                    start, end = mcore_optimizer.param_range(o, p)
+                    s = mcore_optimizer.main_param_and_optimizer_states(o, p)
                     # torch Adam keeps the step per parameter, TE/Apex FusedAdam per param group
                     step = s["step"] if "step" in s else \
                         o.optimizer.param_groups[o.model_param_group_index_map[p][0]]["step"]
-                    e.update(range=(r.start, r.end), step=float(step),
+                    e.update(range=(start, end), step=float(step),
                              **{k: _host_copy(s[k]) for k in ("param", "exp_avg", "exp_avg_sq")})
             entries.append(e)
         persistent = unwrap_model(chunk).state_dict(keep_vars=True)
