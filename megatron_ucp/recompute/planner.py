@@ -10,27 +10,9 @@ non-interleaved schedule, so vpp plans never use it; the last stage never waits 
 there it is recomputed inline and costs as "full:inline" - the planner labels those layers inline
 unless "full:inline" is not an allowed choice).
 
-The pieces: `stages` (choices, partitions, static memory), `search` (the search below),
-`baseline` (Megatron-LM's best setting), all scored by `simulator`.
-
-Search (all scoring by `simulator.simulate_chunks`):
-1. per stage and layer count, the options: for every number of full layers f and of them z in
-   "p2p_wait", and every transient level (the largest re-created unit among the selective choices
-   used), the cheapest count vector of the non-full choices whose kept bytes fit - found by one
-   searchsorted in the Pareto fronts of (kept bytes, recompute s) per layer count, built by a DP
-   over counts. Memory is checked exactly with the simulator's model (`simulator.memory_terms`)
-   against limit - static bytes. The options are reduced to the Pareto set over (busy time, time on
-   the backward's critical path): moving recompute from B into R never delays anything when each
-   rank has its own device (with shared cores every distinct pair is kept instead);
-2. partitions: every one megatron-LM accepts (--decoder-first/last-pipeline-num-layers, middle
-   stages even; interleaved: even only). A 1F1B estimate (with a cheap lower bound to skip hopeless
-   partitions) pre-selects PARTITIONS_RANKED, which are simulated with their least busy options;
-   the best PARTITIONS_SIMULATED get a sweep over a shared bottleneck budget (each stage: the least
-   critical-path time whose busy time stays within the budget);
-3. the best is refined by coordinate descent over the stages' options (simulated), ties going to
-   less activation memory.
-Steps 2 and 3 are where the search is not exhaustive; tests/test_recompute_plan.py checks it against
-an exhaustive search over every per-layer assignment and partition of small models.
+The pieces: `stages` (choices, partitions, static memory), `search` (per-stage options, the
+partitions, coordinate descent: its docstring has the three steps and where they are not
+exhaustive), `baseline` (Megatron-LM's best setting), all scored by `simulator`.
 """
 
 from __future__ import annotations
