@@ -95,6 +95,10 @@ class Backend(ABC):
     # cheap (no request), and reads need no plan (the page cache serves them)
     local_files: bool
 
+    def parse(self, url: str) -> Location:
+        """The location a URL of one of this backend's schemes names (UCPError if malformed)."""
+        raise NotImplementedError(f"{type(self).__name__} serves no URL scheme")
+
     # --- files ----------------------------------------------------------------------------------
     @abstractmethod
     def size(self, path: Location) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import os
 import shutil
@@ -23,7 +24,7 @@ from safetensors import safe_open
 
 from megatron_ucp.errors import UCPError
 from megatron_ucp.storage.backend import AlreadyExists, Backend, ByteRun
-from megatron_ucp.storage.safetensors_codec import Entry, parse_header
+from megatron_ucp.storage.safetensors_codec import ST_TO_DTYPE, Entry
 
 log = logging.getLogger("megatron_ucp.storage")
 
@@ -94,13 +95,14 @@ class LocalTensorFile:
     @property
     def entries(self) -> dict[str, Entry]:
         """name -> (dtype, shape, begin, end), absolute offsets (safe_open checked on open that
-        they fit the file)."""
+        they fit the file; a dtype the codec does not write reads as bytes)."""
         if self._entries is None:
             with open(self.path, "rb") as f:
                 (n,) = struct.unpack("<Q", f.read(8))
-                raw = f.read(n)
-            size = self.path.stat().st_size
-            self._entries = parse_header(raw, size, lambda why: UCPError(f"{self.path}: {why}"))[1]
+                header = json.loads(f.read(n))
+            self._entries = {key: (ST_TO_DTYPE.get(e["dtype"], torch.uint8), tuple(e["shape"]),
+                                   8 + n + e["data_offsets"][0], 8 + n + e["data_offsets"][1])
+                             for key, e in header.items() if key != "__metadata__"}
         return self._entries
 
     def byte_run(self, key: str) -> ByteRun:

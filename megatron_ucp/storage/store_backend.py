@@ -140,6 +140,9 @@ class ObjectStoreBackend(Backend):
 
     local_files = False
 
+    def parse(self, url: str) -> ObjectPath:
+        return ObjectPath.parse(url)
+
     def size(self, path: ObjectPath) -> int:
         return path.size()
 

@@ -34,11 +34,14 @@ def location(path: str | os.PathLike | ObjectPath) -> Location:
     if is_url(text):
         if "://" not in text:  # a pathlib.Path made from a URL: `s3:/bucket/key`
             text = text.replace(":/", "://", 1)
-        return ObjectPath.parse(text)  # (an unknown scheme: UCPError naming the ones served)
+        scheme = text.split(":", 1)[0]
+        served = _backends().get(scheme) if scheme != "file" else None
+        # (an unknown scheme: ObjectPath.parse raises the UCPError that names the ones served)
+        return served.parse(text) if served is not None else ObjectPath.parse(text)
     return Path(text)
 
 
 def backend(path: str | os.PathLike | ObjectPath) -> Backend:
     """The backend that serves `path`."""
     path = location(path)
-    return _backends()[path.scheme if isinstance(path, ObjectPath) else "file"]
+    return _backends()["file" if isinstance(path, Path) else path.scheme]
