@@ -1,14 +1,15 @@
-"""The object-store backend (S3; GCS and Azure through obstore's stores): the one place that talks
-to a bucket. Everything else sees `ObjectPath`, a path-like URL (`s3://bucket/key`), and the few
-path operations the library uses on it (`/`, `name`, `parent`, `exists`, `read_text`, `iterdir`).
+"""The object-store client (S3; GCS and Azure through obstore's stores): the one place that talks
+to a bucket. The store backend (`store_backend`, `store_reads`, `s3_multipart`) is built on it;
+everything outside `megatron_ucp.storage` sees `ObjectPath`, a path-like URL (`s3://bucket/key`),
+and the few path operations the library uses on it (`/`, `name`, `parent`, `exists`, `read_text`,
+`iterdir`).
 
 An object store has no rename: a checkpoint's data objects are written at their final keys, and
-the checkpoint exists once its manifest is written (a create-only conditional put, last); a prefix
-without a manifest is never loaded. Large objects go up as multipart uploads (obstore's buffered
-writer, parts of `PART_BYTES`), aborted when the write fails; a process killed mid-upload leaves an
-incomplete upload, which `incomplete_uploads` lists and the next save aborts (S3's
-ListMultipartUploads / AbortMultipartUpload, which obstore does not expose: signed here with AWS
-Signature V4). Reads are byte ranges (`get_ranges` merges nearby ones and runs them in parallel).
+the checkpoint exists once its writer's marker is written (a create-only conditional put, last,
+`store_backend.StagedPrefix`). Large objects go up as multipart uploads (obstore's buffered writer,
+parts of `PART_BYTES`), aborted when the write fails; a process killed mid-upload leaves an
+incomplete upload, which `s3_multipart.incomplete_uploads` lists and the next save aborts. Reads
+are byte ranges (`get_ranges`; `store_reads` merges nearby ones and runs them in parallel).
 
 Credentials and endpoint come from the standard variables (AWS_ACCESS_KEY_ID,
 AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION / AWS_DEFAULT_REGION, AWS_ENDPOINT_URL_S3 /
