@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 import megatron_ucp as ucp
-from megatron_ucp import object_store
+from megatron_ucp import storage
+from megatron_ucp.storage import object_store, store_reads
 from megatron_ucp.formats import manifest as mf
 from megatron_ucp.storage import location
 
@@ -132,8 +133,8 @@ def dcp_bench(layout: str, cfg: dict, url: str, reps: int, endpoint: str) -> dic
     setup(layout, cfg)
     rank = dist.get_rank()
     ours = location(f"{url}/ours0")
-    mine = ours / (ours / mf.LATEST).read_text().strip() / f"rank_{rank:05d}.safetensors"
-    obj = object_store.SafetensorsObject(mine)
+    mine = ours / (ours / storage.LATEST).read_text().strip() / f"rank_{rank:05d}.safetensors"
+    obj = store_reads.SafetensorsObject(mine)
     state = {f"rank{rank}/{k}": obj.get_tensor(k) for k in obj.keys()}
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     opts = {"endpoint_url": endpoint, "key": os.environ["AWS_ACCESS_KEY_ID"],

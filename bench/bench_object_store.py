@@ -44,8 +44,7 @@ sys.path.insert(0, str(ROOT))
 os.chdir(ROOT)  # launch() runs `python -m megatron_ucp.testing.launch bench._s3_rank:fn` from the cwd
 
 from megatron_ucp.layout import Layout  # noqa: E402
-from megatron_ucp.object_store import download_tree  # noqa: E402
-from megatron_ucp.storage import location  # noqa: E402
+from megatron_ucp.storage import download, location  # noqa: E402
 from megatron_ucp.testing.launch import LaunchError, launch  # noqa: E402
 from megatron_ucp.testing.s3_server import seaweedfs, write_msc_config  # noqa: E402
 
@@ -170,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
         saves = launch(Layout.parse(args.save_layout).world_size, "bench._s3_rank:save_bench",
                        {"layout": args.save_layout, "cfg": cfg, "url": url, "reps": args.reps}, timeout=1200)
         local = Path(tmp) / "local"  # the same checkpoint on disk: the load's non-storage work
-        download_tree(location(f"{url}/ours0"), local)
+        download(location(f"{url}/ours0"), local)
         loads = launch(Layout.parse(args.load_layout).world_size, "bench._s3_rank:load_bench",
                        {"layout": args.load_layout, "cfg": cfg, "url": url, "reps": args.reps,
                         "local": str(local)}, timeout=1200)

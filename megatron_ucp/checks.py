@@ -13,10 +13,9 @@ from pathlib import Path
 
 import torch
 
-from megatron_ucp import formats, object_store
+from megatron_ucp import formats, storage
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats import manifest as mf
-from megatron_ucp.object_store import ObjectPath
 from megatron_ucp.storage import location
 
 
@@ -38,15 +37,14 @@ def verify(path: str | Path) -> str:
     report = (f"OK {source.dir}: {m.kind}, iteration {m.iteration}, {len(m.params)} "
               f"parameters, {n} tensors verified, {source.bytes_read / 2**20:.2f} MiB read")
     root = location(path)
-    stale = mf.interrupted_saves(root) if root != source.dir else []
+    stale = storage.interrupted_saves(root, mf.MANIFEST) if root != source.dir else []
     if stale:
         report += (f"; {len(stale)} interrupted save(s) under {path} ({', '.join(p.name for p in stale)}):"
                    " never loaded, removed by the next save")
-    if isinstance(root, ObjectPath):  # a killed writer's multipart uploads, billed until aborted
-        uploads = object_store.incomplete_uploads(root)
-        if uploads:
-            report += (f"; {len(uploads)} incomplete multipart upload(s) under {path} "
-                       f"({', '.join(u.path.key for u in uploads[:5])}): aborted by the next save")
+    uploads = storage.incomplete_uploads(root)  # a killed writer's, billed until aborted (a store's)
+    if uploads:
+        report += (f"; {len(uploads)} incomplete multipart upload(s) under {path} "
+                   f"({', '.join(u.path.key for u in uploads[:5])}): aborted by the next save")
     return report
 
 

@@ -10,8 +10,7 @@ from pathlib import Path
 
 from megatron_ucp import formats
 from megatron_ucp.formats import manifest as mf
-from megatron_ucp.object_store import ObjectPath, list_objects
-from megatron_ucp.storage import location
+from megatron_ucp.storage import list_files, location
 
 
 def inspect(path: str | Path, trust_pickle: bool = False) -> str:
@@ -26,10 +25,7 @@ def inspect(path: str | Path, trust_pickle: bool = False) -> str:
         kind = f"{source.format} (read as universal tensors)"
     params = m.params
     numel = sum(math.prod(p.shape) for p in params.values())
-    if isinstance(ckpt, ObjectPath):  # one listing, sizes included
-        sizes = [n for p, n in list_objects(ckpt) if p.name != mf.MANIFEST]
-    else:
-        sizes = [f.stat().st_size for f in ckpt.rglob("*") if f.is_file() and f.name != mf.MANIFEST]
+    sizes = [n for p, n in list_files(ckpt) if p.name != mf.MANIFEST]  # (a store: one listing)
     files, size = sizes, sum(sizes)
     cfg = m.model
     lines = [

@@ -17,14 +17,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_ucp import rng
+from megatron_ucp import rng, storage
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats import manifest as mf
 from megatron_ucp.formats import open_megatron_ucp
 from megatron_ucp.formats.manifest import RUN_HYPERPARAMETERS
 from megatron_ucp.layout import Layout
 from megatron_ucp.local_slice import read_local
-from megatron_ucp.object_store import ObjectPath
 from megatron_ucp.optimizer_state import OptimizerIndex
 from megatron_ucp.param_spec import LocalParam, local_params
 from megatron_ucp.spec import STATES
@@ -122,7 +121,7 @@ def _resolve_once(path: str | Path) -> Location:
     ranks reading `latest` and probing prefixes of one bucket are what gets a store to answer 503
     SlowDown. Its error, if any, is raised on every rank."""
     where = location(path)  # (every rank: an unsupported URL scheme fails before any collective)
-    if not isinstance(where, ObjectPath) or not dist.is_initialized() or dist.get_world_size() == 1:
+    if storage.has_local_files(where) or not dist.is_initialized() or dist.get_world_size() == 1:
         return where
     found: list = [None]
     if dist.get_rank() == 0:

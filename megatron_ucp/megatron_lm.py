@@ -243,8 +243,7 @@ def maybe_finalize_async_save(*args, **kwargs):
 def _find_checkpoint(path: str | None) -> Path | None:
     """The checkpoint directory `path` names (save root, fragment or universal dir), or None."""
     from megatron_ucp.formats import manifest as mf
-    from megatron_ucp.object_store import StoreError
-    from megatron_ucp.storage import location
+    from megatron_ucp.storage import StoreError, location
 
     if not path:
         return None

@@ -13,16 +13,14 @@ from __future__ import annotations
 import logging
 import math
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_ucp import formats
+from megatron_ucp import formats, storage
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats import manifest as mf
 from megatron_ucp.layout import Layout
-from megatron_ucp.object_store import ObjectPath, download_tree, list_objects
 from megatron_ucp.progress import Progress
 from megatron_ucp.storage import Location, location, refuse_non_empty, staged_dir
 from megatron_ucp.validation import check_layout
@@ -169,19 +167,13 @@ def reshard(load: str | Path, save: str | Path, target: Layout | None = None,
         if kind == "universal":
             # staged like every writer: a copy killed half-way must not leave a partial `out`
             # (it would block the retry and could hold a manifest without its data files)
-            with staged_dir(out) as partial:
-                if isinstance(source.dir, ObjectPath):
-                    download_tree(source.dir, partial)
-                else:
-                    shutil.copytree(source.dir, partial, dirs_exist_ok=True)
+            with staged_dir(out, mf.MANIFEST) as partial:
+                storage.download(source.dir, partial)
         else:
             formats.get("universal").write(source, out, progress=progress, workers=workers,
                                            distributed=distributed)
         manifest = mf.read(out)
-    if isinstance(out, ObjectPath):
-        written = sum(n for _, n in list_objects(out))
-    else:
-        written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    written = sum(n for _, n in storage.list_files(out))
     return ReshardSummary(kind, out, len(manifest.params),
                           sum(math.prod(p.shape) for p in manifest.params.values()),
                           written, time.perf_counter() - t0,
@@ -206,8 +198,7 @@ def _reshard_to_megatron(load, out: Location, target: Layout | None, kind: str, 
         raise UCPError(f"--target-format {target_format}: writing a Megatron-LM checkpoint needs a "
                        "target layout (rank files, flat buffers and args depend on it); pass "
                        "target=Layout(...) (CLI: --target-tp/--target-pp/--target-dp ...)")
-    scratch = (Path(tempfile.mkdtemp(prefix="megatron-ucp-scratch-")) / "universal"
-               if isinstance(out, ObjectPath) else out.with_name(f".{out.name}.universal"))
+    scratch = storage.scratch_dir(out, "universal")  # (a store prefix: under TMPDIR)
     if scratch.exists():  # left by a conversion killed after its commit (or before its cleanup)
         log.warning("removing %s, the scratch copy of an interrupted conversion", scratch)
         shutil.rmtree(scratch, ignore_errors=True)
@@ -227,5 +218,5 @@ def _reshard_to_megatron(load, out: Location, target: Layout | None, kind: str, 
             num_floating_point_operations_so_far=src["num_floating_point_operations_so_far"],
             first_stage_layers=first, last_stage_layers=last, progress=progress, **options)
     finally:
-        shutil.rmtree(scratch.parent if isinstance(out, ObjectPath) else scratch, ignore_errors=True)
+        storage.remove_scratch(out, scratch)
     return source.manifest

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -34,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_ucp import object_store, rng
+from megatron_ucp import rng, storage
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats import manifest as mf
 from megatron_ucp.formats.fragments import (
@@ -51,8 +50,7 @@ from megatron_ucp.layout import Layout
 from megatron_ucp.optimizer_state import OptimizerIndex
 from megatron_ucp.param_spec import local_params
 from megatron_ucp.staging import HostStager, collective_device, steps_to_floats
-from megatron_ucp.storage import Location, StagedDir, file_in_the_way, location
-from megatron_ucp.storage import staged as staged_commit
+from megatron_ucp.storage import Location, location
 from megatron_ucp.validation import model_config
 
 log = logging.getLogger(__name__)
@@ -66,7 +64,7 @@ class PendingSave:
 
     iteration: int
     root: Location
-    staged: StagedDir | object_store.StagedPrefix  # .iter_X.partial -> iter_X, or a store prefix
+    staged: storage.Staged  # .iter_X.partial -> iter_X, or a store prefix
     manifest: Manifest | None  # rank 0 only: everything but the parameters' index and the byte count
     specs: list[dict]  # the specs this rank contributes to the index at commit (maybe none)
     fragments: list[Fragment]  # its fragments: their records go into the index at commit
@@ -113,42 +111,75 @@ def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: 
     t0 = time.perf_counter()
     root = location(path)  # a local directory or an object-store URL (never `s3:` as a directory)
     # every rank sees the root (one filesystem), so all raise, before any collective
-    blocker = file_in_the_way(root)
+    blocker = storage.file_in_the_way(root)
     if blocker is not None:
         what = "is a file" if blocker == root else f"is under {blocker}, which is a file"
         raise UCPError(f"{root}: the save root {what}; pass a directory")
     rank = dist.get_rank()
     layout = Layout.current()
-    target = staged_commit(root / mf.iteration_dir_name(iteration), mf.MANIFEST)
+    target = storage.staged(root / mf.iteration_dir_name(iteration), mf.MANIFEST)
     final = target.final
-    in_store = isinstance(root, object_store.ObjectPath)
-    prepare_error: list = [None]  # rank 0's error preparing a store prefix, raised on every rank
-    if rank == 0 and in_store:
-        try:
-            # rank 0 lists, once: objects of saves that never committed and their incomplete
-            # multipart uploads (a killed writer's), never loadable; the previous save is finalized
-            stray, uploads = object_store.leftovers(root, mf.MANIFEST)
-            if stray or uploads:
-                log.warning("removing %d object(s) and aborting %d incomplete upload(s) under %s, left "
-                            "by interrupted saves", len(stray), len(uploads), root)
-                object_store.remove(stray, uploads)
-            target.create(replace=True)  # (a committed iteration is refused: no atomic replace)
-        except UCPError as e:
-            prepare_error = [f"saving iteration {iteration} to {final} failed before any rank wrote: "
-                             f"{e}; nothing was committed"]
-    elif rank == 0:
-        for stale in mf.interrupted_saves(root):  # never loadable; the previous save is finalized
-            log.warning("removing %s, left by an interrupted save", stale)
-            shutil.rmtree(stale, ignore_errors=True)
-        for tmp in root.glob(f".{mf.LATEST}.tmp*"):  # a process killed while replacing `latest`
-            tmp.unlink(missing_ok=True)
-        target.create(replace=True)  # re-saving an iteration replaces it at the commit
-
-    # The state at this call, captured before returning (training may change it right after):
-    # the optimizer shard's bytes, the Adam steps, the RNG states and, on rank 0, the scheduler
-    # and hyper-parameters. Everything else (the index records, the file) is derived later.
+    prepare_error = _prepare_root(root, target, iteration) if rank == 0 else None
     index = OptimizerIndex(optimizer)
     params, specs = _model_specs(model_chunks)
+    fragments, mine = _capture(params, specs, index, async_save)
+    rng_tensors, rng_meta = rng.capture()
+    from megatron.core import parallel_state as ps
+
+    coords = {"tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
+              "dp": ps.get_data_parallel_rank()}
+    manifest = None
+    if rank == 0:  # the state at the save: the scheduler and optimizer hyper-parameters move on
+        manifest = Manifest.fragments(
+            iteration=iteration, layout=layout, world_size=dist.get_world_size(),
+            model={**model_config(model_chunks), "unpadded_vocab_size": vocab_size},
+            optimizer={"param_groups": index.param_groups(), "grad_scaler": index.grad_scaler()},
+            scheduler=scheduler.state_dict() if scheduler is not None else None,
+            extra=extra or {}, seed=seed)
+    # Rank 0 has prepared the directory once every rank is here: the one barrier, after the
+    # copies, so that its file-system work and the ranks' copies overlap. It carries rank 0's
+    # outcome (a store can refuse the preparation).
+    outcome: list = [prepare_error]
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0]:
+        raise UCPError(outcome[0])
+    global _PENDING
+    _PENDING = PendingSave(iteration, root, target, manifest, mine, fragments, t0,
+                           time.perf_counter() - t0)
+    job = (fragments, rng_tensors, rng_meta, coords)
+    if async_save:
+        # one writer thread for the process, started by the first save: starting a thread per save
+        # would stall each by the wait for it to run
+        _PENDING.background = WRITER.submit(_PENDING.write, *job)
+        if rank == 0:
+            log.info("staged iteration %d at %s in %.3fs; writing %s in the background", iteration,
+                     layout, _PENDING.stage_seconds, final)
+    else:
+        _PENDING.write(*job)
+        finalize(blocking=True)
+    return final
+
+
+def _prepare_root(root: Location, target: storage.Staged, iteration: int) -> str | None:
+    """Rank 0, once: remove what interrupted saves left under the save root (never loadable; the
+    previous save is finalized), then create the staged directory; re-saving an iteration replaces
+    it at the commit (a store refuses a committed one: no atomic replace). A store's refusal is
+    returned, to be raised on every rank."""
+    try:
+        storage.clean_save_root(root, mf.MANIFEST)
+        target.create(replace=True)
+    except UCPError as e:
+        return (f"saving iteration {iteration} to {target.final} failed before any rank wrote: "
+                f"{e}; nothing was committed")
+    return None
+
+
+def _capture(params: list, specs: list[dict], index: OptimizerIndex,
+             async_save: bool) -> tuple[list[Fragment], list[dict]]:
+    """The state at this call, captured before returning (training may change it right after):
+    the optimizer shard's bytes and the Adam steps, as fragments in host memory; and the specs
+    this rank adds to the fragment index at commit. Everything else (the index records, the file)
+    is derived later."""
     fragments, steps = [], []
     for lp in params:
         if lp.spec.buffer and lp.canonical:
@@ -176,46 +207,13 @@ def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: 
     staged = iter(STAGER.stage(flat, copy=async_save))
     for f in fragments:
         f.tensors = {s: next(staged) for s in f.tensors}
-    rng_tensors, rng_meta = rng.capture()
-    coords = {"tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
-              "dp": ps.get_data_parallel_rank()}
     # The specs this rank adds to the fragment index at commit: the first data-parallel replica of
     # its model-parallel position (DP replicas hold the same).
     dense_first = ps.get_data_parallel_rank(with_context_parallel=True) == 0
     expert_first = ps.get_expert_data_parallel_rank() == 0
     mine = [spec for lp, spec in zip(params, specs)
             if (expert_first if getattr(lp.param, "allreduce", True) is False else dense_first)]
-    manifest = None
-    if rank == 0:  # the state at the save: the scheduler and optimizer hyper-parameters move on
-        manifest = Manifest.fragments(
-            iteration=iteration, layout=layout, world_size=dist.get_world_size(),
-            model={**model_config(model_chunks), "unpadded_vocab_size": vocab_size},
-            optimizer={"param_groups": index.param_groups(), "grad_scaler": index.grad_scaler()},
-            scheduler=scheduler.state_dict() if scheduler is not None else None,
-            extra=extra or {}, seed=seed)
-    # Rank 0 has prepared the directory once every rank is here: the one barrier, after the
-    # copies, so that its file-system work and the ranks' copies overlap.
-    if in_store:  # (the barrier, carrying rank 0's outcome: a store can refuse it)
-        dist.broadcast_object_list(prepare_error, src=0)
-        if prepare_error[0]:
-            raise UCPError(prepare_error[0])
-    else:
-        dist.barrier()
-    global _PENDING
-    _PENDING = PendingSave(iteration, root, target, manifest, mine, fragments, t0,
-                           time.perf_counter() - t0)
-    job = (fragments, rng_tensors, rng_meta, coords)
-    if async_save:
-        # one writer thread for the process, started by the first save: starting a thread per save
-        # would stall each by the wait for it to run
-        _PENDING.background = WRITER.submit(_PENDING.write, *job)
-        if rank == 0:
-            log.info("staged iteration %d at %s in %.3fs; writing %s in the background", iteration,
-                     layout, _PENDING.stage_seconds, final)
-    else:
-        _PENDING.write(*job)
-        finalize(blocking=True)
-    return final
+    return fragments, mine
 
 
 _SPECS: dict[tuple, tuple[list, list[dict]]] = {}  # model identity -> (local params, their specs)
@@ -273,13 +271,13 @@ def finalize(blocking: bool = True) -> bool:
                                           where=f"saving iteration {p.iteration} to {p.staged.final}")
                 _commit(p, indexed, nbytes)
             except UCPError as e:
-                problem = [f"{e}; nothing was committed ({p.root / mf.LATEST} is unchanged)"]
+                problem = [f"{e}; nothing was committed ({p.root / storage.LATEST} is unchanged)"]
             except OSError as e:  # disk full at the commit: its OSError names no file; say which
                 landed = p.staged.final.exists() and not p.staged.partial.exists()
                 problem = [f"saving iteration {p.iteration} to {p.staged.final} failed at the commit "
                            f"({e}); " + (f"{p.staged.final} is complete but " if landed else
                                          "nothing was committed and ")
-                           + f"{p.root / mf.LATEST} still names the previous checkpoint. Fix the "
+                           + f"{p.root / storage.LATEST} still names the previous checkpoint. Fix the "
                            "cause (disk space, permissions) and save again"]
         dist.broadcast_object_list(problem, src=0)  # every rank returns after rank 0's commit
     if dist.get_rank() == 0 and (n_failed or problem[0]):
@@ -290,7 +288,7 @@ def finalize(blocking: bool = True) -> bool:
         dist.all_gather_object(causes, f"{type(p.error).__name__}: {p.error}" if failed else None)
         mine = "; ".join(f"rank {r}: {c}" for r, c in enumerate(causes) if c is not None)
         raise UCPError(f"saving iteration {p.iteration} to {p.staged.final} failed on {n_failed} rank(s) "
-                       f"({mine}); nothing was committed and {p.root / mf.LATEST} still names the "
+                       f"({mine}); nothing was committed and {p.root / storage.LATEST} still names the "
                        "previous checkpoint. Fix the cause (disk space, permissions) and save again"
                        ) from p.error
     if problem[0]:
@@ -308,7 +306,7 @@ def _commit(p: PendingSave, params: dict, nbytes: int) -> None:
     p.manifest.params, p.manifest.bytes = params, nbytes
     mf.write(p.staged.partial, p.manifest)
     p.staged.commit(fsync_files=False)
-    mf.write_latest(p.root, p.staged.final.name)
+    storage.write_latest(p.root, p.staged.final.name)
 
 
 def pending() -> int | None:
@@ -333,5 +331,5 @@ def _finalize_at_exit() -> None:
     log.warning("the asynchronous save of iteration %d was written but not committed (the process "
                 "group was destroyed first: call megatron_ucp.finalize() before "
                 "destroy_process_group); %s still names the previous checkpoint", p.iteration,
-                p.root / mf.LATEST)
+                p.root / storage.LATEST)
 

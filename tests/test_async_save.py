@@ -16,6 +16,7 @@ import torch
 from conftest import SCENARIOS, STEPS
 from reference import assemble, compare_to_reference
 
+from megatron_ucp import storage
 from megatron_ucp.formats import manifest as mf
 from megatron_ucp.staging import HostStager, steps_to_floats
 from megatron_ucp.storage import tensor_bytes
@@ -35,7 +36,7 @@ def test_async_save_is_pending_while_training(async_run):
     # the save returned before its files were written and stayed uncommitted for STEPS steps
     assert [r["pending_while_training"] for r in async_run["res"]] == [STEPS, STEPS]
     root = async_run["dir"] / "ckpt"
-    assert (root / mf.LATEST).read_text().strip() == mf.iteration_dir_name(STEPS)
+    assert (root / storage.LATEST).read_text().strip() == mf.iteration_dir_name(STEPS)
     assert not list(root.glob(".*.partial"))
     assert async_run["res"][0]["optimizer"] == "torch.optim.adamw.AdamW"
 

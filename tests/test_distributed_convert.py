@@ -82,7 +82,7 @@ def test_distributed_job_writes_to_a_bucket(command, source_runs, s3_prefix, tmp
     """The same jobs into an S3 prefix (hosts without a shared filesystem): each process uploads
     its files, rank 0 commits with the create-only put of the manifest (config.json for HF); the
     objects are byte for byte the single-process output and no upload is left incomplete."""
-    from megatron_ucp import object_store
+    from megatron_ucp import storage
     from megatron_ucp.formats.hf import export_hf
     from megatron_ucp.storage import location
 
@@ -95,9 +95,9 @@ def test_distributed_job_writes_to_a_bucket(command, source_runs, s3_prefix, tmp
         extra = ["--arch", "gpt2", "--max-shard-bytes", "100000"]
     launch(2, "megatron_ucp.testing.launch:cli",
            {"argv": [command, str(ckpt), s3_prefix, "--no-progress", *extra]}, timeout=300)
-    object_store.download_tree(location(s3_prefix), tmp_path / "from_bucket")
+    storage.download(location(s3_prefix), tmp_path / "from_bucket")
     got, want = _files(tmp_path / "from_bucket"), _files(single)
     assert got.keys() == want.keys() and len([f for f in got if f.endswith(".safetensors")]) >= 2
     for name in got:
         assert got[name] == want[name], name
-    assert object_store.incomplete_uploads(location(s3_prefix)) == []
+    assert storage.incomplete_uploads(location(s3_prefix)) == []

@@ -197,6 +197,7 @@ def save_baselines(servers, tmp_path_factory) -> SaveBaselines:
 
 def _check_after_save_fault(root: Path, base: dict) -> str:
     """The on-disk state a fault left: returns 'old' (latest on iteration 2) or 'new'."""
+    from megatron_ucp import storage
     from megatron_ucp.checks import verify
     from megatron_ucp.formats import manifest as mf
 
@@ -210,7 +211,7 @@ def _check_after_save_fault(root: Path, base: dict) -> str:
     else:
         assert latest == PREV, f"latest names {latest} which does not exist"
     assert verify(root).startswith(f"OK {root / latest}:"), "latest does not resolve to what it names"
-    stale = [p.name for p in mf.interrupted_saves(root)]
+    stale = [p.name for p in storage.interrupted_saves(root, mf.MANIFEST)]
     assert stale in ([], [f".{NEW}.partial"]), f"unexpected leftovers {stale}"
     if stale:  # reported by verify, API and CLI, never loaded
         for report in (verify(root), _verify_cli(root)):

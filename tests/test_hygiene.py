@@ -109,3 +109,72 @@ def test_importing_a_test_module_leaves_the_process_alone():
                          cwd=ROOT / "tests", env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split() == [], f"these test modules change the process at import: {run.stdout}"
+
+
+# The storage seam: only megatron_ucp/storage/ knows which backend holds a path.
+STORE_CLIENT_MODULES = ("obstore", "megatron_ucp.object_store", "megatron_ucp.storage.object_store",
+                        "megatron_ucp.storage.store_backend", "megatron_ucp.storage.store_reads",
+                        "megatron_ucp.storage.s3_multipart")
+PATH_TYPES = {"ObjectPath", "Location", "Path", "PurePath", "PosixPath", "PurePosixPath"}
+
+
+def _imported_modules(node: ast.AST) -> list[str]:
+    """The modules an import statement names (`from a import b` names a and a.b: b may be one)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if isinstance(node, ast.ImportFrom) and node.module:
+        return [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+    return []
+
+
+def _type_names(node: ast.AST) -> list[str]:
+    """The class names an isinstance second argument tests (a name, a.b, or a tuple of them)."""
+    if isinstance(node, ast.Tuple):
+        return [n for e in node.elts for n in _type_names(e)]
+    if isinstance(node, ast.Name):
+        return [node.id]
+    if isinstance(node, ast.Attribute):
+        return [node.attr]
+    return []
+
+
+def storage_seam_offenders(root: Path) -> list[str]:
+    """Library modules outside megatron_ucp/storage/ that import the object-store client (obstore or
+    the store backend's modules) or test a path's type (`isinstance(x, ObjectPath)`, `..., Path)`):
+    what a new backend would have to edit."""
+    offenders = []
+    package = root / "megatron_ucp"
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(root)
+        if path.relative_to(package).parts[0] == "storage":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            offenders += [f"{rel}:{node.lineno} imports {m}" for m in _imported_modules(node)
+                          if m.split(".")[0] == "obstore" or m in STORE_CLIENT_MODULES]
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id == "isinstance" and len(node.args) == 2):
+                offenders += [f"{rel}:{node.lineno} isinstance(..., {n})"
+                              for n in _type_names(node.args[1]) if n in PATH_TYPES]
+    return offenders
+
+
+def test_only_the_storage_package_knows_the_backends():
+    """A new storage backend touches megatron_ucp/storage/ only: nothing else imports the
+    object-store client or branches on a path's type (ask `storage` instead)."""
+    assert storage_seam_offenders(ROOT) == []
+
+
+def test_the_storage_seam_check_sees_what_it_forbids(tmp_path):
+    """The scan itself: each forbidden form in a module outside storage/ is reported."""
+    lib = tmp_path / "megatron_ucp"
+    (lib / "storage").mkdir(parents=True)
+    (lib / "storage" / "object_store.py").write_text("import obstore\n")  # allowed in storage/
+    (lib / "bad.py").write_text(
+        "import obstore\nfrom megatron_ucp.storage import object_store\n"
+        "from megatron_ucp.storage.object_store import ObjectPath\nfrom pathlib import Path\n"
+        "def f(p):\n    return isinstance(p, ObjectPath) or isinstance(p, (str, Path))\n")
+    found = storage_seam_offenders(tmp_path)
+    assert [f.split(" ", 1)[1] for f in found] == [
+        "imports obstore", "imports megatron_ucp.storage.object_store",
+        "imports megatron_ucp.storage.object_store", "isinstance(..., ObjectPath)",
+        "isinstance(..., Path)"], found

@@ -18,12 +18,12 @@ from conftest import SCENARIOS, STEPS, nprocs
 from test_transitions import check_transition, universal_tensors
 
 import megatron_ucp as ucp
-from megatron_ucp import object_store
+from megatron_ucp import storage
 from megatron_ucp.cli import main as cli
 from megatron_ucp.formats import manifest as mf
 from megatron_ucp.formats import open_source
-from megatron_ucp.object_store import ObjectPath
-from megatron_ucp.storage import location
+from megatron_ucp.storage import location, object_store
+from megatron_ucp.storage.object_store import ObjectPath
 from megatron_ucp.testing.launch import launch
 
 
@@ -77,7 +77,7 @@ def test_store_primitives(s3_prefix):
     w = object_store.ObjectWriter(root / "big")
     w.write(b"x" * (object_store.PART_BYTES + 1))
     w.abort()
-    assert not (root / "big").exists() and object_store.incomplete_uploads(root) == []
+    assert not (root / "big").exists() and storage.incomplete_uploads(root) == []
     w = object_store.ObjectWriter(root / "big")
     w.write(b"y" * (object_store.PART_BYTES + 7))
     w.close()
@@ -118,11 +118,11 @@ def s3_saved(s3_server, tmp_path_factory):
 def test_save_writes_objects_and_commits_last(s3_saved):
     _, _, url = s3_saved
     root = location(url)
-    assert (root / mf.LATEST).read_text().strip() == f"iter_{STEPS:07d}"
+    assert (root / storage.LATEST).read_text().strip() == f"iter_{STEPS:07d}"
     keys = sorted(p.key.removeprefix(root.prefix) for p, _ in object_store.list_objects(root))
     assert keys == ["iter_0000003/manifest.json", "iter_0000003/rank_00000.safetensors",
                     "iter_0000003/rank_00001.safetensors", "latest"]
-    assert object_store.incomplete_uploads(root) == []
+    assert storage.incomplete_uploads(root) == []
 
 
 def test_transition_tp2_to_dp2_from_the_bucket(s3_saved, tmp_path, monkeypatch):

@@ -20,11 +20,11 @@ import torch
 from test_fault import _dump
 
 import megatron_ucp as ucp
-from megatron_ucp import object_store
+from megatron_ucp import storage
 from megatron_ucp.checks import verify
 from megatron_ucp.formats import manifest as mf
 from megatron_ucp.formats import open_source
-from megatron_ucp.storage import location
+from megatron_ucp.storage import location, object_store
 from megatron_ucp.testing.launch import LaunchError, free_port, launch
 
 LAYOUT = "tp2"
@@ -51,14 +51,14 @@ def test_killed_mid_upload(crashed):
     assert codes[1] == -signal.SIGKILL, crashed["error"]
     root = crashed["root"]
     # the victim's rank file is an incomplete multipart upload, invisible as an object
-    uploads = object_store.incomplete_uploads(root)
+    uploads = storage.incomplete_uploads(root)
     assert [u.path.name for u in uploads] == ["rank_00001.safetensors"], uploads
     assert not (root / "iter_0000003" / "rank_00001.safetensors").is_file()
 
 
 def test_latest_names_previous_and_partial_is_not_loadable(crashed):
     root = crashed["root"]
-    assert (root / mf.LATEST).read_text().strip() == "iter_0000002"
+    assert (root / storage.LATEST).read_text().strip() == "iter_0000002"
     assert not (root / "iter_0000003" / mf.MANIFEST).is_file()
     assert open_source(root).dir == root / "iter_0000002"
     for attempt in (lambda: open_source(root / "iter_0000003"),
@@ -88,8 +88,8 @@ def test_verify_reports_leftovers_then_the_next_save_removes_them(crashed):
             if s["range"] is not None:
                 for state in ("param", "exp_avg", "exp_avg_sq"):
                     assert torch.equal(s[state], loaded[key][state]), (rank, key, state)
-    assert object_store.incomplete_uploads(root) == []
-    assert (root / mf.LATEST).read_text().strip() == "iter_0000003"
+    assert storage.incomplete_uploads(root) == []
+    assert (root / storage.LATEST).read_text().strip() == "iter_0000003"
     report = verify(root)
     assert report.startswith(f"OK {root}/iter_0000003") and "interrupted" not in report, report
     assert "incomplete" not in report, report
@@ -170,7 +170,7 @@ def test_unreachable_endpoint(monkeypatch, fresh_client):
 def test_latest_naming_a_missing_prefix(committed, s3_server):
     root = location(f"{s3_server[1]}/dangling-{uuid.uuid4().hex[:8]}")
     _copy(committed, root)
-    object_store.put(root / mf.LATEST, b"iter_0000009\n")
+    object_store.put(root / storage.LATEST, b"iter_0000009\n")
     with pytest.raises(ucp.UCPError) as ei:
         open_source(root)
     msg = str(ei.value)
@@ -206,10 +206,10 @@ def test_resaving_a_committed_iteration_is_refused_and_latest_stays_loadable(com
         msg[-3000:]
     after = {obj.key: obj.read_bytes() for obj, _ in object_store.list_objects(root)}
     assert after == before
-    assert object_store.incomplete_uploads(root) == []
-    assert (root / mf.LATEST).read_text().strip() == "iter_0000001"
+    assert storage.incomplete_uploads(root) == []
+    assert (root / storage.LATEST).read_text().strip() == "iter_0000001"
     assert verify(root).startswith(f"OK {root}/iter_0000001")  # still committed and whole
     # the protocol's unit: even with replace=True a committed prefix is never uncommitted
     with pytest.raises(ucp.UCPError, match="cannot replace it atomically"):
-        object_store.StagedPrefix(root / "iter_0000001", mf.MANIFEST).create(replace=True)
+        storage.staged(root / "iter_0000001", mf.MANIFEST).create(replace=True)
     assert (root / "iter_0000001" / mf.MANIFEST).is_file()

@@ -17,19 +17,19 @@ from test_deepspeed_import import DS_DIR, TINY_MAP
 from test_hf_import import build
 
 import megatron_ucp as ucp
-from megatron_ucp import formats, object_store
+from megatron_ucp import formats, storage
 from megatron_ucp.cli import main as cli
 from megatron_ucp.formats import open_source
 from megatron_ucp.layout import Layout
 from megatron_ucp.reshard import reshard
 from megatron_ucp.spec import states_of
-from megatron_ucp.storage import location
+from megatron_ucp.storage import location, object_store, store_backend
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron_lm"
 
 
 def uploaded(local: Path, url: str) -> str:
-    object_store.upload_tree(local, location(url), [])
+    store_backend.upload_tree(local, location(url), [])
     return url
 
 
@@ -128,4 +128,4 @@ def test_megatron_lm_target_written_into_the_bucket(target_format, s3_prefix, tm
     assert formats.detect(url) == f"megatron_{target_format}"
     assert_same(universal(ucp.convert(url, tmp_path / "u_bucket", progress=False)),
                 universal(ucp.convert(tmp_path / "local", tmp_path / "u_local", progress=False)))
-    assert object_store.incomplete_uploads(location(url)) == []
+    assert storage.incomplete_uploads(location(url)) == []

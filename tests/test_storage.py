@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 import megatron_ucp as ucp
 from megatron_ucp import storage
 from megatron_ucp.storage import ByteRun, SafetensorsWriter, crc32_combine
+from megatron_ucp.storage import local as local_backend
 
 
 @settings(max_examples=60, deadline=None)
@@ -37,7 +38,7 @@ def test_copy_runs_writes_the_runs_in_order_in_kernel_or_by_reads(tmp_path, monk
         def refuse(*_a, **_k):
             raise OSError(errno.EXDEV, "cross-device")
         monkeypatch.setattr(os, "copy_file_range", refuse, raising=False)
-    monkeypatch.setattr(storage, "COPY_CHUNK", 1024)  # several calls per run
+    monkeypatch.setattr(local_backend, "COPY_CHUNK", 1024)  # several calls per run
     runs = [ByteRun(path, 4 + 4 * 600, 4 * 400), ByteRun(path, 4, 4 * 600)]  # out of file order
     out = tmp_path / "out.safetensors"
     w = SafetensorsWriter(out, [("a", torch.float32, (2, 3)), ("t", torch.float32, (10, 100))])
@@ -66,7 +67,7 @@ def test_read_into_preads_a_range_in_chunks_with_its_crc32(tmp_path, monkeypatch
     data = torch.randn(5000, dtype=torch.float32)
     path = tmp_path / "t.safetensors"
     save_file({"pad": torch.zeros(3), "x": data}, str(path))
-    monkeypatch.setattr(storage, "READ_CHUNK", 1000)  # not a multiple of 4: chunks split elements
+    monkeypatch.setattr(local_backend, "READ_CHUNK", 1000)  # not a multiple of 4: chunks split elements
     reader = storage.Reader()
     out = torch.empty(4321, dtype=torch.float32)
     crc = reader.read_into(path, "x", out, start=17, checksum=True)

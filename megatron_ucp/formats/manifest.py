@@ -1,4 +1,4 @@
-"""The manifest of megatron-ucp's own formats (`fragments`, `universal`) and the `latest` pointer.
+"""The manifest of megatron-ucp's own formats (`fragments`, `universal`): the schema.
 
 One JSON file, `manifest.json`, makes a directory a checkpoint. It is written last, so a save that
 died half-way is never loaded. Both kinds carry the same top-level fields; the per-parameter
@@ -20,18 +20,18 @@ from itertools import chain
 from pathlib import Path
 from typing import NamedTuple
 
-from megatron_ucp import object_store
+from megatron_ucp import storage
 from megatron_ucp.errors import UCPError
 from megatron_ucp.layout import Layout
 from megatron_ucp.spec import STATES, ParamSpec, Piece, cover_once_cheap, states_of
-from megatron_ucp.storage import Location, location, write_text_atomic
+from megatron_ucp.storage import Location, location
+from megatron_ucp.storage.save_root import NotACheckpoint
 
 FORMAT = "megatron-ucp"
 # 3: the manifest indexes every fragment (which file holds which range); 2: fragment pieces carry
 # strides; 1: blocks of rows. Versions 1 and 2 are still read (their index is in the rank files).
 VERSION = 3
 MANIFEST = "manifest.json"
-LATEST = "latest"
 KINDS = ("fragments", "universal")
 
 
@@ -452,10 +452,6 @@ class Manifest:
                    check.typed(d.get("converted_from"), "converted_from", dict, none=True), version)
 
 
-class NotACheckpoint(UCPError):
-    """A directory with nothing of a megatron-ucp checkpoint in it."""
-
-
 def iteration_dir_name(iteration: int) -> str:
     return f"iter_{iteration:07d}"
 
@@ -479,69 +475,15 @@ def check_same_params(out: Path, have: Iterable[str], want: Iterable[str]) -> No
         raise not_committed(out, f"lacks parameter(s) {missing[:3]} / has unexpected {extra[:3]}")
 
 
-def resolve(path: str | Path) -> Location:
-    """A checkpoint directory itself, or a save root whose `latest` names one (local or a URL)."""
-    path = location(path)
-    if (path / MANIFEST).exists():
-        return path
-    if (path / LATEST).exists():
-        try:
-            name = (path / LATEST).read_text().strip()
-        except (OSError, UnicodeDecodeError) as e:
-            raise UCPError(f"{path / LATEST}: cannot read it ({e}); write the name of a complete "
-                           f"checkpoint into it or pass one directly ({_complete(path)})") from e
-        # a plain directory name: `latest` never sends a load outside its save root
-        if not name or "/" in name or "\\" in name or name in (".", ".."):
-            raise UCPError(f"{path / LATEST} says {name!r}, which is not the name of a checkpoint "
-                           "directory in this save root; write the name of a complete checkpoint "
-                           f"into it or pass one directly ({_complete(path)})")
-        target = path / name
-        if not (target / MANIFEST).exists():
-            why = ("does not exist" if not target.exists()
-                   else f"has no {MANIFEST} (its save did not complete)")
-            raise UCPError(f"{path / LATEST} points to {target.name}, which {why}; "
-                           f"pass a complete checkpoint directory instead ({_complete(path)})")
-        return target
-    if not path.exists():
-        raise UCPError(f"{path} does not exist; pass a save root (the directory given to save, with "
-                       f"a '{LATEST}' file) or one of its iter_* directories")
-    if isinstance(path, object_store.ObjectPath) and path.name.startswith("iter_"):
-        raise UCPError(f"{path} holds no {MANIFEST}: a save that never committed (or is still being "
-                       f"written), never loaded; pass its save root {path.parent}, whose '{LATEST}' "
-                       "names the last complete checkpoint")
-    if path.name.startswith(".iter_") and path.name.endswith(".partial"):
-        raise UCPError(f"{path} is an interrupted save (no {MANIFEST}: it was never committed) and "
-                       f"cannot be loaded; pass its save root {path.parent}, whose '{LATEST}' names "
-                       "the last complete checkpoint")
-    if any(path.glob("iter_*/" + MANIFEST)):
-        raise UCPError(f"{path} has no '{LATEST}' file; pass one of its iter_* directories "
-                       f"({_complete(path)})")
-    raise NotACheckpoint(f"{path} is not a megatron-ucp checkpoint (no {MANIFEST} and no '{LATEST}' "
-                         "file in it); pass a directory written by megatron_ucp.save (or one of its "
-                         "iter_* directories) or by `megatron-ucp convert`")
+def resolve(path: str | Path | Location) -> Location:
+    """A checkpoint directory itself, or a save root whose `latest` names one (local or a URL):
+    the save-root protocol (`storage.save_root`) with this format's marker."""
+    return storage.resolve(path, MANIFEST)
 
 
-def interrupted_saves(root: str | Path) -> list[Location]:
-    """`.iter_*.partial` directories under a save root: saves that never committed (in a store:
-    the iter_* prefixes without a manifest)."""
-    root = location(root)
-    if isinstance(root, object_store.ObjectPath):
-        stray, _ = object_store.leftovers(root, MANIFEST)
-        return sorted({p.parent for p in stray}, key=str)
-    return sorted(root.glob(".iter_*.partial"))
-
-
-def is_checkpoint(path: str | Path) -> bool:
+def is_checkpoint(path: str | Path | Location) -> bool:
     """A megatron-ucp checkpoint directory or save root (it may still fail to resolve)."""
-    path = location(path)
-    return (path / MANIFEST).is_file() or (path / LATEST).is_file()
-
-
-def _complete(root: Location) -> str:
-    """The committed iter_* checkpoints under `root`, for error messages."""
-    names = sorted(p.parent.name for p in root.glob("iter_*/" + MANIFEST))
-    return (f"complete checkpoints under {root}: {', '.join(names)}" if names
-            else f"there is no complete checkpoint under {root}")
+    return storage.is_checkpoint(path, MANIFEST)
 
 
 def read(ckpt_dir: Location) -> Manifest:
@@ -569,22 +511,11 @@ def encode(manifest: Manifest) -> str:
 
 
 def write(ckpt_dir: Location, manifest: Manifest) -> None:
-    """The commit of a checkpoint. In a store: a create-only put, after every data object."""
-    ckpt_dir = location(ckpt_dir)
-    if isinstance(ckpt_dir, object_store.ObjectPath):
-        object_store.put(ckpt_dir / MANIFEST, encode(manifest).encode(), create_only=True)
-        return
-    write_text_atomic(ckpt_dir / MANIFEST, encode(manifest))
+    """The commit of a checkpoint: its manifest, published last (in a store a create-only put,
+    after every data object; locally an atomic write into the staged directory)."""
+    storage.publish(location(ckpt_dir) / MANIFEST, encode(manifest).encode())
 
 
-def write_latest(root: Location, ckpt_name: str) -> None:
-    root = location(root)
-    if isinstance(root, object_store.ObjectPath):
-        object_store.put(root / LATEST, (ckpt_name + "\n").encode())  # one PUT: old or new
-        return
-    write_text_atomic(root / LATEST, ckpt_name + "\n")
-
-
-__all__ = ["FORMAT", "VERSION", "MANIFEST", "LATEST", "STATES", "Manifest", "ParamEntry",
-           "SliceEntry", "FragmentEntry", "TensorEntry", "read", "write", "write_latest",
-           "resolve", "encode", "iteration_dir_name", "paused_gc"]
+__all__ = ["FORMAT", "VERSION", "MANIFEST", "STATES", "Manifest", "ParamEntry",
+           "SliceEntry", "FragmentEntry", "TensorEntry", "read", "write",
+           "resolve", "is_checkpoint", "NotACheckpoint", "encode", "iteration_dir_name", "paused_gc"]

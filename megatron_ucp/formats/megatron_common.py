@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from megatron_ucp import storage
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.manifest import check_same_params, not_committed
 from megatron_ucp.formats.megatron_pickle import MEGATRON_HOLDS, unpickle
@@ -26,7 +27,6 @@ from megatron_ucp.layout import Layout
 # formats' shared name for it)
 from megatron_ucp.mcore_compat.mamba import args_hybrid_pattern as hybrid_layer_pattern
 from megatron_ucp.mcore_compat.mamba import set_hybrid_pattern_for_pp
-from megatron_ucp.object_store import ObjectPath
 from megatron_ucp.storage import Location, location, refuse_non_empty
 from megatron_ucp.validation import check_layout
 
@@ -99,14 +99,15 @@ def torch_load(path: Location, what: str, trust_pickle: bool = False, holds: str
     restricted unpickler (`unpickle`)."""
     if not path.exists():
         raise UCPError(f"{path} is missing; {what}")
-    if isinstance(path, ObjectPath):
-        data = path.read_bytes()
+    local = storage.local_file(path)
+    if local is None:
+        data = storage.read_bytes(path)
 
         def load(weights_only: bool) -> Any:
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
     else:
         def load(weights_only: bool) -> Any:
-            return _load_file(path, weights_only)
+            return _load_file(local, weights_only)
 
     try:
         return unpickle(load, path, trust_pickle, holds)

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from megatron_ucp import storage
 from megatron_ucp.formats.fragments import rank_file as fragments
 
 
@@ -49,18 +50,6 @@ def _training():
     return scenarios, tg
 
 
-def _wait_for_upload(writer, timeout: float = 60.0) -> None:
-    """An object writer's bytes so far are in parts of an incomplete multipart upload."""
-    from megatron_ucp import object_store
-
-    writer._w.flush()  # (obstore's writer: the parts filled so far go up)
-    deadline = time.monotonic() + timeout
-    while not object_store.incomplete_uploads(writer.path.parent):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{writer.path}: no multipart upload started")
-        time.sleep(0.1)
-
-
 def _dying_write_rank_file(marker: str):
     """write_rank_file that writes the header and half of the tensors, then stalls forever."""
     real = _save_module().write_rank_file
@@ -68,21 +57,16 @@ def _dying_write_rank_file(marker: str):
     class StallingWriter(fragments.SafetensorsWriter):
         def write(self, name, t):
             if self.next == len(self.order) // 2:
-                self.file.flush()
-                if hasattr(self.file, "fileno"):
-                    os.fsync(self.file.fileno())
-                else:  # an object: wait until its multipart upload has parts in the store
-                    _wait_for_upload(self.file)
+                self.file.sync()  # (an object: its multipart upload has parts in the store)
                 Path(marker).touch()  # the launcher SIGKILLs this process now
                 time.sleep(300)
                 raise RuntimeError("stalled rank was not killed")
             super().write(name, t)
 
     def dying(path, frags, rng_tensors, rng_meta, coords):
-        if not isinstance(path, Path):  # in a store: parts small enough that half a file has some
-            from megatron_ucp import object_store
-
-            object_store.PART_BYTES = 64 * 2**10  # (never completed, so S3's 5 MiB minimum is moot)
+        # in a store: parts small enough that half a file has some (never completed, so S3's
+        # 5 MiB minimum is moot; a local file has no parts)
+        storage.set_upload_part_bytes(64 * 2**10)
         fragments.SafetensorsWriter = StallingWriter  # this process only; it never returns
         return real(path, frags, rng_tensors, rng_meta, coords)
 
@@ -153,7 +137,7 @@ class KillSwitch:
         for w in self.watch:
             if p == w or p.startswith(w + os.sep):
                 rel = os.path.relpath(p, os.path.dirname(w))
-                return re.sub(r"\.tmp\d+$", ".tmp<pid>", rel)  # write_text_atomic's pid suffix
+                return re.sub(r"\.tmp\d+$", ".tmp<pid>", rel)  # the atomic put's pid suffix (storage.local.write_atomic)
         return None
 
     def hit(self, kind: str, path, detail: str = "") -> None:

@@ -71,12 +71,12 @@ def write_msc_config(path: Path, endpoint: str, profile: str) -> dict[str, str]:
 def _wait_bucket(proc: subprocess.Popen, log: Path, timeout: float = 60.0) -> None:
     """Until the bucket `-bucket` creates answers a LIST: weed mini creates it after its S3 port is
     up, and a first request in between gets NoSuchBucket."""
-    from megatron_ucp.object_store import ObjectPath, StoreError, list_dir
+    from megatron_ucp.storage import StoreError, location, names_in
 
     deadline = time.monotonic() + timeout
     while True:
         try:
-            list_dir(ObjectPath("s3", BUCKET))
+            names_in(location(f"s3://{BUCKET}"))
             return
         except StoreError as e:
             if proc.poll() is not None or time.monotonic() > deadline:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_ucp import storage
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.fragments.index import check_tiling, tiling_suspects
 from megatron_ucp.formats.fragments.rank_file import header_fragments, rank_file_name, read_rng
@@ -422,7 +423,7 @@ class FragmentSource(ReadsFiles):
         an object store (use `read`)."""
         shape, full = tuple(shape), tuple(self.manifest.params[name].shape)
         slices = self.slices[name]
-        if (not self.verify_checksums or not isinstance(self.dir, Path)  # (a store: no file copies)
+        if (not self.verify_checksums or not storage.has_local_files(self.dir)  # (a store: no file copies)
                 or len(slices) != 1 or len(slices[0].pieces) != 1
                 or shape[1:] != full[1:] or not 0 < shape[0] <= full[0]):
             return None

@@ -19,13 +19,12 @@ from pathlib import Path
 
 import torch
 
-from megatron_ucp import object_store
+from megatron_ucp import storage
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.hf import archs, transforms
 from megatron_ucp.formats.hf.archs import Rule
 from megatron_ucp.formats.manifest import Manifest
 from megatron_ucp.formats.megatron_common import null_tokenizer_vocab
-from megatron_ucp.object_store import ObjectPath
 from megatron_ucp.progress import Progress, bar
 from megatron_ucp.storage import (
     DTYPE_NAMES,
@@ -231,7 +230,7 @@ def export(source, out: str | Path, arch: str, *, dtype: str | None = None,
         return _export_distributed(source, out, planned, n_shards, config)
     done = bar(progress, len(planned), f"{source.origin.get('kind', source.format)} -> hf {arch}",
                "tensor")
-    with staged_dir(out, check=lambda d: check_written(d, planned, n_shards)) as partial:
+    with staged_dir(out, CONFIG_FILE, check=lambda d: check_written(d, planned, n_shards)) as partial:
         try:
             total = write_shards(partial, source, planned, n_shards, done)
         finally:
@@ -364,10 +363,7 @@ def _open_shard(out_dir: Path, planned: list[Planned], shard: int, n_shards: int
 
 def _write_json(path: Location, obj: dict, create_only: bool = False) -> None:
     text = json.dumps(obj, indent=2, sort_keys=True) + "\n"
-    if isinstance(path, ObjectPath):
-        object_store.put(path, text.encode(), create_only=create_only)
-    else:
-        path.write_text(text)
+    storage.put(path, text.encode(), create_only=create_only)
 
 
 def export_hf(src: str | Path, out: str | Path, arch: str, *, dtype: str | None = None,

@@ -77,7 +77,7 @@ def write(source, save_dir: str | Path, target: Layout, args_template,
     def read_back(d: Path) -> None:
         check_export(d, source, lambda path: LegacySource(path, progress=False))
 
-    with staged_dir(out, check=read_back) as partial:
+    with staged_dir(out, TRACKER, check=read_back) as partial:
         iter_dir = partial / iteration_dir_name(iteration)
         iter_dir.mkdir()
         try:

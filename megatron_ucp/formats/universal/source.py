@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_ucp import storage
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.manifest import Manifest
 from megatron_ucp.spec import contiguous_strides
@@ -66,7 +67,7 @@ class UniversalSource(ReadsFiles):
         # one run: the dims after the first partial one are whole, those before it are single rows
         k = next((i for i, (n, m) in enumerate(zip(shape, full)) if n != m), len(full))
         run = all(n == 1 for n in shape[:k]) and shape[k + 1:] == full[k + 1:]
-        if state not in p.tensors or not isinstance(self.dir, Path) or not run:
+        if state not in p.tensors or not storage.has_local_files(self.dir) or not run:
             out.copy_(self.read(name, state, offset, shape))
             return
         entry = p.tensors[state]

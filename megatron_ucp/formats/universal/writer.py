@@ -262,7 +262,7 @@ def write(source, out: str | Path, *, progress: Progress = True, max_file_bytes:
     if distributed:
         return _write_distributed(source, out, specs, max_file_bytes, workers)
     done = bar(progress, len(specs), f"{source.origin['kind']} -> universal", "param")
-    with staged_dir(out, check=lambda d: check_written(d, specs, source)) as partial:
+    with staged_dir(out, mf.MANIFEST, check=lambda d: check_written(d, specs, source)) as partial:
         try:
             entries = write_params(partial, specs, lambda n, s: _read_full(source, n, s, specs[n].shape),
                                    max_file_bytes, done, workers)
