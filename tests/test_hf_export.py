@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 from megatron_ucp.formats import open_source  # noqa: E402
 from megatron_ucp.formats.hf import export, import_hf  # noqa: E402
-from megatron_ucp.formats.hf.archs import NO_DT_CLAMP  # noqa: E402
+from megatron_ucp.formats.hf.archs.nemotron_h import NO_DT_CLAMP  # noqa: E402
 from megatron_ucp.testing.launch import launch  # noqa: E402
 
 HF_SCENARIOS = "megatron_ucp.testing.hf_scenarios"

@@ -26,7 +26,7 @@ from megatron_ucp.cli import main  # noqa: E402
 from megatron_ucp.errors import UCPError  # noqa: E402
 from megatron_ucp.formats import open_source  # noqa: E402
 from megatron_ucp.formats.hf import export, import_hf  # noqa: E402
-from megatron_ucp.formats.hf.archs import NO_DT_CLAMP  # noqa: E402
+from megatron_ucp.formats.hf.archs.nemotron_h import NO_DT_CLAMP  # noqa: E402
 from megatron_ucp.formats.hf.source import HFSource  # noqa: E402
 from megatron_ucp.spec import ParamSpec  # noqa: E402
 
