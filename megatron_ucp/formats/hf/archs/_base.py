@@ -14,10 +14,14 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from megatron_ucp.errors import UCPError
+
+if TYPE_CHECKING:  # (source imports this package)
+    from megatron_ucp.formats.hf.source import HFDir
 
 # A name map entry: (universal name, transform, HF names, feature). `{i}` is the global layer
 # index, `{e}` the global expert index (`{m}` / `{h}` a megatron / HF layer prefix where an
@@ -269,7 +273,7 @@ class HFArch:
         """How many multi-token prediction layers the tensor `names` hold (DeepSeek-V3's)."""
         return 0
 
-    def import_config(self, hf_dir) -> dict:
+    def import_config(self, hf_dir: HFDir) -> dict:
         """The config.json to import the model of `hf_dir` (`source.HFDir`) as: its own."""
         return hf_dir.config
 

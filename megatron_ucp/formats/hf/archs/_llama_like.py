@@ -62,6 +62,7 @@ class LlamaLike(HFArch):
     # config.json's sliding_window alone turns on a window (Mixtral: no use_sliding_window flag)
     window_without_flag = False
     qkv_bias_always = False  # q/k/v biases whatever attention_bias says (Qwen2)
+    moe_sibling = "mixtral"  # the architecture of this one's MoE models, named when refusing one
 
     def rules(self, cfg: dict) -> list[Rule]:
         feats = features(cfg)
@@ -98,7 +99,7 @@ class LlamaLike(HFArch):
         """A dense architecture: refuse a MoE model, naming its MoE sibling."""
         if "moe" in feats:
             raise fail(self.name, "num_moe_experts", cfg.get("num_moe_experts"),
-                       "a MoE model is --arch qwen3_moe" if self.qk_norm else "a MoE model is --arch mixtral")
+                       f"a MoE model is --arch {self.moe_sibling}")
 
     def config_fields(self, cfg: dict, *, rope_theta: float, hints: dict, tokens: dict) -> dict:
         h = Heads.of(cfg)

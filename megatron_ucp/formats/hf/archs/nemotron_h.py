@@ -11,7 +11,9 @@ head; the gated norm per channel. Every layer's input norm is the layer's `norm`
 
 from __future__ import annotations
 
+import argparse
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,6 +31,9 @@ from megatron_ucp.formats.hf.archs._base import (
     require,
 )
 from megatron_ucp.formats.hf.transforms import Heads
+
+if TYPE_CHECKING:  # (source imports this package)
+    from megatron_ucp.formats.hf.source import HFDir
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +246,7 @@ class NemotronH(HFArch):
 
     # ------------------------------------------------------------------ import
 
-    def import_config(self, hf_dir) -> dict:
+    def import_config(self, hf_dir: HFDir) -> dict:
         """transformers' Nemotron-H never ties lm_head to the embedding, whatever
         tie_word_embeddings says: a tied config whose lm_head differs from the embedding is an
         untied model (one whose lm_head is the embedding's copy imports tied)."""
@@ -255,7 +260,7 @@ class NemotronH(HFArch):
             return {**config, "tie_word_embeddings": False}
         return config
 
-    def megatron_args(self, hf: dict, where: str, mtp_layers: int = 0):
+    def megatron_args(self, hf: dict, where: str, mtp_layers: int = 0) -> tuple[argparse.Namespace, dict]:
         # older names, read as transformers reads them
         hf = {**{new: hf[old] for old, new in LEGACY_NAMES.items() if old in hf}, **hf}
         return super().megatron_args(hf, where, mtp_layers)

@@ -23,6 +23,7 @@ class Qwen3(LlamaLike):
     layer = ATTENTION + QK_NORM + DENSE_MLP
     qk_norm = True
     without_qk_norm = "llama or qwen2"  # the architectures of this one without QK-norm
+    moe_sibling = "qwen3_moe"
 
     def check_qk_norm(self, cfg: dict) -> None:
         if not cfg.get("qk_layernorm"):
