@@ -5,8 +5,11 @@ the rotary decoder Llama, Qwen2, Qwen3, Mixtral and Qwen3-MoE build on; the elem
 tensors is in `formats.hf.transforms`.
 
 The registry below is the one list of architectures: `export-hf --arch` offers it, import-hf
-finds a config.json's `model_type` in it, and the tests check each has a test row. Adding an
-architecture: its module (an `HFArch` subclass as `ARCH`) and its entry here.
+finds a config.json's `model_type` in it, and the tests fail for an architecture without test
+rows. Adding an architecture: its module here (an `HFArch` subclass as `ARCH`), its entry in
+`REGISTRY`, a transformers model of it in tests/test_hf_import.py `MODELS` with its expected
+tensors in tests/oracles.py `hf_expected` (split by hand, independently of this package), and a
+megatron-core run of it in tests/test_hf_export.py `CFGS` (or `NATIVE_NEW`).
 """
 
 from __future__ import annotations
