@@ -6,9 +6,21 @@ from __future__ import annotations
 import argparse
 import sys
 
-# formats.hf.archs.ARCHS, spelled out so the parser builds without importing torch (tests/test_cli.py)
-HF_ARCHS = ("llama", "qwen2", "mixtral", "gpt2", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss",
-            "nemotron_h")
+
+class _HFArchs:
+    """export-hf --arch choices: the registry formats.hf.archs.ARCHS, read only when argparse
+    checks or lists them (importing it imports torch, which building the parser must not)."""
+
+    def __iter__(self):
+        from megatron_ucp.formats.hf.archs import ARCHS
+
+        return iter(ARCHS)
+
+    def __contains__(self, name: object) -> bool:
+        return name in tuple(self)
+
+
+HF_ARCHS = _HFArchs()
 
 TRUST_HELP = ("unpickle Megatron-LM files with the plain unpickler (runs code from the file): only "
               "for checkpoints you trust whose pickles hold types outside megatron-ucp's allowlist")
@@ -85,8 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "directory (config.json, safetensors shards; no optimizer state)")
     p.add_argument("src", help="source checkpoint (format detected)")
     p.add_argument("out", help="new output directory")
-    p.add_argument("--arch", required=True, choices=HF_ARCHS,
-                   help="the transformers architecture to write (the model must match it exactly)")
+    p.add_argument("--arch", required=True, choices=HF_ARCHS, metavar="ARCH",  # (metavar: lazy choices)
+                   help="the transformers architecture to write (the model must match it exactly): "
+                   "%(choices)s")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32", "bfloat16", "float16", "float32"],
                    default=None, help="weight dtype (default: the checkpoint's model dtype)")
     p.add_argument("--max-shard-bytes", type=int, default=5 * 10**9,

@@ -25,14 +25,15 @@ from safetensors.torch import save_file  # noqa: E402
 from megatron_ucp.cli import main  # noqa: E402
 from megatron_ucp.errors import UCPError  # noqa: E402
 from megatron_ucp.formats import open_source  # noqa: E402
-from megatron_ucp.formats.hf import export, import_hf  # noqa: E402
-from megatron_ucp.formats.hf.archs import NO_DT_CLAMP  # noqa: E402
+from megatron_ucp.formats.hf import archs, export, import_hf  # noqa: E402
+from megatron_ucp.formats.hf.archs.nemotron_h import NO_DT_CLAMP  # noqa: E402
 from megatron_ucp.formats.hf.source import HFSource  # noqa: E402
 from megatron_ucp.spec import ParamSpec  # noqa: E402
 
 ROTARY = dict(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
               bos_token_id=1, eos_token_id=2)
+# the test table: every architecture of the registry (archs.ARCHS) has a model here
 MODELS = {  # name -> (arch, config class, kwargs)
     "llama": ("llama", "LlamaConfig", {**ROTARY, "rope_theta": 50000.0}),
     # biases on every linear, tied embeddings, head_dim != hidden / heads
@@ -79,11 +80,6 @@ MODELS = {  # name -> (arch, config class, kwargs)
     "gpt2_untied": ("gpt2", "GPT2Config", dict(vocab_size=100, n_embd=32, n_layer=2, n_head=4,
                                                n_positions=64, tie_word_embeddings=False)),
 }
-ARCH_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "mixtral": "MixtralForCausalLM", "gpt2": "GPT2LMHeadModel",
-                "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
-                "nemotron_h": "NemotronHForCausalLM"}
 TOKENS = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(3))
 
 
@@ -91,7 +87,7 @@ def build(name: str, dtype: torch.dtype = torch.float32):
     arch, cfg_cls, kw = MODELS[name]
     cfg = getattr(transformers, cfg_cls)(**kw)
     torch.manual_seed(0)
-    model = getattr(transformers, ARCH_CLASSES[arch])(cfg)
+    model = getattr(transformers, archs.get(arch).hf_class)(cfg)
     with torch.no_grad():  # nothing left at its init value (zero biases, unit norms)
         for p in model.parameters():
             p.normal_(0, 0.2)
@@ -138,6 +134,11 @@ def with_mtp(src: Path, dst: Path, differ: bool = False) -> Path:
                 "model.layers.2.embed_tokens.weight": t["model.embed_tokens.weight"].clone(),
                 "model.layers.2.shared_head.head.weight": t["lm_head.weight"] + differ})
     return copy_with(src, dst, add=mtp)
+
+
+def test_every_arch_has_a_model():
+    """An architecture in the registry is tested here (and export-hf offers it: tests/test_cli.py)."""
+    assert sorted({arch for arch, _, _ in MODELS.values()}) == sorted(archs.ARCHS)
 
 
 @pytest.mark.parametrize("name", [*MODELS, "llama_bf16", "deepseek_v3_mtp"])

@@ -1,11 +1,10 @@
-"""`hf`: Hugging Face transformers model directories (`config.json` + safetensors) of the Llama,
-Qwen2, Mixtral, GPT-2, Qwen3, Qwen3-MoE, DeepSeek-V3, GPT-OSS and Nemotron-H (hybrid Mamba)
-architectures.
+"""`hf`: Hugging Face transformers model directories (`config.json` + safetensors) of the
+architectures in the `archs` registry (`ARCHS`).
 
 Read as a source (weights as fp32 master weights, fresh optimizer state: `source.HFSource`,
-`import_hf`) and written from any source (`export.export`, `export_hf`). The name maps and the
-rules for which megatron-core models an architecture can represent are in `archs`; the element
-order of fused tensors in `transforms`.
+`import_hf`) and written from any source (`export.export`, `export_hf`). Each architecture's name
+map, refusals and config translation in both directions are its module in `archs`; the element
+order of fused tensors, which they share, in `transforms`.
 """
 
 from __future__ import annotations

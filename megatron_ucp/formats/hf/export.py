@@ -57,7 +57,7 @@ class Planned:
     shape: tuple[int, ...]
     outputs: list[tuple[str, tuple[int, ...]]]
     shards: list[int]  # the shard file of each output
-    dtype: torch.dtype  # of its HF tensors: the export's, fp32 for `archs.KEEP_FP32`
+    dtype: torch.dtype  # of its HF tensors: the export's, fp32 for `archs.keeps_fp32`
 
 
 def shard_name(i: int, n: int) -> str:
@@ -86,7 +86,7 @@ def plan(arch: str, manifest: Manifest, vocab: int, dtype: torch.dtype,
 
     Refuses a checkpoint lacking a tensor the architecture needs, or holding one it has no place
     for (never a silent drop)."""
-    rules = archs.rules(arch, manifest.model)
+    rules = archs.get(arch).rules(manifest.model)
     wanted = {r.megatron for r in rules}
     missing = [r.megatron for r in rules if r.megatron not in manifest.params]
     if missing:
@@ -130,12 +130,12 @@ def _import_record(manifest: Manifest) -> dict:
 
 def _token_ids(manifest: Manifest, arch: str) -> dict:
     """bos/eos/pad ids of the HF model this checkpoint was imported from (`import-hf`), if any, and
-    the HF settings of that model the megatron model does not hold (`archs.RECORDED_HF`)."""
+    the HF settings of that model the megatron model does not hold (`HFArch.recorded_hf`)."""
     record = _import_record(manifest)
     if record.get("arch") != arch:
         return {}
     cfg = record.get("config") or {}
-    keys = ("bos_token_id", "eos_token_id", "pad_token_id", *archs.RECORDED_HF.get(arch, ()))
+    keys = ("bos_token_id", "eos_token_id", "pad_token_id", *archs.get(arch).recorded_hf)
     return {k: cfg[k] for k in keys if k in cfg}
 
 
@@ -202,15 +202,14 @@ def export(source, out: str | Path, arch: str, *, dtype: str | None = None,
     a balanced set of the shards, rank 0 commits once (`_export_distributed`): the same bytes.
     """
     t0 = time.perf_counter()
-    archs.check_arch(arch)
+    hf_arch = archs.get(arch)
     out, manifest = location(out), source.manifest
     hints = run_hints(manifest, hints or {}, activation)
     if max_shard_bytes <= 0:
         raise UCPError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-    model = dict(manifest.model)
-    if arch == "nemotron_h":  # the Mamba mixers' sizes the config does not record, from the shapes
-        model.update(archs.nemotron_h_geometry(model, {n: p.spec.shape for n, p in manifest.params.items()}))
-    archs.check_exportable(arch, model, hints)
+    model = dict(manifest.model)  # and what the parameter shapes show that it does not record
+    model.update(hf_arch.model_from_shapes(model, {n: p.spec.shape for n, p in manifest.params.items()}))
+    hf_arch.check_exportable(model, hints)
     vocab = true_vocab(manifest, vocab_size)
     if dtype is None:
         saved = manifest.params[EMBEDDING].spec.dtype
@@ -223,9 +222,9 @@ def export(source, out: str | Path, arch: str, *, dtype: str | None = None,
     if model.get("max_sequence_length") is None:  # an import-hf checkpoint of a RoPE model
         model["max_sequence_length"] = (_import_record(manifest).get("config") or {}).get(
             "max_position_embeddings")
-    config = archs.hf_config(arch, model, vocab=vocab, dtype=DTYPE_NAMES[torch_dtype],
-                             rope_theta=rope_base(manifest, hints, rope_theta), hints=hints,
-                             tokens=_token_ids(manifest, arch))
+    config = hf_arch.hf_config(model, vocab=vocab, dtype=DTYPE_NAMES[torch_dtype],
+                               rope_theta=rope_base(manifest, hints, rope_theta), hints=hints,
+                               tokens=_token_ids(manifest, arch))
     if distributed:
         return _export_distributed(source, out, planned, n_shards, config)
     done = bar(progress, len(planned), f"{source.origin.get('kind', source.format)} -> hf {arch}",
@@ -374,7 +373,7 @@ def export_hf(src: str | Path, out: str | Path, arch: str, *, dtype: str | None 
     (distributed: under torchrun, every process a share of the shards)."""
     from megatron_ucp import formats
 
-    archs.check_arch(arch)  # before opening (a Megatron-LM source rebuilds its model to open)
+    archs.get(arch)  # before opening (a Megatron-LM source rebuilds its model to open)
     refuse_non_empty(location(out))
     # every fragment read is read whole and its checksum checked, as `convert` does
     source = formats.open_source(src, progress=progress, verify_fragments=True,

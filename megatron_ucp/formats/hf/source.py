@@ -117,15 +117,16 @@ class HFSource(ReadsFiles):
         self.dir = self.hf.dir
         self.reader = self.hf.reader
         where = str(self.dir)
-        self.arch = archs.arch_of(self.hf.config, where)
-        mtp = archs.mtp_layers_held(self.arch, self.hf.config, self.hf.where)
-        config = self._untie_nemotron_h(self.hf.config) if self.arch == "nemotron_h" else self.hf.config
-        args, run = archs.megatron_args(self.arch, config, where, mtp_layers=mtp)
+        self.hf_arch = archs.of_hf_config(self.hf.config, where)
+        self.arch = self.hf_arch.name
+        mtp = self.hf_arch.mtp_layers_held(self.hf.config, self.hf.where)
+        config = self.hf_arch.import_config(self.hf)
+        args, run = self.hf_arch.megatron_args(config, where, mtp_layers=mtp)
         # HF vocabularies carry no padding rows; export-hf reads max_sequence_length back from
         # the record below
         specs, model = import_specs(args, run, args.padded_vocab_size)
         self.heads = transforms.Heads.of(model)
-        self.rules = {r.megatron: r for r in archs.rules(self.arch, model)}
+        self.rules = {r.megatron: r for r in self.hf_arch.rules(model)}
         if set(self.rules) != set(specs):  # the name map disagrees with megatron-core's model
             raise UCPError(f"internal error: HF {self.arch} name map and megatron-core's model "
                            f"differ: {sorted(set(self.rules) ^ set(specs))[:4]}; please report it")
@@ -138,19 +139,6 @@ class HFSource(ReadsFiles):
                                  {FRESH: True, RUN_HYPERPARAMETERS: True, RECORD: record}, seed=1234)
         self.origin = {"kind": "hf", "path": where, "arch": self.arch}
         self._last: tuple[str, torch.Tensor] | None = None
-
-    def _untie_nemotron_h(self, config: dict) -> dict:
-        """transformers' Nemotron-H never ties lm_head to the embedding, whatever
-        tie_word_embeddings says: a tied config whose lm_head differs from the embedding is an
-        untied model (one whose lm_head is the embedding's copy imports tied)."""
-        head, emb = "lm_head.weight", "backbone.embeddings.weight"
-        if (config.get("tie_word_embeddings") and head in self.hf.where and emb in self.hf.where
-                and self.hf.header(head) == self.hf.header(emb)
-                and not torch.equal(self.hf.tensor(head), self.hf.tensor(emb))):
-            log.info("%s: config.json says tie_word_embeddings, but transformers' Nemotron-H never "
-                     "ties and its lm_head differs from the embedding: importing an untied model", self.dir)
-            return {**config, "tie_word_embeddings": False}
-        return config
 
     def _check_tensors(self, specs: dict[str, ParamSpec]) -> list[str]:
         """Every tensor the model needs is there at the shape its config implies, and every tensor
@@ -177,7 +165,7 @@ class HFSource(ReadsFiles):
         for hf_name in self.hf.where:
             if hf_name in used:
                 continue
-            if any(re.search(p, hf_name) for p in archs.IGNORED_HF[self.arch]):
+            if any(re.search(p, hf_name) for p in self.hf_arch.ignored_hf):
                 skipped.append(hf_name)
             elif hf_name == "lm_head.weight" and self._tied_copy(hf_name):
                 skipped.append(hf_name)

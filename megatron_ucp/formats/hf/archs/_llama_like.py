@@ -1,0 +1,199 @@
+"""What Llama, Qwen2, Qwen3, Mixtral and Qwen3-MoE share: RMSNorm, SwiGLU, rotary positions, no
+LayerNorm biases, one name map for the embedding, attention and dense MLP, and one config.json
+shape. Each of them is a subclass in its own module, which says what it changes.
+"""
+
+from __future__ import annotations
+
+from megatron_ucp.formats.hf.archs._base import (
+    Entry,
+    HFArch,
+    Refuse,
+    Rule,
+    check_common,
+    check_defaults,
+    fail,
+    features,
+    fill,
+    refuse_hybrid,
+    require,
+)
+from megatron_ucp.formats.hf.transforms import Heads
+
+GLOBAL: list[Entry] = [
+    ("embedding.word_embeddings.weight", "copy", ("model.embed_tokens.weight",), ""),
+    ("decoder.final_layernorm.weight", "copy", ("model.norm.weight",), ""),
+    ("output_layer.weight", "copy", ("lm_head.weight",), "untied"),
+]
+ATTENTION: list[Entry] = [
+    ("decoder.layers.{i}.self_attention.linear_qkv.layer_norm_weight", "copy",
+     ("model.layers.{i}.input_layernorm.weight",), ""),
+    ("decoder.layers.{i}.self_attention.linear_qkv.weight", "qkv",
+     ("model.layers.{i}.self_attn.q_proj.weight", "model.layers.{i}.self_attn.k_proj.weight",
+      "model.layers.{i}.self_attn.v_proj.weight"), ""),
+    ("decoder.layers.{i}.self_attention.linear_qkv.bias", "qkv",
+     ("model.layers.{i}.self_attn.q_proj.bias", "model.layers.{i}.self_attn.k_proj.bias",
+      "model.layers.{i}.self_attn.v_proj.bias"), "qkv_bias"),
+    ("decoder.layers.{i}.self_attention.linear_proj.weight", "copy",
+     ("model.layers.{i}.self_attn.o_proj.weight",), ""),
+    ("decoder.layers.{i}.self_attention.linear_proj.bias", "copy",
+     ("model.layers.{i}.self_attn.o_proj.bias",), "linear_bias"),
+    # megatron names the pre-MLP norm after the fc1 it feeds, also in MoE layers (FORMAT.md)
+    ("decoder.layers.{i}.mlp.linear_fc1.layer_norm_weight", "copy",
+     ("model.layers.{i}.post_attention_layernorm.weight",), ""),
+]
+DENSE_MLP: list[Entry] = [
+    ("decoder.layers.{i}.mlp.linear_fc1.weight", "gate_up",
+     ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"), ""),
+    ("decoder.layers.{i}.mlp.linear_fc1.bias", "gate_up",
+     ("model.layers.{i}.mlp.gate_proj.bias", "model.layers.{i}.mlp.up_proj.bias"), "linear_bias"),
+    ("decoder.layers.{i}.mlp.linear_fc2.weight", "copy", ("model.layers.{i}.mlp.down_proj.weight",), ""),
+    ("decoder.layers.{i}.mlp.linear_fc2.bias", "copy", ("model.layers.{i}.mlp.down_proj.bias",),
+     "linear_bias"),
+]
+
+
+class LlamaLike(HFArch):
+    """A rotary decoder: `layer` entries per layer, `expert` entries per expert of a MoE layer."""
+
+    layer: list[Entry] = ATTENTION + DENSE_MLP
+    expert: list[Entry] = []
+    qk_norm = False  # RMSNorm over each head's q and k (megatron-core: qk_layernorm)
+    # config.json's sliding_window alone turns on a window (Mixtral: no use_sliding_window flag)
+    window_without_flag = False
+    qkv_bias_always = False  # q/k/v biases whatever attention_bias says (Qwen2)
+    moe_sibling = "mixtral"  # the architecture of this one's MoE models, named when refusing one
+
+    def rules(self, cfg: dict) -> list[Rule]:
+        feats = features(cfg)
+        out = fill(GLOBAL, feats)
+        experts = (cfg.get("num_moe_experts") or 0) if self.expert else 0
+        for i in range(cfg["num_layers"]):
+            out += fill(self.layer, feats, i=i)
+            for e in range(experts):
+                out += fill(self.expert, feats, i=i, e=e)
+        return out
+
+    # ------------------------------------------------------------------ export
+
+    def check_exportable(self, cfg: dict, hints: dict) -> None:
+        arch = self.name
+        refuse_hybrid(arch, cfg)
+        self.check_qk_norm(cfg)
+        check_common(arch, cfg, allowed=("qk_layernorm",) if self.qk_norm else ())
+        h = Heads.of(cfg)
+        if h.heads % h.groups:
+            raise fail(arch, "num_query_groups", h.groups, "does not divide num_attention_heads")
+        check_rotary(arch, cfg, hints)
+        feats = features(cfg)
+        self.check_biases(cfg, feats)
+        self.check_moe(cfg, feats)
+
+    def check_qk_norm(self, cfg: dict) -> None:
+        """Refuse a model with QK-norm where it is none (`check_common`), without it where it is."""
+
+    def check_biases(self, cfg: dict, feats: set[str]) -> None:
+        """Refuse the biases this architecture has no place for."""
+
+    def check_moe(self, cfg: dict, feats: set[str]) -> None:
+        """A dense architecture: refuse a MoE model, naming its MoE sibling."""
+        if "moe" in feats:
+            raise fail(self.name, "num_moe_experts", cfg.get("num_moe_experts"),
+                       f"a MoE model is --arch {self.moe_sibling}")
+
+    def config_fields(self, cfg: dict, *, rope_theta: float, hints: dict, tokens: dict) -> dict:
+        h = Heads.of(cfg)
+        out = {"hidden_size": cfg["hidden_size"], "num_hidden_layers": cfg["num_layers"],
+               "num_attention_heads": h.heads, "num_key_value_heads": h.groups, "head_dim": h.head_dim,
+               "intermediate_size": cfg.get("moe_ffn_hidden_size") or cfg["ffn_hidden_size"],
+               "hidden_act": "silu", "max_position_embeddings": cfg.get("max_sequence_length"),
+               "rms_norm_eps": cfg.get("layernorm_epsilon", 1e-5),
+               "attention_dropout": cfg.get("attention_dropout", 0.0),
+               "rope_parameters": {"rope_type": "default", "rope_theta": float(rope_theta)}}
+        if out["max_position_embeddings"] is None:  # unknown: transformers' default, as the source's
+            del out["max_position_embeddings"]
+        return out
+
+    # ------------------------------------------------------------------ import
+
+    def args_of(self, d: dict, args: dict, refuse: Refuse, mtp_layers: int) -> tuple[dict, dict]:
+        if d["hidden_act"] != "silu":
+            raise refuse("hidden_act", "megatron-core's SwiGLU MLP uses silu")
+        theta, kind, partial = self.rope(d)
+        if kind != "default":
+            raise refuse("rope_type", f"{kind!r} RoPE scaling is not imported (default only)")
+        if partial != 1.0:
+            raise refuse("partial_rotary_factor", "partial rotary embeddings are not imported")
+        if d.get("use_sliding_window") or (self.window_without_flag and d.get("sliding_window")):
+            raise refuse("sliding_window", "megatron-core's local attention has no sliding window")
+        bias_attn, bias_mlp = bool(d.get("attention_bias")), bool(d.get("mlp_bias"))
+        if self.qk_norm and bias_attn:
+            raise refuse("attention_bias", f"HF {self.name} has no MLP biases; megatron-core's "
+                         "add_bias_linear puts biases on every linear layer or none")
+        if bias_attn != bias_mlp:
+            raise refuse("attention_bias", f"with mlp_bias={bias_mlp}: megatron-core's "
+                         "add_bias_linear puts biases on every linear layer or none")
+        heads = d["num_attention_heads"]
+        groups = d.get("num_key_value_heads") or heads
+        if heads % groups:
+            raise refuse("num_key_value_heads", f"does not divide num_attention_heads={heads}")
+        args.update(num_layers=d["num_hidden_layers"], hidden_size=d["hidden_size"],
+                    num_attention_heads=heads, group_query_attention=groups != heads,
+                    num_query_groups=groups, ffn_hidden_size=d["intermediate_size"],
+                    kv_channels=d.get("head_dim") or d["hidden_size"] // heads,
+                    normalization="RMSNorm", layernorm_epsilon=d["rms_norm_eps"], swiglu=True,
+                    add_bias_linear=bias_attn, add_qkv_bias=self.qkv_bias_always or bias_attn,
+                    position_embedding_type="rope", rotary_base=theta,
+                    max_position_embeddings=d["max_position_embeddings"],
+                    attention_dropout=d.get("attention_dropout", 0.0))
+        if self.qk_norm:
+            args["qk_layernorm"] = True
+        self.moe_args(d, args, refuse)
+        return args, {"activation": "swiglu", "rotary_base": theta}
+
+    def moe_args(self, d: dict, args: dict, refuse: Refuse) -> None:
+        """A MoE architecture's settings in `args` (a dense one has none)."""
+
+    def rope(self, d: dict) -> tuple[float, str, float]:
+        """(rope_theta, rope_type, partial rotary factor) of a config of transformers 4 or 5."""
+        params = d.get("rope_parameters") or {}
+        scaling = d.get("rope_scaling") or {}
+        theta = params.get("rope_theta", d.get("rope_theta", self.hf_defaults["rope_theta"]))
+        kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+        partial = params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+        return float(theta), kind, float(partial)
+
+
+def check_rotary(arch: str, cfg: dict, hints: dict) -> None:
+    """RMSNorm, SwiGLU, RoPE on whole heads, unscaled."""
+    require(arch, cfg, "position_embedding_type", "rope", "HF {arch} uses rotary position embeddings")
+    require(arch, cfg, "normalization", "RMSNorm", "HF {arch} uses RMSNorm")
+    require(arch, cfg, "gated_linear_unit", True, "HF {arch} has a SwiGLU MLP (gate_proj/up_proj)")
+    if cfg.get("rotary_interleaved", False):
+        raise fail(arch, "rotary_interleaved", True, "HF rotates the two halves of each head")
+    if hints.get("activation") not in (None, "swiglu"):
+        raise fail(arch, "activation", hints["activation"], f"HF {arch} needs SwiGLU (silu)")
+    if float(hints.get("rotary_percent") or cfg.get("rotary_percent") or 1.0) != 1.0:
+        raise fail(arch, "rotary_percent", hints.get("rotary_percent") or cfg.get("rotary_percent"),
+                   "partial rotary embeddings are not exported")
+    if hints.get("use_rope_scaling") or cfg.get("rope_scaling"):
+        raise fail(arch, "rope_scaling", True, "scaled RoPE is not exported")
+
+
+def check_softmax_moe(arch: str, name: str, cfg: dict, feats: set[str], dense: str,
+                      extra: tuple[tuple[str, object, str], ...] = ()) -> None:
+    """Mixtral's and Qwen3-MoE's MoE: no biases, softmax top-k routing in every layer, no shared
+    or grouped experts. `name`: the model's name in messages; `dense`: its dense sibling arch."""
+    if feats & {"qkv_bias", "linear_bias"}:
+        raise fail(arch, "add_bias_linear" if "linear_bias" in feats else "add_qkv_bias", True,
+                   f"{name} has no biases")
+    if "moe" not in feats:
+        raise fail(arch, "num_moe_experts", cfg.get("num_moe_experts"), f"{name} is a MoE model; "
+                   f"a dense model is --arch {dense}")
+    check_defaults(arch, cfg, [
+        ("moe_router_score_function", "softmax", f"{name}'s router scores are a softmax"),
+        ("moe_router_topk_scaling_factor", None, f"{name} does not scale routing weights"),
+        ("moe_router_enable_expert_bias", False, f"{name}'s router has no expert bias"),
+        ("moe_shared_expert_intermediate_size", None, f"{name} has no shared experts"),
+        ("moe_router_num_groups", None, f"{name} routes without expert groups"),
+        ("moe_layer_freq", 1, f"every {name} layer is a MoE layer"), *extra])
