@@ -188,6 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
            "load_planning_s": max(r["planning"] for r in loads),
            "requests_per_rank_per_load": [r["requests"] for r in loads],
            "files_opened_per_rank": [r["files_opened"] for r in loads], "anchors": anchors,
+           "load_store_equals_local_copy": all(r["store_equals_local"] for r in loads),
            "raw_load_machine_busy": max((b for r in loads for b in r["raw_machine_busy"]), default=None)}
     print(f"{'op':<28} {'ours s':>8} {'raw s':>8} {'MB':>8} {'ours MB/s':>10} {'raw MB/s':>9} "
           f"{'raw/ours':>8} {'paired median':>13}")
@@ -220,7 +221,9 @@ def main(argv: list[str] | None = None) -> dict:
               f"{100 * res['raw_load_machine_busy']:.0f}% busy (the busiest round)")
     print(f"GET requests per rank per load: {res['requests_per_rank_per_load']} "
           f"(rank files opened: {res['files_opened_per_rank']})")
-    Path(args.out).parent.mkdir(exist_ok=True)
+    print("the state loaded from the store equals the one loaded from a local copy (crc32 per rank): "
+          f"{res['load_store_equals_local_copy']}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
     return res
 
