@@ -51,3 +51,12 @@ def dump_step_and_finish(st: Any, dump_dir: str, iteration: int) -> dict:
     lrs = [g["lr"] for g in st.optimizer.param_groups]
     tg.destroy()
     return {"loss": loss, "iteration": iteration, "lr": lrs, "num_steps": st.scheduler.num_steps}
+
+
+def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """Two name -> tensor maps (e.g. `oracles.universal_tensors` of two checkpoints) hold the same
+    names and, under each, bitwise the same tensor, dtype and shape included (`torch.equal` alone
+    ignores the dtype: it finds a tensor equal to its bf16 cast)."""
+    assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
+    for k, t in a.items():
+        assert t.dtype == b[k].dtype and t.shape == b[k].shape and torch.equal(t, b[k]), k

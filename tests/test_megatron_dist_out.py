@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_same
+from helpers import assert_same, assert_same_tensors
 from oracles import assert_holds_universal, dp_reshardable_full, fully_reshardable_full, universal_tensors
 
 from megatron_ucp import UCPError
@@ -60,9 +60,7 @@ def assert_written_holds(out: Path, udir: Path) -> int:
 def assert_same_universal(u1: Path, u2: Path, layout: Layout) -> None:
     m1, t1 = universal_tensors(u1)
     m2, t2 = universal_tensors(u2)
-    assert t1.keys() == t2.keys()
-    for k, t in t1.items():
-        assert t.dtype == t2[k].dtype and torch.equal(t, t2[k]), k
+    assert_same_tensors(t1, t2)
     assert Layout.from_json({k: v for k, v in m2["layout"].items()}) == layout
     assert {n: p["step"] for n, p in m1["params"].items()} == \
         {n: p["step"] for n, p in m2["params"].items()}

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import NEEDS_LEGACY_GROUPED_MLP
-from helpers import FIXTURE_MODEL, assert_same, dump_step_and_finish
+from helpers import FIXTURE_MODEL, assert_same, assert_same_tensors, dump_step_and_finish
 from oracles import assert_dumps_hold, assert_holds_universal, legacy_full, load, universal_tensors
 
 from megatron_ucp import UCPError
@@ -262,7 +262,7 @@ def test_torch_dist_to_legacy_at_another_layout(tmp_path):
     m1, t1 = universal_tensors(u1)
     assert_holds_universal(legacy_full(tmp_path / "out"), u1, torch.bfloat16, step=6.0)
     _, t2 = universal_tensors(convert_legacy(tmp_path / "out", tmp_path / "u2", progress=False))
-    assert t1.keys() == t2.keys() and all(torch.equal(t, t2[k]) for k, t in t1.items())
+    assert_same_tensors(t1, t2)
     cfg = {**FIXTURE_MODEL, "min_lr": m["args"].min_lr, "extra": {"add_qkv_bias": True}}
     env = {"PYTHONPATH": RANK_PATH}
     res = launch(2, "tests.test_megatron_legacy_out:load_legacy_rank",

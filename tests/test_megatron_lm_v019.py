@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import FULL, READS_CORE_V019_FILES
-from helpers import FIXTURE_MODEL
+from helpers import FIXTURE_MODEL, assert_same_tensors
 from oracles import (
     assert_dumps_hold,
     assert_holds_universal,
@@ -202,7 +202,7 @@ def test_dsv3_written_at_another_layout_reads_back_bitwise(converted, tmp_path, 
     m2, t2 = universal_tensors(again)
     assert (m2["layout"]["tp"], m2["layout"]["pp"], m2["layout"]["dp"], m2["layout"]["ep"]) == \
         (lay.tp, lay.pp, lay.dp, lay.ep)
-    assert t1.keys() == t2.keys() and all(torch.equal(t, t2[k]) for k, t in t1.items())
+    assert_same_tensors(t1, t2)
     assert {n: p["step"] for n, p in m2["params"].items()} == {n: p["step"] for n, p in m1["params"].items()}
     if lay.tp == lay.ep == 1:  # the written files by hand too (the oracles read TP1 EP1)
         assert assert_holds_universal(dsv3_full(out), converted[src], torch.bfloat16) > 0
@@ -288,8 +288,7 @@ def written_back(ckpt: Path, universal: Path, tmp_path: Path, fmt: str, lay: Lay
     m1, t1 = universal_tensors(universal)
     m2, t2 = universal_tensors(again)
     assert [m2["layout"][k] for k in ("tp", "pp", "dp", "ep")] == [lay.tp, lay.pp, lay.dp, lay.ep]
-    assert t1.keys() == t2.keys()
-    assert all(torch.equal(t, t2[k]) for k, t in t1.items())
+    assert_same_tensors(t1, t2)
     assert {p["step"] for p in m2["params"].values()} == {6.0}
     return out, m1, t1
 
