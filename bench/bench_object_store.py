@@ -13,7 +13,9 @@ the reads into the optimizer state, `LoadResult.read_seconds`) is also shown alo
 megatron-core's DP all-gather of the model weights, which the raw anchor does not do. Throughput
 ratio = raw time / our time (1.0: as fast as the raw client): of the best rounds, and the median
 of the rounds' ratios (each round runs ours then raw back to back, after one untimed round of
-each). Requests: the GETs each rank issued per load (LoadResult.requests).
+each). Requests: the GETs each rank issued per load (LoadResult.requests). Cross-check (not
+timed): the state the store load left equals, per rank, the one a load of a local copy of the same
+checkpoint writes over poisoned state (`load_store_equals_local_copy`).
 
 Anchors, same server, same run: torch DCP's FsspecWriter / FsspecReader through s3fs (this rank's
 tensors of our checkpoint, at the saving layout: DCP reshards only through a model's sharded
