@@ -4,9 +4,11 @@ completes and that its own cross-checks hold (bitwise equal loads, files opened 
 rank's bytes, a plan within its memory limit), never a timing: a benchmark that rots (an API it
 uses changed, a fixture folder gained a file) fails here instead of on the next person who runs it.
 
-The sizes are the smallest that still run every step of each script (all six take about 1.5
-minutes on 2 cores). bench_object_store starts its own SeaweedFS on 127.0.0.1 and skips its external
-anchors (--no-anchors: DCP through s3fs, megatron-core through multi-storage-client).
+The sizes are tiny models that still run each script's steps and cross-checks, with one round of
+each; bench_scale leaves out its DeepSpeed anchor (not a dependency) and the convert CLI's timing,
+bench_object_store starts its own SeaweedFS on 127.0.0.1 and leaves out its external anchors
+(--no-anchors: DCP through s3fs, megatron-core through multi-storage-client). All six: about 1.5
+minutes on 2 otherwise idle cores (the scripts alone: 86 s), 4.5 minutes at a load average of 10.
 """
 
 from __future__ import annotations
