@@ -31,7 +31,8 @@ TESTS_MCORE19 ?= tests/test_mcore_release.py tests/test_transitions.py tests/tes
 	tests/test_cli.py tests/test_recompute_runtime.py tests/test_recompute_profile.py \
 	tests/test_recompute_plan.py tests/test_model_families.py tests/test_hybrid_mamba.py \
 	tests/test_megatron_lm_v019.py tests/test_object_store_formats.py tests/test_megatron_lm_families_v019.py \
-	tests/test_megatron_lm_hybrid.py tests/test_megatron_lm_hybrid16.py tests/test_hf_export.py
+	tests/test_megatron_lm_hybrid.py tests/test_megatron_lm_hybrid16.py tests/test_hf_export.py \
+	tests/test_bench_smoke.py
 
 .PHONY: demo test test-mcore16 test-mcore19 test-full test-gpu lint bench install install-mcore19
 
