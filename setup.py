@@ -4,6 +4,8 @@ setup(
     name="megatron-ucp",
     version="0.1.0",
     description="Universal checkpointing for NVIDIA megatron-core: save distributed, resume at any layout",
+    # megatron_ucp.testing ships too: users import it outside this repository's tests (Megatron-LM
+    # CPU runs and the recompute profiler; megatron_ucp/testing/__init__.py lists who and why)
     packages=find_packages(include=["megatron_ucp", "megatron_ucp.*"]),
     python_requires=">=3.10",
     # torch is pinned by the Makefile (CPU wheel); an unpinned torch here would pull CUDA wheels.

@@ -19,6 +19,7 @@ Peak memory (`PeakMemory`):
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -116,6 +117,19 @@ def files_under(path: str | Path) -> Iterator[Path]:
 def dir_bytes(path: str | Path) -> int:
     """Bytes of all regular files under `path` (apparent size)."""
     return sum(p.stat().st_size for p in files_under(path))
+
+
+def copy_tree_fsync(src: str | Path, dst: str | Path) -> int:
+    """The copy anchor: `shutil.copytree(src, dst)`, then fsync of every copied file (the bytes on
+    disk, as a checkpoint writer leaves them); the bytes copied."""
+    shutil.copytree(src, dst)
+    n = 0
+    for p in sorted(Path(dst).rglob("*")):
+        if p.is_file():
+            with open(p, "rb+") as f:
+                os.fsync(f.fileno())
+            n += p.stat().st_size
+    return n
 
 
 def drop_page_cache(path: str | Path) -> None:

@@ -38,7 +38,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.utils import unwrap_model
 
 import megatron_ucp as ucp
-from bench._measure import PeakMemory, dir_bytes, drop_page_cache, proc_io
+from bench._measure import PeakMemory, copy_tree_fsync, dir_bytes, drop_page_cache, proc_io
 from megatron_ucp.optimizer_state import STATES, OptimizerIndex
 from megatron_ucp.param_spec import local_params
 
@@ -310,17 +310,6 @@ class CopyAnchors:
 # ------------------------------------------------------------------------------- convert benchmark
 
 
-def _copy_and_fsync(src: Path, dst: Path) -> int:
-    shutil.copytree(src, dst)
-    n = 0
-    for p in sorted(dst.rglob("*")):
-        if p.is_file():
-            with open(p, "rb+") as f:
-                os.fsync(f.fileno())
-            n += p.stat().st_size
-    return n
-
-
 def _read_all(src: Path) -> int:
     n = 0
     for p in sorted(src.rglob("*")):
@@ -345,7 +334,7 @@ def convert_bench(src: str, workdir: str, reps: int, sample_s: float, cold: bool
                 drop_page_cache(ckpt)
             fn: Callable[[], Any] = {
                 "convert": lambda o=out: str(ucp.convert(ckpt, o, progress=False)),
-                "copytree_fsync": lambda o=out: _copy_and_fsync(ckpt, o),
+                "copytree_fsync": lambda o=out: copy_tree_fsync(ckpt, o),
                 "read_all": lambda: _read_all(ckpt),
             }[op]
             rec = _timed(fn, sample_s, collective=False)

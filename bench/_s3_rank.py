@@ -75,6 +75,8 @@ def load_bench(layout: str, cfg: dict, url: str, reps: int, local: str) -> dict:
     then the same number of bytes per rank file fetched by raw obstore get_ranges (one contiguous
     range per file: the best case for the store), after one untimed round of each; then the same
     load from a local copy (`local`, page cache warm: the load's work that is not storage)."""
+    from bench._rank import _poison
+    from bench._scale_rank import state_crc
     from megatron_ucp import loader
 
     st = setup(layout, cfg)
@@ -112,10 +114,16 @@ def load_bench(layout: str, cfg: dict, url: str, reps: int, local: str) -> dict:
     # DP all-gather of the model weights, from LoadResult
     phases = [(x.read_seconds, x.param_sync_seconds) for x in results[-reps:]]
     store_planning = list(planning)  # (a local load plans nothing)
+    store_crc = state_crc(st)  # what the last load from the store left in this rank's state
     from_disk = [_between_barriers(lambda: ucp.load(st.model, st.optimizer, st.scheduler, local))
                  for _ in range(reps)]
+    # cross-check (untimed): the local copy, loaded over poisoned state, gives the same bytes
+    _poison(st)
+    ucp.load(st.model, st.optimizer, st.scheduler, local)
+    store_equals_local = state_crc(st) == store_crc
     tg.destroy()
     return {"ours": ours, "raw": raw, "local": from_disk, "planning": min(store_planning),
+            "store_equals_local": store_equals_local,
             "ours_read": [r for r, _ in phases], "ours_param_sync": [p for _, p in phases],
             "bytes_read": r.bytes_read, "requests": r.requests, "files_opened": r.files_opened,
             "raw_machine_busy": busy}

@@ -13,7 +13,9 @@ the reads into the optimizer state, `LoadResult.read_seconds`) is also shown alo
 megatron-core's DP all-gather of the model weights, which the raw anchor does not do. Throughput
 ratio = raw time / our time (1.0: as fast as the raw client): of the best rounds, and the median
 of the rounds' ratios (each round runs ours then raw back to back, after one untimed round of
-each). Requests: the GETs each rank issued per load (LoadResult.requests).
+each). Requests: the GETs each rank issued per load (LoadResult.requests). Cross-check (not
+timed): the state the store load left equals, per rank, the one a load of a local copy of the same
+checkpoint writes over poisoned state (`load_store_equals_local_copy`).
 
 Anchors, same server, same run: torch DCP's FsspecWriter / FsspecReader through s3fs (this rank's
 tensors of our checkpoint, at the saving layout: DCP reshards only through a model's sharded
@@ -187,6 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
            "load_planning_s": max(r["planning"] for r in loads),
            "requests_per_rank_per_load": [r["requests"] for r in loads],
            "files_opened_per_rank": [r["files_opened"] for r in loads], "anchors": anchors,
+           "load_store_equals_local_copy": all(r["store_equals_local"] for r in loads),
            "raw_load_machine_busy": max((b for r in loads for b in r["raw_machine_busy"]), default=None)}
     print(f"{'op':<28} {'ours s':>8} {'raw s':>8} {'MB':>8} {'ours MB/s':>10} {'raw MB/s':>9} "
           f"{'raw/ours':>8} {'paired median':>13}")
@@ -219,7 +222,9 @@ def main(argv: list[str] | None = None) -> dict:
               f"{100 * res['raw_load_machine_busy']:.0f}% busy (the busiest round)")
     print(f"GET requests per rank per load: {res['requests_per_rank_per_load']} "
           f"(rank files opened: {res['files_opened_per_rank']})")
-    Path(args.out).parent.mkdir(exist_ok=True)
+    print("the state loaded from the store equals the one loaded from a local copy (crc32 per rank): "
+          f"{res['load_store_equals_local_copy']}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
     return res
 

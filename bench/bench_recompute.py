@@ -18,6 +18,7 @@ window (what the overlap adds), and Megatron's best setting
 with simulated step times, speedups and per-stage peak memory.
 
     .venv/bin/python bench/bench_recompute.py [--gpu A100-80GB H100-80GB] [--json F] [--cpu]
+                                              [--models gpt-1.3b ...] [--micro-batches 4 16]
 
 --cpu adds the measured CPU table of bench/_recompute_cpu.py (PP2/PP4 on gloo), if that module exists.
 """
@@ -142,15 +143,18 @@ def print_rows(rows: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gpu", nargs="+", default=["A100-80GB", "H100-80GB"])
+    p.add_argument("--models", nargs="+", default=[config for config, *_ in ROWS],
+                   choices=[config for config, *_ in ROWS], help="rows to run (default: all)")
+    p.add_argument("--micro-batches", nargs="+", type=int, default=list(MICRO_BATCHES))
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--cpu", action="store_true", help="add the measured CPU table (bench/_recompute_cpu.py)")
     args = p.parse_args(argv)
-    rows = [bench_row(config, tp, pp, dp, gpu, mb) for gpu in args.gpu for mb in MICRO_BATCHES
-            for config, tp, pp, dp in ROWS]
+    rows = [bench_row(config, tp, pp, dp, gpu, mb) for gpu in args.gpu for mb in args.micro_batches
+            for config, tp, pp, dp in ROWS if config in args.models]
     print_rows(rows)
     binding = [e["speedup"] for r in rows for e in r["limits"] if e["memory_binds"] and e["speedup"]]
     result = {"source": "simulated from published figures (megatron_ucp/recompute/hardware.py)",
-              "micro_batches": MICRO_BATCHES, "global_batch": GLOBAL_BATCH, "rows": rows,
+              "micro_batches": args.micro_batches, "global_batch": GLOBAL_BATCH, "rows": rows,
               "speedup_where_memory_binds": {"min": min(binding, default=None),
                                              "max": max(binding, default=None)}}
     if args.cpu:

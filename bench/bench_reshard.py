@@ -4,15 +4,14 @@ For every Megatron-LM fixture in tests/fixtures/megatron_lm: reshard to universa
 sources) to a stock legacy checkpoint at another layout; the anchor is `shutil.copytree` + fsync of
 the same source directory. Runs in ONE process, so the first conversion pays megatron's import.
 
-    .venv/bin/python bench/bench_reshard.py [--repeat 3]
+    .venv/bin/python bench/bench_reshard.py [--repeat 3] [--fixtures torch_dp2 ...] [--json F]
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import os
-import shutil
+import json
 import statistics
 import sys
 import tempfile
@@ -22,24 +21,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench._measure import copy_tree_fsync, dir_bytes  # noqa: E402
 from megatron_ucp.layout import Layout  # noqa: E402
 from megatron_ucp.reshard import reshard  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "megatron_lm"
 TARGETS = {"torch_tp2_pp2": Layout(tp=1, dp=2), "torch_dp2": Layout(tp=2), "torch_vpp": Layout(pp=2),
            "torch_llama_tp2": Layout(dp=2), "torch_tp2_fp32": Layout(dp=2), "torch_moe_ep2": None}
-
-
-def dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
-def copy_with_fsync(src: Path, dst: Path) -> None:
-    shutil.copytree(src, dst)
-    for f in dst.rglob("*"):
-        if f.is_file():
-            with open(f, "rb+") as fh:
-                os.fsync(fh.fileno())
 
 
 def timed(fn, repeat: int) -> float:
@@ -82,9 +70,12 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--scale", action="store_true",
                     help="also a 23M-parameter (~350 MB) legacy checkpoint built on the fly")
+    ap.add_argument("--fixtures", nargs="+", default=None, help="only these fixtures (default: all)")
+    ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        sources = [(p.name, p / "ckpt") for p in sorted(FIXTURES.iterdir())]
+        sources = [(p.name, p / "ckpt") for p in sorted(FIXTURES.iterdir())  # (not README, harness)
+                   if (p / "ckpt").is_dir() and (not args.fixtures or p.name in args.fixtures)]
         if args.scale:
             sources.append(("scaled 23M legacy TP2xPP2", scaled_legacy_checkpoint(Path(tmp))))
             TARGETS["scaled 23M legacy TP2xPP2"] = Layout(tp=1, dp=2)
@@ -93,7 +84,7 @@ def main() -> None:
         n = itertools.count()  # a fresh output directory for every timed call
         for fixture, src in sources:
             size = dir_bytes(src)
-            copy_s = timed(lambda s=src: copy_with_fsync(s, Path(tmp) / f"c{next(n)}"), args.repeat)
+            copy_s = timed(lambda s=src: copy_tree_fsync(s, Path(tmp) / f"c{next(n)}"), args.repeat)
             uni_s = timed(lambda s=src: reshard(s, Path(tmp) / f"u{next(n)}", progress=False),
                           args.repeat)
             rows.append((fixture, "universal", size, uni_s, copy_s))
@@ -109,6 +100,11 @@ def main() -> None:
         print(f"{fixture:<34} {target:<22} {mib:>6.2f} {conv:>8.3f} {mib / conv:>7.1f} "
               f"{copy:>8.4f} {mib / copy:>10.1f} {conv / copy:>8.1f}x")
     print("conv = reshard wall time (median); copy = copytree + fsync of the same source bytes")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(
+            [{"fixture": fixture, "target": target, "bytes": size, "convert_s": conv, "copy_s": copy}
+             for fixture, target, size, conv, copy in rows], indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 
     .venv/bin/python bench/bench_scale.py --json out/bench_scale.json             # 130M,350M,700M
     .venv/bin/python bench/bench_scale.py --sizes 20M,50M --json out/scale_small.json
+    .venv/bin/python bench/bench_scale.py --sizes 1M --no-deepspeed --json F   # a smoke run (tests/)
     .venv/bin/python bench/bench_scale.py --sizes 50M --convert-nprocs 2 --no-load --no-deepspeed \
         --json out/scale_convert.json    # the distributed conversion, 1 -> 2 processes
 
@@ -69,7 +70,7 @@ from megatron_ucp.layout import Layout  # noqa: E402
 from megatron_ucp.testing.launch import LaunchError, free_port, launch  # noqa: E402
 
 # name -> (num_layers, hidden_size, vocab_size); ffn = 4 h, heads = h / 64, untied embeddings
-SIZES = {"20M": (4, 512, 8192), "50M": (6, 640, 16384), "130M": (12, 768, 32768),
+SIZES = {"1M": (2, 128, 2048), "20M": (4, 512, 8192), "50M": (6, 640, 16384), "130M": (12, 768, 32768),
          "350M": (22, 1024, 32768), "700M": (22, 1536, 32768)}
 SEQ_LENGTH = 64
 GB = 1e9

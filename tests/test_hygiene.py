@@ -77,6 +77,62 @@ def test_library_never_imports_its_test_helpers():
     assert offenders == []
 
 
+def _package_imports() -> dict[str, set[str]]:
+    """megatron_ucp's modules -> the megatron_ucp modules each imports, at module level or inside a
+    function (a deferred import is still a dependency). `from pkg import name` counts as an import
+    of `pkg.name` where that is a module, else of `pkg`; the implicit import of a module's own
+    parent packages is left out (every submodule has it)."""
+    paths = {}
+    for path in (ROOT / "megatron_ucp").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def module_of(name: str) -> str | None:  # the longest prefix of `name` that is a module
+        while name and name not in paths:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for mod, path in paths.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        names = []
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names += [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the package `level - 1` levels above this one's
+                    anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    base = f"{anchor}.{base}" if base else anchor
+                names += [f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base for a in node.names]
+        graph[mod] = {m for n in names if n.split(".")[0] == "megatron_ucp"
+                      for m in [module_of(n)] if m and m != mod}
+    return graph
+
+
+def test_no_import_cycles_in_the_package():
+    """No two megatron_ucp modules import each other, directly or through others (a cycle works
+    only while every import in it stays deferred or in the right order, and makes the layers'
+    one-way flow a loop). Found by a depth-first search over the import graph."""
+    graph = _package_imports()
+    assert "megatron_ucp.testing.tiny_gpt" in graph and graph["megatron_ucp.testing.tiny_gpt"]
+    cycles, state = [], {}  # state: 1 on the current path, 2 done
+
+    def visit(mod: str, path: list[str]) -> None:
+        state[mod] = 1
+        for dep in sorted(graph[mod]):
+            if state.get(dep) == 1:
+                cycles.append(" -> ".join(path[path.index(dep):] + [dep]))
+            elif dep not in state:
+                visit(dep, path + [dep])
+        state[mod] = 2
+
+    for mod in sorted(graph):
+        if mod not in state:
+            visit(mod, [mod])
+    assert cycles == [], "import cycles:\n" + "\n".join(cycles)
+
+
 IMPORT_TESTS = r"""
 import importlib, sys
 import torch

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import FIXTURE_MODEL
 from oracles import assert_dumps_hold, dp_reshardable_full, load_keys, model_key, universal_tensors
 
 from megatron_ucp.errors import UCPError
@@ -26,10 +27,7 @@ from megatron_ucp.testing.launch import launch
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron_lm"
 SETS = ("torch_dist_tp2_dp2", "torch_dist_pp2_fullyreshardable")
 STATES = ("param", "exp_avg", "exp_avg_sq")
-# the fixtures' model (README "Common settings")
-CFG = {"num_layers": 3, "hidden_size": 32, "num_attention_heads": 4, "ffn_hidden_size": 128,
-       "seq_length": 32, "vocab_size": 256, "dtype": "bf16", "micro_batch_size": 2,
-       "global_batch_size": 4}
+CFG = FIXTURE_MODEL  # the fixtures' model (README "Common settings")
 
 
 @pytest.fixture(scope="module")

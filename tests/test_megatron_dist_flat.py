@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import FIXTURE_MODEL, dump_step_and_finish
 from oracles import assert_dumps_hold, assert_holds_universal, flattened_full, universal_tensors
 
 from megatron_ucp.errors import UCPError
@@ -38,10 +39,7 @@ SETS = ("v015_tp2_dp2_flat", "v014_tp2_dp2_flat")
 ITER = "iter_0000006"
 STATES = ("param", "exp_avg", "exp_avg_sq")
 RANK_PATH = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
-# the fixtures' model (README "Common settings")
-CFG = {"num_layers": 3, "hidden_size": 32, "num_attention_heads": 4, "ffn_hidden_size": 128,
-       "seq_length": 32, "vocab_size": 256, "dtype": "bf16", "micro_batch_size": 2,
-       "global_batch_size": 4}
+CFG = FIXTURE_MODEL  # the fixtures' model (README "Common settings")
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +83,6 @@ def load_torch_dist_rank(layout: str, cfg: dict, load_dir: str, dump_dir: str) -
     from test_megatron_legacy_out import patch_distopt_step_load
 
     from megatron_ucp.layout import Layout
-    from megatron_ucp.testing import scenarios
     from megatron_ucp.testing import tiny_gpt as tg
 
     patch_distopt_step_load()  # torch AdamW's 'step' (megatron-core without Apex/TE; README)
@@ -110,12 +107,7 @@ def load_torch_dist_rank(layout: str, cfg: dict, load_dir: str, dump_dir: str) -
     st.scheduler.num_steps = 0  # load_state_dict adds the saved count (a fresh run's scheduler is 0)
     st.scheduler.load_state_dict(loaded["opt_param_scheduler"])
     st.iteration = loaded["iteration"]
-    scenarios.dump_local_state(st, dump_dir)
-    loss = tg.train_step(st)
-    lrs = [g["lr"] for g in st.optimizer.param_groups]
-    tg.destroy()
-    return {"loss": loss, "iteration": loaded["iteration"], "lr": lrs,
-            "num_steps": st.scheduler.num_steps}
+    return dump_step_and_finish(st, dump_dir, loaded["iteration"])
 
 
 def test_torch_dist_written_for_target_loads_in_megatron_core(converted, tmp_path):

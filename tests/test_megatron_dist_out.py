@@ -26,9 +26,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
+from helpers import assert_same, assert_same_tensors
 from oracles import assert_holds_universal, dp_reshardable_full, fully_reshardable_full, universal_tensors
 
 from megatron_ucp import UCPError
@@ -41,25 +41,6 @@ from megatron_ucp.reshard import convert_legacy, convert_torch_dist, reshard, wr
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "megatron_lm"
 FULLY = FIXTURES / "torch_dist_pp2_fullyreshardable" / "ckpt"
-
-
-def assert_same(a, b, where: str) -> None:
-    """Bitwise equality of nested checkpoint objects (types, key order, tensors, numpy states)."""
-    assert type(a) is type(b), (where, type(a), type(b))
-    if torch.is_tensor(a):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert list(a) == list(b), (where, list(a), list(b))
-        for k in a:
-            assert_same(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}/{i}")
-    elif isinstance(a, np.ndarray):
-        assert a.dtype == b.dtype and np.array_equal(a, b), where
-    else:
-        assert a == b, (where, a, b)
 
 
 def common(ckpt: Path) -> dict:
@@ -79,9 +60,7 @@ def assert_written_holds(out: Path, udir: Path) -> int:
 def assert_same_universal(u1: Path, u2: Path, layout: Layout) -> None:
     m1, t1 = universal_tensors(u1)
     m2, t2 = universal_tensors(u2)
-    assert t1.keys() == t2.keys()
-    for k, t in t1.items():
-        assert t.dtype == t2[k].dtype and torch.equal(t, t2[k]), k
+    assert_same_tensors(t1, t2)
     assert Layout.from_json({k: v for k, v in m2["layout"].items()}) == layout
     assert {n: p["step"] for n, p in m1["params"].items()} == \
         {n: p["step"] for n, p in m2["params"].items()}

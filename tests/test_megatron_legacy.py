@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import NEEDS_LEGACY_GROUPED_MLP, RELEASE_SKIP
-from oracles import full_tensor, split_grouped, universal_name, universal_tensors
+from helpers import FIXTURE_MODEL
+from oracles import full_tensor, load, split_grouped, universal_name, universal_tensors
 from oracles import legacy_reference as reference
 
 from megatron_ucp import UCPError, convert
@@ -42,10 +43,6 @@ STATES = ("param", "exp_avg", "exp_avg_sq")
 FINAL_LOSS = {"torch_tp2_pp2": 5.520222, "torch_dp2": 5.525421, "torch_tp2_fp32": 5.513841,
               "torch_llama_tp2": 5.435615, "torch_vpp": 5.522317, "torch_moe_ep2": 5.529915,
               "torch_moe_grouped_ep2": 5.531860}
-
-
-def load(path: Path):
-    return torch.load(path, map_location="cpu", weights_only=False)
 
 
 # ------------------------------------------------------------------------------------------ tests
@@ -93,9 +90,7 @@ def test_resume_converted_checkpoint_at_another_layout(converted, tmp_path):
     """TP2xPP2 (uneven stages, tied embeddings on both ends) -> TP1 DP2 in a real megatron-core run:
     the loaded model weights, master weights, Adam moments and step are the converted ones, and
     training goes on from them."""
-    cfg = {"num_layers": 3, "hidden_size": 32, "num_attention_heads": 4, "ffn_hidden_size": 128,
-           "seq_length": 32, "vocab_size": 256, "dtype": "bf16", "micro_batch_size": 2,
-           "global_batch_size": 4, "extra": {"add_qkv_bias": True}}  # Megatron-LM's --add-qkv-bias
+    cfg = {**FIXTURE_MODEL, "extra": {"add_qkv_bias": True}}  # Megatron-LM's --add-qkv-bias
     udir = converted["torch_tp2_pp2"]
     res = launch(2, "megatron_ucp.testing.scenarios:load_and_train",
                  {"layout": "dp2", "cfg": cfg, "load_dir": str(udir), "steps": 2,
@@ -140,9 +135,7 @@ def test_grouped_gemm_checkpoint_resumes_as_sequential_and_grouped_mlp(converted
     """Megatron-LM's GroupedMLP run (EP2, fused expert weights) resumed at EP1 DP2 by a real
     megatron-core run built with SequentialMLP experts and with GroupedMLP: both get every expert
     weight bitwise from the converted checkpoint and continue with identical losses."""
-    cfg = {"num_layers": 3, "hidden_size": 32, "num_attention_heads": 4, "ffn_hidden_size": 128,
-           "seq_length": 32, "vocab_size": 256, "dtype": "bf16", "micro_batch_size": 2,
-           "global_batch_size": 4, "swiglu": True, "add_bias_linear": False, "num_experts": 4}
+    cfg = {**FIXTURE_MODEL, "swiglu": True, "add_bias_linear": False, "num_experts": 4}
     udir = converted["torch_moe_grouped_ep2"]
     _, tensors = universal_tensors(udir)
     losses = {}

@@ -21,11 +21,11 @@ import math
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from conftest import NEEDS_LEGACY_GROUPED_MLP
-from oracles import assert_dumps_hold, assert_holds_universal, legacy_full, universal_tensors
+from helpers import FIXTURE_MODEL, assert_same, assert_same_tensors, dump_step_and_finish
+from oracles import assert_dumps_hold, assert_holds_universal, legacy_full, load, universal_tensors
 
 from megatron_ucp import UCPError
 from megatron_ucp.formats.megatron_legacy import run_fields as legacy_source_fields
@@ -45,32 +45,9 @@ if has_legacy_grouped_mlp():  # saved by the legacy GroupedMLP, which megatron-c
     SAME_LAYOUT["torch_moe_grouped_ep2"] = None
 
 
-def load(path: Path):
-    return torch.load(path, map_location="cpu", weights_only=False)
-
-
 def training_dtype(ckpt: Path) -> torch.dtype:
     args = load(next((ckpt / ITER).iterdir()) / "model_optim_rng.pt")["args"]
     return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-
-
-def assert_same(a, b, where: str) -> None:
-    """Bitwise equality of nested checkpoint objects (types, key order, tensors, numpy states)."""
-    assert type(a) is type(b), (where, type(a), type(b))
-    if torch.is_tensor(a):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert list(a) == list(b), (where, list(a), list(b))
-        for k in a:
-            assert_same(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}/{i}")
-    elif isinstance(a, np.ndarray):
-        assert np.array_equal(a, b), where
-    else:
-        assert a == b, (where, a, b)
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +200,6 @@ def load_legacy_rank(layout: str, cfg: dict, load_dir: str, dump_dir: str) -> di
     scheduler), dump the local state, train one step."""
     from megatron.core import parallel_state as ps
 
-    from megatron_ucp.testing import scenarios
     from megatron_ucp.testing import tiny_gpt as tg
 
     patch_distopt_step_load()
@@ -246,11 +222,7 @@ def load_legacy_rank(layout: str, cfg: dict, load_dir: str, dump_dir: str) -> di
     st.scheduler.use_checkpoint_opt_param_scheduler = True
     st.scheduler.load_state_dict(state["opt_param_scheduler"])
     st.iteration = state["iteration"]
-    scenarios.dump_local_state(st, dump_dir)
-    loss = tg.train_step(st)
-    lrs = [g["lr"] for g in st.optimizer.param_groups]
-    tg.destroy()
-    return {"loss": loss, "iteration": it, "lr": lrs, "num_steps": st.scheduler.num_steps}
+    return dump_step_and_finish(st, dump_dir, it)
 
 
 @pytest.mark.parametrize("target,first", [("tp1pp1dp2", None), ("tp1pp2dp1", 2)])
@@ -261,9 +233,7 @@ def test_written_checkpoint_loads_in_megatron_core(universal, tmp_path, target, 
     out = write_legacy(universal["torch_tp2_pp2"], tmp_path / "out", lay, f["args"],
                        rng_state=next(iter(f["rng_state"].values())), first_stage_layers=first,
                        progress=False)
-    cfg = {"num_layers": 3, "hidden_size": 32, "num_attention_heads": 4, "ffn_hidden_size": 128,
-           "seq_length": 32, "vocab_size": 256, "dtype": "bf16", "micro_batch_size": 2,
-           "global_batch_size": 4, "min_lr": f["args"].min_lr,
+    cfg = {**FIXTURE_MODEL, "min_lr": f["args"].min_lr,
            "extra": {"add_qkv_bias": True,
                      **({"num_layers_in_first_pipeline_stage": first} if first else {})}}
     env = {"PYTHONPATH": RANK_PATH}
@@ -292,10 +262,8 @@ def test_torch_dist_to_legacy_at_another_layout(tmp_path):
     m1, t1 = universal_tensors(u1)
     assert_holds_universal(legacy_full(tmp_path / "out"), u1, torch.bfloat16, step=6.0)
     _, t2 = universal_tensors(convert_legacy(tmp_path / "out", tmp_path / "u2", progress=False))
-    assert t1.keys() == t2.keys() and all(torch.equal(t, t2[k]) for k, t in t1.items())
-    cfg = {"num_layers": 3, "hidden_size": 32, "num_attention_heads": 4, "ffn_hidden_size": 128,
-           "seq_length": 32, "vocab_size": 256, "dtype": "bf16", "micro_batch_size": 2,
-           "global_batch_size": 4, "min_lr": m["args"].min_lr, "extra": {"add_qkv_bias": True}}
+    assert_same_tensors(t1, t2)
+    cfg = {**FIXTURE_MODEL, "min_lr": m["args"].min_lr, "extra": {"add_qkv_bias": True}}
     env = {"PYTHONPATH": RANK_PATH}
     res = launch(2, "tests.test_megatron_legacy_out:load_legacy_rank",
                  {"layout": "tp1pp1dp2", "cfg": cfg, "load_dir": str(tmp_path / "out"),

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import READS_CORE_V019_FILES, REPORT
+from helpers import assert_same_tensors
 from oracles import (
     assert_holds_universal,
     dist_common,
@@ -148,8 +149,7 @@ def test_written_at_another_layout_reads_back_bitwise(universal, tmp_path, name,
     again = (convert_legacy if fmt == "torch" else convert_torch_dist)(out, tmp_path / "u2", progress=False)
     m2, t2 = universal_tensors(again)
     assert (m2["layout"]["tp"], m2["layout"]["ep"], m2["layout"]["dp"]) == (target.tp, target.ep, target.dp)
-    assert tensors.keys() == t2.keys()
-    assert all(torch.equal(t, t2[k]) for k, t in tensors.items())
+    assert_same_tensors(tensors, t2)
     assert {p["step"] for p in m2["params"].values()} == {6.0}
     for key, value in CONFIG[name].items():
         assert m2["model"][key] == value, key
@@ -182,7 +182,7 @@ def test_moe_written_dp_reshardable_is_megatron_lms_own_form(universal, tmp_path
     _, tensors = universal_tensors(universal[name])
     m2, t2 = universal_tensors(convert_torch_dist(ep4, tmp_path / "u2", progress=False))
     assert (m2["layout"]["ep"], m2["layout"]["dp"]) == (4, 4)
-    assert tensors.keys() == t2.keys() and all(torch.equal(t, t2[k]) for k, t in tensors.items())
+    assert_same_tensors(tensors, t2)
 
 
 def test_gpt_oss_run_exports_to_hf_with_its_yarn(universal, tmp_path):

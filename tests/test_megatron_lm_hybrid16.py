@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_same_tensors
 from oracles import (
     WORD,
     args_hybrid_pattern,
@@ -148,5 +149,4 @@ def test_hybrid_legacy_save_of_the_other_release_converts(converted, tmp_path):
     assert ("decoder.layers.0.mixer.conv1d.weight" in saved) == to_module
     _, t1 = universal_tensors(converted)
     _, t2 = universal_tensors(convert_legacy(tmp_path / "other", tmp_path / "u", progress=False))
-    assert t1.keys() == t2.keys()
-    assert all(torch.equal(t, t2[k]) for k, t in t1.items())
+    assert_same_tensors(t1, t2)

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import FULL, READS_CORE_V019_FILES
+from helpers import FIXTURE_MODEL, assert_same_tensors
 from oracles import (
     assert_dumps_hold,
     assert_holds_universal,
@@ -31,6 +32,7 @@ from oracles import (
     full_tensor,
     fully_reshardable_full,
     legacy_full,
+    load,
     mla_moe_dp_reshardable_full,
     mla_moe_legacy_full,
     torch_dcp_full,
@@ -55,10 +57,6 @@ FSDP = ("fsdp_dtensor_dp2", "torch_dcp_fsdp2_dp2")  # --ckpt-format fsdp_dtensor
 DSV3 = ("torch_dist_dsv3_pp2", "torch_dsv3_pp2")
 STATES = ("param", "exp_avg", "exp_avg_sq")
 ITER = "iter_0000006"
-
-
-def load(path: Path):
-    return torch.load(path, map_location="cpu", weights_only=False)
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +202,7 @@ def test_dsv3_written_at_another_layout_reads_back_bitwise(converted, tmp_path, 
     m2, t2 = universal_tensors(again)
     assert (m2["layout"]["tp"], m2["layout"]["pp"], m2["layout"]["dp"], m2["layout"]["ep"]) == \
         (lay.tp, lay.pp, lay.dp, lay.ep)
-    assert t1.keys() == t2.keys() and all(torch.equal(t, t2[k]) for k, t in t1.items())
+    assert_same_tensors(t1, t2)
     assert {n: p["step"] for n, p in m2["params"].items()} == {n: p["step"] for n, p in m1["params"].items()}
     if lay.tp == lay.ep == 1:  # the written files by hand too (the oracles read TP1 EP1)
         assert assert_holds_universal(dsv3_full(out), converted[src], torch.bfloat16) > 0
@@ -290,8 +288,7 @@ def written_back(ckpt: Path, universal: Path, tmp_path: Path, fmt: str, lay: Lay
     m1, t1 = universal_tensors(universal)
     m2, t2 = universal_tensors(again)
     assert [m2["layout"][k] for k in ("tp", "pp", "dp", "ep")] == [lay.tp, lay.pp, lay.dp, lay.ep]
-    assert t1.keys() == t2.keys()
-    assert all(torch.equal(t, t2[k]) for k, t in t1.items())
+    assert_same_tensors(t1, t2)
     assert {p["step"] for p in m2["params"].values()} == {6.0}
     return out, m1, t1
 
@@ -304,9 +301,7 @@ def test_megatron_core_019_resumes_a_conversion_at_another_layout(converted, tmp
     out = tmp_path / "out"
     reshard(src, out, Layout(tp=1, pp=1, dp=2), "torch", progress=False)
     args = dist_common(src)["args"]
-    cfg = {"num_layers": 3, "hidden_size": 32, "num_attention_heads": 4, "ffn_hidden_size": 128,
-           "seq_length": 32, "vocab_size": 256, "dtype": "bf16", "micro_batch_size": 2,
-           "global_batch_size": 4, "min_lr": args.min_lr, "extra": {"add_qkv_bias": True}}
+    cfg = {**FIXTURE_MODEL, "min_lr": args.min_lr, "extra": {"add_qkv_bias": True}}
     from test_megatron_legacy_out import RANK_PATH
 
     res = launch(2, "tests.test_megatron_legacy_out:load_legacy_rank",

@@ -17,7 +17,7 @@ causal-conv1d 1.7.0):
   CPU where `ssd_chunk_scan_combined_ref` gave NaNs), then the optional gated RMSNorm;
 - `RMSNormGated` (mamba_ssm/ops/triton/layernorm_gated.py `RMSNorm`) computing `rms_norm_ref`, and
   megatron-core's `ExtendedRMSNorm` re-derived from it with megatron-core's own sharded_state_dict;
-- MambaStack's final norm: torch's RMSNorm/LayerNorm (tiny_gpt.SequenceParallelTorchNorm);
+- MambaStack's final norm: torch's RMSNorm/LayerNorm (torch_norm.SequenceParallelTorchNorm);
 - without Triton (the CPU build of torch), megatron-core 0.16's `mamba_mixer` cannot even be
   imported: it imports the Triton kernels of dynamic (batched) inference from
   `megatron.core.inference.contexts.attention_context.triton.tensor_ops` at module level. That
@@ -191,7 +191,7 @@ class ExtendedRMSNorm(RMSNormGated):
 
 
 def _final_norm(config, hidden_size: int, eps: float = 1e-5):
-    from megatron_ucp.testing.tiny_gpt import SequenceParallelTorchNorm
+    from megatron_ucp.testing.torch_norm import SequenceParallelTorchNorm
 
     return SequenceParallelTorchNorm(config, hidden_size, eps)
 

@@ -51,22 +51,7 @@ from megatron_ucp.testing import cpu_shim  # noqa: F401  (must precede megatron.
 from megatron_ucp.testing.cp_attention import ContextParallelDotProductAttention, split_for_cp
 from megatron_ucp.testing.cpu_shim import REAL_CUDA
 from megatron_ucp.testing.mla_attention import MLACoreAttention
-
-
-class SequenceParallelTorchNorm:
-    """megatron-core's WrappedTorchNorm without its "no sequence parallel" assert.
-
-    Without Apex/TE, megatron-core 0.16 has no norm that allows sequence parallelism. Like Apex's
-    FusedLayerNorm, this marks the weights `sequence_parallel` so finalize_model_grads all-reduces
-    their gradients over TP (each TP rank sees only its sequence shard).
-    """
-
-    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **unused):
-        norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
-        norm = norm_cls(hidden_size, eps=eps)
-        for p in norm.parameters():
-            p.sequence_parallel = config.sequence_parallel
-        return norm
+from megatron_ucp.testing.torch_norm import SequenceParallelTorchNorm
 
 
 @dataclass
