@@ -29,11 +29,10 @@ from megatron_ucp.validation import check_layout
 
 log = logging.getLogger(__name__)
 
-# --target-format value -> format name
-TARGET_FORMATS = {"universal": "universal", "torch": "megatron_torch",
-                  "torch_dist": "megatron_torch_dist"}
-# Megatron-LM targets carry the source run's args: the source formats each can take them from
-MEGATRON_SOURCES = ("megatron_torch", "megatron_torch_dist", "megatron_fsdp")
+# --target-format value -> format name, and the formats whose checkpoints carry Megatron-LM run
+# args (a Megatron-LM target's source): both declared by the registry
+TARGET_FORMATS = formats.TARGETS
+MEGATRON_SOURCES = formats.MEGATRON_SOURCES
 
 
 @dataclass
@@ -213,18 +212,18 @@ def _reshard_to_megatron(load, out: Location, target: Layout | None, kind: str, 
         shutil.rmtree(scratch, ignore_errors=True)
     refuse_non_empty(out)
     src = formats.get(kind).run_fields(load, trust_pickle)
-    if first is None and last is None and src["layout"].pp == target.pp:
-        first = getattr(src["args"], "decoder_first_pipeline_num_layers", None)
-        last = getattr(src["args"], "decoder_last_pipeline_num_layers", None)
-    rng = src["rng_by_position"]
-    if rng and src["layout"] != target:  # per-rank states belong to the source ranks: rank 0's
+    if first is None and last is None and src.layout.pp == target.pp:
+        first = getattr(src.args, "decoder_first_pipeline_num_layers", None)
+        last = getattr(src.args, "decoder_last_pipeline_num_layers", None)
+    rng = src.rng_by_position
+    if rng and src.layout != target:  # per-rank states belong to the source ranks: rank 0's
         rng = rng.get((0, 0), next(iter(rng.values())))
     try:
         convert(load, scratch, progress=progress, workers=workers, fmt=kind, trust_pickle=trust_pickle)
         source = formats.open_megatron_ucp(scratch)
         formats.get(TARGET_FORMATS[target_format]).write(
-            source, out, target, src["args"], rng_state=rng,
-            num_floating_point_operations_so_far=src["num_floating_point_operations_so_far"],
+            source, out, target, src.args, rng_state=rng,
+            num_floating_point_operations_so_far=src.num_floating_point_operations_so_far,
             first_stage_layers=first, last_stage_layers=last, progress=progress, **options)
     finally:
         shutil.rmtree(scratch.parent if isinstance(out, ObjectPath) else scratch, ignore_errors=True)

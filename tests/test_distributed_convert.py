@@ -12,7 +12,7 @@ from test_transitions import universal_tensors
 
 import megatron_ucp as ucp
 from megatron_ucp.formats import open_source
-from megatron_ucp.formats.universal.writer import balanced
+from megatron_ucp.formats.group_job import balanced
 from megatron_ucp.testing.launch import LaunchError, launch
 
 

@@ -125,7 +125,7 @@ def test_args_and_tensors_must_agree():
     """The TP1 model built from args and the stored tensors are matched both ways, by name."""
     import argparse
 
-    from megatron_ucp.formats.megatron_dist.layout import DistReader
+    from megatron_ucp.formats.dcp_reader import DistReader
     from megatron_ucp.formats.megatron_dist.layout import plan_model as _plan_model
     from megatron_ucp.formats.megatron_dist.reader import check_names as _check_names
 

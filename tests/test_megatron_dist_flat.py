@@ -127,8 +127,8 @@ def test_torch_dist_written_for_target_loads_in_megatron_core(converted, tmp_pat
 
     udir = converted["v015_tp2_dp2_flat"]
     f = run_fields(FIXTURES / "v015_tp2_dp2_flat" / "ckpt")
-    out = write_torch_dist(udir, tmp_path / "out", Layout.parse("tp1dp2"), f["args"],
-                           rng_state=next(iter(f["rng_state"].values())), sharding="fully_reshardable",
+    out = write_torch_dist(udir, tmp_path / "out", Layout.parse("tp1dp2"), f.args,
+                           rng_state=next(iter(f.rng_state.values())), sharding="fully_reshardable",
                            progress=False)
     # megatron-core 0.19 pairs saved and current param groups by their settings (min_lr among
     # them): the run's min_lr is Megatron-LM's default 0, not the tiny GPT's

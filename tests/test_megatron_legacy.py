@@ -61,7 +61,7 @@ def converted(tmp_path_factory) -> dict[str, Path]:
 def test_universal_tensors_match_independent_assembly(converted, name):
     udir = converted[name]
     manifest, tensors = universal_tensors(udir)
-    args = load(next((FIXTURES / name / "ckpt" / ITER).iterdir()) / "model_optim_rng.pt")["args"]
+    args = load(next((FIXTURES / name / "ckpt" / ITER).iterdir()) / "model_optim_rng.pt").args
     ref = reference(FIXTURES / name / "ckpt")
     assert set(manifest["params"]) == set(ref)
     for pname, copies in ref.items():
@@ -272,7 +272,7 @@ def test_rebuild_of_a_grouped_gemm_run_names_experts_like_sequential_mlp():
     from megatron_ucp.formats.megatron_rebuild import build_chunks, source_rank
     from megatron_ucp.param_spec import local_params
 
-    args = legacy_source_fields(FIXTURES / "torch_moe_ep2" / "ckpt")["args"]
+    args = legacy_source_fields(FIXTURES / "torch_moe_ep2" / "ckpt").args
 
     def specs(grouped: bool) -> dict:
         a = argparse.Namespace(**{**vars(args), "add_bias_linear": False, "moe_grouped_gemm": grouped})

@@ -50,7 +50,7 @@ def load(path: Path):
 
 
 def training_dtype(ckpt: Path) -> torch.dtype:
-    args = load(next((ckpt / ITER).iterdir()) / "model_optim_rng.pt")["args"]
+    args = load(next((ckpt / ITER).iterdir()) / "model_optim_rng.pt").args
     return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
 
@@ -83,9 +83,9 @@ def universal(tmp_path_factory) -> dict[str, Path]:
 def test_same_layout_round_trip_is_bitwise(universal, name, tmp_path):
     src = FIXTURES / name / "ckpt"
     f = legacy_source_fields(src)
-    out = write_legacy(universal[name], tmp_path / "out", f["layout"], f["args"],
-                       rng_state=f["rng_state"],
-                       num_floating_point_operations_so_far=f["num_floating_point_operations_so_far"],
+    out = write_legacy(universal[name], tmp_path / "out", f.layout, f.args,
+                       rng_state=f.rng_state,
+                       num_floating_point_operations_so_far=f.num_floating_point_operations_so_far,
                        first_stage_layers=SAME_LAYOUT[name], progress=False)
     assert (out / "latest_checkpointed_iteration.txt").read_text() == \
         (src / "latest_checkpointed_iteration.txt").read_text().strip()
@@ -115,8 +115,8 @@ def test_same_layout_round_trip_is_bitwise(universal, name, tmp_path):
 def test_other_layout_back_to_universal_is_bitwise(universal, name, target, first, tmp_path):
     lay = Layout.parse(target)
     f = legacy_source_fields(FIXTURES / name / "ckpt")
-    rng = next(iter(f["rng_state"].values()))
-    out = write_legacy(universal[name], tmp_path / "out", lay, f["args"], rng_state=rng,
+    rng = next(iter(f.rng_state.values()))
+    out = write_legacy(universal[name], tmp_path / "out", lay, f.args, rng_state=rng,
                        first_stage_layers=first, progress=False)
     m = load(next((out / ITER).iterdir()) / "model_optim_rng.pt")
     a = m["args"]
@@ -178,7 +178,7 @@ def test_reshard_torch_needs_megatron_source(universal, tmp_path):
 def test_uneven_target_needs_split(universal, tmp_path):
     f = legacy_source_fields(FIXTURES / "torch_dp2" / "ckpt")
     with pytest.raises(UCPError, match=r"num_layers=3 is not divisible by PP=2"):
-        write_legacy(universal["torch_dp2"], tmp_path / "x", Layout(pp=2), f["args"], progress=False)
+        write_legacy(universal["torch_dp2"], tmp_path / "x", Layout(pp=2), f.args, progress=False)
     assert not (tmp_path / "x").exists()
 
 
@@ -258,12 +258,12 @@ def test_written_checkpoint_loads_in_megatron_core(universal, tmp_path, target, 
     """torch_tp2_pp2 -> legacy at the target -> megatron-core's own legacy optimizer load."""
     lay = Layout.parse(target)
     f = legacy_source_fields(FIXTURES / "torch_tp2_pp2" / "ckpt")
-    out = write_legacy(universal["torch_tp2_pp2"], tmp_path / "out", lay, f["args"],
-                       rng_state=next(iter(f["rng_state"].values())), first_stage_layers=first,
+    out = write_legacy(universal["torch_tp2_pp2"], tmp_path / "out", lay, f.args,
+                       rng_state=next(iter(f.rng_state.values())), first_stage_layers=first,
                        progress=False)
     cfg = {"num_layers": 3, "hidden_size": 32, "num_attention_heads": 4, "ffn_hidden_size": 128,
            "seq_length": 32, "vocab_size": 256, "dtype": "bf16", "micro_batch_size": 2,
-           "global_batch_size": 4, "min_lr": f["args"].min_lr,
+           "global_batch_size": 4, "min_lr": f.args.min_lr,
            "extra": {"add_qkv_bias": True,
                      **({"num_layers_in_first_pipeline_stage": first} if first else {})}}
     env = {"PYTHONPATH": RANK_PATH}

@@ -21,6 +21,7 @@ from megatron_ucp.formats.deepspeed.source import (
 )
 
 NAME = "deepspeed"
+SOURCES = (DeepSpeedSource,)
 
 
 def detect(path: Path) -> bool:
@@ -31,5 +32,5 @@ def open_source(path: str | Path, name_map: str | Path | None = None, **options)
     return DeepSpeedSource(path, name_map, **options)
 
 
-__all__ = ["NAME", "RECORD", "detect", "open_source", "import_deepspeed", "DeepSpeedSource",
+__all__ = ["NAME", "SOURCES", "RECORD", "detect", "open_source", "import_deepspeed", "DeepSpeedSource",
            "DSUniversalDir", "NameMap"]

@@ -24,12 +24,13 @@ from typing import Any
 import torch
 
 from megatron_ucp.errors import UCPError
+from megatron_ucp.formats.base import Source
 from megatron_ucp.formats.deepspeed import layouts
 from megatron_ucp.formats.deepspeed.name_map import AUTO, DTYPES, NameMap, Rule
-from megatron_ucp.formats.hf.transforms import Heads
 from megatron_ucp.formats.manifest import RUN_HYPERPARAMETERS, Manifest, ParamEntry
 from megatron_ucp.formats.megatron_common import torch_load
 from megatron_ucp.formats.megatron_rebuild import import_specs
+from megatron_ucp.formats.tensor_transforms import Heads
 from megatron_ucp.layout import Layout
 from megatron_ucp.progress import Progress
 from megatron_ucp.spec import ParamSpec
@@ -138,7 +139,7 @@ class DSUniversalDir:
                        f"{type(obj).__name__}")
 
 
-class DeepSpeedSource:
+class DeepSpeedSource(Source):
     """A DeepSpeed universal folder as universal tensors of megatron-core's model (module doc)."""
 
     format = "deepspeed"  # its name in the `formats` registry

@@ -17,6 +17,7 @@ from megatron_ucp.formats.hf.export import export, export_hf
 from megatron_ucp.formats.hf.source import FRESH, HFSource, import_hf, is_hf_dir
 
 NAME = "hf"
+SOURCES = (HFSource,)
 
 
 def detect(path: Path) -> bool:
@@ -29,5 +30,5 @@ def open_source(path: str | Path, **_: object) -> HFSource:
 
 write = export  # write(source, out, arch, ...): this format as a target
 
-__all__ = ["NAME", "ARCHS", "FRESH", "detect", "open_source", "write", "export", "export_hf",
+__all__ = ["NAME", "SOURCES", "ARCHS", "FRESH", "detect", "open_source", "write", "export", "export_hf",
            "import_hf", "HFSource"]

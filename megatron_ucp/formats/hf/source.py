@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from megatron_ucp.errors import UCPError
+from megatron_ucp.formats.base import Source
 from megatron_ucp.formats.hf import archs, transforms
 from megatron_ucp.formats.manifest import RUN_HYPERPARAMETERS, Manifest, ParamEntry
 from megatron_ucp.formats.megatron_rebuild import import_specs
@@ -107,7 +108,7 @@ class HFDir(ReadsFiles):
         return self._stacked[1]
 
 
-class HFSource(ReadsFiles):
+class HFSource(ReadsFiles, Source):
     """An HF model directory of a supported architecture as universal tensors (see module doc)."""
 
     format = "hf"  # its name in the `formats` registry
