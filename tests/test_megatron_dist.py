@@ -19,8 +19,8 @@ import pytest
 import torch
 from oracles import assert_dumps_hold, dp_reshardable_full, load_keys, model_key, universal_tensors
 
+from megatron_ucp.conversion import convert_torch_dist
 from megatron_ucp.errors import UCPError
-from megatron_ucp.reshard import convert_torch_dist
 from megatron_ucp.testing.launch import launch
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron_lm"

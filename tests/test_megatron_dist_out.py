@@ -32,11 +32,11 @@ import torch
 from oracles import assert_holds_universal, dp_reshardable_full, fully_reshardable_full, universal_tensors
 
 from megatron_ucp import UCPError
+from megatron_ucp.conversion import convert_legacy, convert_torch_dist, reshard, write_torch_dist
 from megatron_ucp.formats.dcp_reader import DistReader
 from megatron_ucp.formats.megatron_dist import iteration_dir as resolve_iter_dir
 from megatron_ucp.formats.megatron_dist import run_fields as torch_dist_source_fields
 from megatron_ucp.layout import Layout
-from megatron_ucp.reshard import convert_legacy, convert_torch_dist, reshard, write_torch_dist
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "megatron_lm"

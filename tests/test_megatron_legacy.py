@@ -28,8 +28,8 @@ from oracles import legacy_reference as reference
 
 from megatron_ucp import UCPError, convert
 from megatron_ucp.cli import main as cli_main
+from megatron_ucp.conversion import convert_legacy
 from megatron_ucp.mcore_compat import has_legacy_grouped_mlp
-from megatron_ucp.reshard import convert_legacy
 from megatron_ucp.testing.launch import launch
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron_lm"

@@ -1,4 +1,4 @@
-"""Universal -> Megatron-LM `--ckpt-format torch` checkpoints (megatron_ucp.reshard.write_legacy).
+"""Universal -> Megatron-LM `--ckpt-format torch` checkpoints (megatron_ucp.conversion.write_legacy).
 
 (1) Same layout: fixture -> universal -> legacy at the fixture's own layout reproduces every tensor
     of every file bitwise (model weights, flat buffers including their zero gaps, rng states) and
@@ -28,10 +28,10 @@ from conftest import NEEDS_LEGACY_GROUPED_MLP
 from oracles import assert_dumps_hold, assert_holds_universal, legacy_full, universal_tensors
 
 from megatron_ucp import UCPError
+from megatron_ucp.conversion import convert_legacy, convert_torch_dist, reshard, write_legacy
 from megatron_ucp.formats.megatron_legacy import run_fields as legacy_source_fields
 from megatron_ucp.layout import Layout
 from megatron_ucp.mcore_compat import has_legacy_grouped_mlp
-from megatron_ucp.reshard import convert_legacy, convert_torch_dist, reshard, write_legacy
 from megatron_ucp.testing.launch import launch
 
 ROOT = Path(__file__).resolve().parent.parent

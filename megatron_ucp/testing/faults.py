@@ -296,8 +296,8 @@ CONVERSIONS = ("convert", "reshard_universal", "reshard_torch", "reshard_torch_d
 
 def run_conversion(kind: str, source: str, out: str) -> None:
     """One conversion of the matrix (the same call in the faulty child and in the retry)."""
+    from megatron_ucp.conversion import convert, reshard
     from megatron_ucp.layout import Layout
-    from megatron_ucp.reshard import convert, reshard
 
     if kind == "convert":  # fragment save root -> universal
         convert(source, out, progress=False)

@@ -2,10 +2,11 @@
 Qwen2, Mixtral, GPT-2, Qwen3, Qwen3-MoE, DeepSeek-V3, GPT-OSS and Nemotron-H (hybrid Mamba)
 architectures.
 
-Read as a source (weights as fp32 master weights, fresh optimizer state: `source.HFSource`,
-`import_hf`) and written from any source (`export.export`, `export_hf`). The name maps and the
-rules for which megatron-core models an architecture can represent are in `archs`; the element
-order of fused tensors in `transforms`.
+Read as a source (weights as fp32 master weights, fresh optimizer state: `source.HFSource`;
+`megatron_ucp.conversion.import_hf`) and written from any source (`export.export`;
+`megatron_ucp.conversion.export_hf`). The name maps and the rules for which megatron-core
+models an architecture can represent are in `archs`; the element order of fused tensors in
+`transforms`.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatron_ucp.formats.hf.archs import ARCHS
-from megatron_ucp.formats.hf.export import export, export_hf
-from megatron_ucp.formats.hf.source import FRESH, HFSource, import_hf, is_hf_dir
+from megatron_ucp.formats.hf.export import export
+from megatron_ucp.formats.hf.source import FRESH, HFSource, is_hf_dir
 
 NAME = "hf"
 SOURCES = (HFSource,)
@@ -30,5 +31,4 @@ def open_source(path: str | Path, **_: object) -> HFSource:
 
 write = export  # write(source, out, arch, ...): this format as a target
 
-__all__ = ["NAME", "SOURCES", "ARCHS", "FRESH", "detect", "open_source", "write", "export", "export_hf",
-           "import_hf", "HFSource"]
+__all__ = ["NAME", "SOURCES", "ARCHS", "FRESH", "detect", "open_source", "write", "export", "HFSource"]

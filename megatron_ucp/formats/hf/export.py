@@ -25,7 +25,6 @@ from megatron_ucp.formats import group_job
 from megatron_ucp.formats.hf import archs, transforms
 from megatron_ucp.formats.hf.archs import Rule
 from megatron_ucp.formats.manifest import Manifest
-from megatron_ucp.formats.megatron_common import null_tokenizer_vocab
 from megatron_ucp.object_store import ObjectPath
 from megatron_ucp.progress import Progress, bar
 from megatron_ucp.storage import (
@@ -35,7 +34,6 @@ from megatron_ucp.storage import (
     Reader,
     SafetensorsWriter,
     location,
-    refuse_non_empty,
     staged_dir,
 )
 
@@ -359,25 +357,3 @@ def _write_json(path: Location, obj: dict, create_only: bool = False) -> None:
         object_store.put(path, text.encode(), create_only=create_only)
     else:
         path.write_text(text)
-
-
-def export_hf(src: str | Path, out: str | Path, arch: str, *, dtype: str | None = None,
-              max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress: Progress = True,
-              vocab_size: int | None = None, rope_theta: float | None = None,
-              activation: str | None = None, trust_pickle: bool = False, distributed: bool = False) -> Path:
-    """`megatron-ucp export-hf`: open any supported checkpoint at `src` and `export` it
-    (distributed: under torchrun, every process a share of the shards)."""
-    from megatron_ucp import formats
-
-    archs.check_arch(arch)  # before opening (a Megatron-LM source rebuilds its model to open)
-    refuse_non_empty(location(out))
-    # every fragment read is read whole and its checksum checked, as `convert` does
-    source = formats.open_source(src, progress=progress, verify_fragments=True,
-                                 trust_pickle=trust_pickle)
-    args = getattr(source, "args", None)  # a Megatron-LM source's run args
-    hints = archs.hints_from_args(args) if args is not None else {}
-    if vocab_size is None and args is not None:  # Megatron-LM keeps the padding rows: drop them
-        vocab_size = null_tokenizer_vocab(args)
-    return export(source, out, arch, dtype=dtype, max_shard_bytes=max_shard_bytes,
-                  progress=progress, vocab_size=vocab_size, rope_theta=rope_theta,
-                  activation=activation, hints=hints, distributed=distributed)

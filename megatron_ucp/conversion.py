@@ -1,7 +1,11 @@
-"""Offline conversions on a CPU box: any supported checkpoint -> any writable format.
+"""Every offline conversion, in one place: convert, reshard, import-hf, import-deepspeed and
+export-hf (the CLI commands and the library API), on a CPU box.
 
 A reader (`formats.open_source`) yields universal tensors and a writer consumes them; the registry
-picks both by format name. The universal form is layout-free, so "resharding" to it means
+picks both by format name, so this module is where a source meets a target. Under torchrun a
+conversion to universal or HF is one job (`distributed=True`): the writer's files are shared out
+among the processes and rank 0 commits once (`formats.group_job`), byte for byte the
+single-process output. The universal form is layout-free, so "resharding" to it means
 consolidating once and checking that the target layout can hold the model; the target run then
 loads it directly at its layout (`megatron_ucp.load`, or Megatron-LM with `--universal-checkpoint`).
 The Megatron-LM targets (`torch`, `torch_dist`) are written at the target layout and need the
@@ -79,8 +83,7 @@ def _open(load: str | Path, fmt: str | None, progress: Progress, trust_pickle: b
     source's data files checked against its manifest, so none of their parameters is left out)."""
     source = formats.open_source(load, fmt, progress=progress, verify_fragments=True,
                                  trust_pickle=trust_pickle)
-    if source.format in formats.OWN:
-        source.check_files()
+    source.check_files()  # (a no-op but for megatron-ucp's own formats)
     return source
 
 
@@ -200,7 +203,7 @@ def _reshard_to_megatron(load, out: Location, target: Layout | None, kind: str, 
                        "args (model architecture, optimizer and run settings) that the written "
                        f"checkpoint must carry; a {kind} checkpoint has no Megatron-LM args. "
                        "Convert the original Megatron-LM checkpoint instead, or call "
-                       "megatron_ucp.reshard.write_legacy / write_torch_dist with an args template")
+                       "megatron_ucp.conversion.write_legacy / write_torch_dist with an args template")
     if target is None:
         raise UCPError(f"--target-format {target_format}: writing a Megatron-LM checkpoint needs a "
                        "target layout (rank files, flat buffers and args depend on it); pass "
@@ -228,3 +231,58 @@ def _reshard_to_megatron(load, out: Location, target: Layout | None, kind: str, 
     finally:
         shutil.rmtree(scratch.parent if isinstance(out, ObjectPath) else scratch, ignore_errors=True)
     return source.manifest
+
+
+def import_hf(hf_dir: str | Path, out: str | Path, *, progress: Progress = True,
+              max_file_bytes: int = 2**31) -> Path:
+    """`megatron-ucp import-hf`: an HF model directory -> a new universal checkpoint (fp32 master
+    weights, zero Adam moments, step 0) that `megatron_ucp.load` reads at any layout."""
+    refuse_non_empty(location(out))
+    source = formats.open_source(hf_dir, "hf")
+    if source.ignored:
+        log.info("skipped %d non-parameter tensor(s) of the HF checkpoint, e.g. %s",
+                 len(source.ignored), source.ignored[0])
+    return formats.get("universal").write(source, out, progress=progress,
+                                          max_file_bytes=max_file_bytes)
+
+
+def import_deepspeed(ds_dir: str | Path, out: str | Path, name_map: str | Path, *,
+                     trust_pickle: bool = False, progress: Progress = True,
+                     max_file_bytes: int = 2**31) -> Path:
+    """`megatron-ucp import-deepspeed`: a DeepSpeed universal folder -> a new universal checkpoint
+    with the optimizer state (fp32 master weights, both Adam moments, step) that
+    `megatron_ucp.load` reads at any layout."""
+    refuse_non_empty(location(out))
+    source = formats.open_source(ds_dir, "deepspeed", name_map=name_map, trust_pickle=trust_pickle)
+    log.info("%d DeepSpeed parameters -> megatron-core (name map %s); hyper-parameters: %s",
+             len(source.rules), source.map.path,
+             "from the name map" if source.map.optimizer else "the loading run's own "
+             "(zero/optimizer_state.pt is not read)")
+    return formats.get("universal").write(source, out, progress=progress,
+                                          max_file_bytes=max_file_bytes)
+
+
+def export_hf(src: str | Path, out: str | Path, arch: str, *, dtype: str | None = None,
+              max_shard_bytes: int | None = None, progress: Progress = True,
+              vocab_size: int | None = None, rope_theta: float | None = None,
+              activation: str | None = None, trust_pickle: bool = False,
+              distributed: bool = False) -> Path:
+    """`megatron-ucp export-hf`: open any supported checkpoint at `src` and write it as a Hugging
+    Face model directory of `arch` (`formats.hf.export` documents the options; distributed: under
+    torchrun, every process a share of the shards)."""
+    from megatron_ucp.formats import hf
+    from megatron_ucp.formats.megatron_common import null_tokenizer_vocab
+
+    hf.archs.check_arch(arch)  # before opening (a Megatron-LM source rebuilds its model to open)
+    refuse_non_empty(location(out))
+    # every fragment read is read whole and its checksum checked, as `convert` does
+    source = formats.open_source(src, progress=progress, verify_fragments=True,
+                                 trust_pickle=trust_pickle)
+    args = source.args  # a Megatron-LM source's run args
+    hints = hf.archs.hints_from_args(args) if args is not None else {}
+    if vocab_size is None and args is not None:  # Megatron-LM keeps the padding rows: drop them
+        vocab_size = null_tokenizer_vocab(args)
+    sizes = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
+    return hf.export(source, out, arch, dtype=dtype, **sizes, progress=progress,
+                     vocab_size=vocab_size, rope_theta=rope_theta, activation=activation,
+                     hints=hints, distributed=distributed)
