@@ -14,10 +14,11 @@ source run's args, so their source must be a Megatron-LM checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import math
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from pathlib import Path
 from megatron_ucp import formats
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats import manifest as mf
+from megatron_ucp.formats.base import Source
 from megatron_ucp.layout import Layout
 from megatron_ucp.object_store import ObjectPath, download_tree, list_objects
 from megatron_ucp.progress import Progress
@@ -135,7 +137,7 @@ def reshard(load: str | Path, save: str | Path, target: Layout | None = None,
     expert_tensor_parallel: torch_dist only, the target's expert TP size (MoE). A legacy torch
     checkpoint cannot hold ETP != TP: only expert-DP rank 0 writes it, so with ETP < TP the TP
     ranks that share an expert shard write no rank directory.
-    workers: processes writing the universal data files (the scratch copy for Megatron targets).
+    workers: processes writing the universal data files (universal target).
     trust_pickle: load Megatron-LM files with the plain unpickler (see `convert`)."""
     t0 = time.perf_counter()
     if target_format not in TARGET_FORMATS:
@@ -157,8 +159,7 @@ def reshard(load: str | Path, save: str | Path, target: Layout | None = None,
         options = {k: v for k, v in (("sharding", optim_sharding),
                                      ("expert_tensor_parallel", expert_tensor_parallel)) if v}
         manifest = _reshard_to_megatron(load, out, target, kind, target_format, progress,
-                                        first_stage_layers, last_stage_layers, workers, trust_pickle,
-                                        options)
+                                        first_stage_layers, last_stage_layers, trust_pickle, options)
     else:
         refuse_non_empty(out)
         source = _open(load, None, progress, trust_pickle)
@@ -192,10 +193,11 @@ def reshard(load: str | Path, save: str | Path, target: Layout | None = None,
 
 def _reshard_to_megatron(load, out: Location, target: Layout | None, kind: str, target_format: str,
                          progress: Progress, first: int | None, last: int | None,
-                         workers: int, trust_pickle: bool, options: dict) -> mf.Manifest:
-    """Megatron-LM -> universal (scratch next to `out`; for a store prefix, under TMPDIR) ->
-    Megatron-LM `target_format` at target (in a store: written locally, then uploaded with the
-    tracker file last, `storage.staged_dir`)."""
+                         trust_pickle: bool, options: dict) -> mf.Manifest:
+    """Megatron-LM -> Megatron-LM `target_format` at target, streamed: the target writer reads
+    the source's tensors box by box (`UniversalView`), nothing in between on disk (in a store:
+    written locally, then uploaded with the tracker file last, `storage.staged_dir`). Returns the
+    manifest the universal form of the source would have."""
     if kind not in MEGATRON_SOURCES:
         raise UCPError(f"{load}: --target-format {target_format} needs a Megatron-LM checkpoint "
                        "(torch, torch_dist, fsdp_dtensor or torch_dcp) source, "
@@ -208,11 +210,6 @@ def _reshard_to_megatron(load, out: Location, target: Layout | None, kind: str, 
         raise UCPError(f"--target-format {target_format}: writing a Megatron-LM checkpoint needs a "
                        "target layout (rank files, flat buffers and args depend on it); pass "
                        "target=Layout(...) (CLI: --target-tp/--target-pp/--target-dp ...)")
-    scratch = (Path(tempfile.mkdtemp(prefix="megatron-ucp-scratch-")) / "universal"
-               if isinstance(out, ObjectPath) else out.with_name(f".{out.name}.universal"))
-    if scratch.exists():  # left by a conversion killed after its commit (or before its cleanup)
-        log.warning("removing %s, the scratch copy of an interrupted conversion", scratch)
-        shutil.rmtree(scratch, ignore_errors=True)
     refuse_non_empty(out)
     src = formats.get(kind).run_fields(load, trust_pickle)
     if first is None and last is None and src.layout.pp == target.pp:
@@ -221,16 +218,53 @@ def _reshard_to_megatron(load, out: Location, target: Layout | None, kind: str, 
     rng = src.rng_by_position
     if rng and src.layout != target:  # per-rank states belong to the source ranks: rank 0's
         rng = rng.get((0, 0), next(iter(rng.values())))
-    try:
-        convert(load, scratch, progress=progress, workers=workers, fmt=kind, trust_pickle=trust_pickle)
-        source = formats.open_megatron_ucp(scratch)
-        formats.get(TARGET_FORMATS[target_format]).write(
-            source, out, target, src.args, rng_state=rng,
-            num_floating_point_operations_so_far=src.num_floating_point_operations_so_far,
-            first_stage_layers=first, last_stage_layers=last, progress=progress, **options)
-    finally:
-        shutil.rmtree(scratch.parent if isinstance(out, ObjectPath) else scratch, ignore_errors=True)
+    source = UniversalView(_open(load, kind, progress, trust_pickle))
+    formats.get(TARGET_FORMATS[target_format]).write(
+        source, out, target, src.args, rng_state=rng,
+        num_floating_point_operations_so_far=src.num_floating_point_operations_so_far,
+        first_stage_layers=first, last_stage_layers=last, progress=progress, **options)
     return source.manifest
+
+
+class UniversalView(Source):
+    """A source seen as its universal form would hold it, without writing that form: the manifest
+    `universal.write` would write (vocab rows cut to the true vocabulary, the run state as its
+    JSON holds it) over the source's own reads. So a Megatron-LM target written from it is the
+    one written from the converted universal checkpoint, byte for byte."""
+
+    def __init__(self, source: Source):
+        from megatron_ucp.formats.manifest import Manifest, ParamEntry
+        from megatron_ucp.formats.universal.writer import without_padding
+
+        self.source, self.dir, self.origin, self.args = source, source.dir, source.origin, source.args
+        self.format = source.format
+        header = source.manifest
+        params = {n: ParamEntry(without_padding(p.spec, header.true_vocab), source.step(n))
+                  for n, p in header.params.items()}
+        universal = Manifest.universal(header, params, source.origin)
+        # the run state through JSON, as the universal manifest.json would give it back
+        run_state = json.loads(json.dumps({k: getattr(universal, k) for k in _RUN_STATE}))
+        self.manifest = dataclasses.replace(universal, **run_state)
+
+    @property
+    def bytes_read(self) -> int:
+        return self.source.bytes_read
+
+    def read(self, name: str, state: str, offset: tuple[int, ...], shape: tuple[int, ...]):
+        return self.source.read(name, state, offset, shape)
+
+    def read_into(self, name: str, state: str, offset: tuple[int, ...], shape: tuple[int, ...],
+                  out) -> None:
+        self.source.read_into(name, state, offset, shape, out)
+
+    def step(self, name: str) -> float:
+        return self.manifest.params[name].step
+
+    def rng_ranks(self) -> list[int]:
+        return []  # a Megatron-LM run's generator states go to its writers (`run_fields`)
+
+
+_RUN_STATE = ("model", "optimizer", "scheduler", "extra")
 
 
 def import_hf(hf_dir: str | Path, out: str | Path, *, progress: Progress = True,

@@ -345,7 +345,7 @@ def test_moe_legacy_and_torch_dist_sources_agree(tmp_path):
         out = tmp_path / f"out_{lay}"
         reshard(MOE_LEGACY, out, lay, target_format="torch_dist", expert_tensor_parallel=etp,
                 progress=False)
-        args = common(out).args
+        args = common(out)["args"]
         assert (args.tensor_model_parallel_size, args.expert_model_parallel_size,
                 args.expert_tensor_parallel_size, args.data_parallel_size) == \
             (lay.tp, lay.ep, etp or lay.tp, lay.dp)

@@ -61,7 +61,7 @@ def converted(tmp_path_factory) -> dict[str, Path]:
 def test_universal_tensors_match_independent_assembly(converted, name):
     udir = converted[name]
     manifest, tensors = universal_tensors(udir)
-    args = load(next((FIXTURES / name / "ckpt" / ITER).iterdir()) / "model_optim_rng.pt").args
+    args = load(next((FIXTURES / name / "ckpt" / ITER).iterdir()) / "model_optim_rng.pt")["args"]
     ref = reference(FIXTURES / name / "ckpt")
     assert set(manifest["params"]) == set(ref)
     for pname, copies in ref.items():
