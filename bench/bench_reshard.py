@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench._measure import copy_tree_fsync, dir_bytes  # noqa: E402
+from megatron_ucp.conversion import reshard  # noqa: E402
 from megatron_ucp.layout import Layout  # noqa: E402
-from megatron_ucp.reshard import reshard  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "megatron_lm"
 TARGETS = {"torch_tp2_pp2": Layout(tp=1, dp=2), "torch_dp2": Layout(tp=2), "torch_vpp": Layout(pp=2),
@@ -48,7 +48,7 @@ def scaled_legacy_checkpoint(tmp: Path) -> Path:
     with megatron-core, saved by megatron_ucp, written as legacy with the fixture's args scaled."""
     import torch
 
-    from megatron_ucp.reshard import convert, write_legacy
+    from megatron_ucp.conversion import convert, write_legacy
     from megatron_ucp.testing.launch import launch
 
     launch(4, "megatron_ucp.testing.scenarios:train_and_save",

@@ -261,7 +261,7 @@ def convert_in_process(src: str, dst: str, sample_s: float, cold: bool) -> dict:
     """Rank function (one process, run through launch): `megatron_ucp.convert` timed in-process,
     after its imports, from a cold source; peak memory of this process during the call."""
     from bench._measure import PeakMemory
-    from megatron_ucp.reshard import convert
+    from megatron_ucp.conversion import convert
 
     os.sync()
     if cold:
@@ -633,7 +633,7 @@ def render(res: dict) -> str:
         lines.append(f"goal {goal}: " + ", ".join(f"{size} {'met' if ok else 'MISSED'}"
                                                   for size, ok in met.items()))
     a = res["anchors"]
-    lines.append(f"interpreter start + imports: megatron_ucp.reshard {a['ucp_startup_s']:.2f}s"
+    lines.append(f"interpreter start + imports: megatron_ucp.conversion {a['ucp_startup_s']:.2f}s"
                  + (f", ds_to_universal {a['ds_startup_s']:.2f}s" if "ds_startup_s" in a else "")
                  + " (inside convert_cli_s and ds_to_universal_s; not inside convert_s)")
     return "\n".join(lines)
@@ -653,7 +653,7 @@ def main(argv: list[str] | None = None) -> dict:
                  "per_size": []}
     t_all = time.perf_counter()
     try:
-        res["anchors"] = {"ucp_startup_s": python_startup("megatron_ucp.reshard")}
+        res["anchors"] = {"ucp_startup_s": python_startup("megatron_ucp.conversion")}
         if not args.no_deepspeed:
             res["anchors"]["ds_startup_s"] = python_startup("deepspeed.checkpoint.ds_to_universal",
                                                             ds_env(args))

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron_ucp import formats  # the registry: no torch
+
 
 class _HFArchs:
     """export-hf --arch choices: the registry formats.hf.archs.ARCHS, read only when argparse
@@ -24,7 +26,6 @@ HF_ARCHS = _HFArchs()
 
 TRUST_HELP = ("unpickle Megatron-LM files with the plain unpickler (runs code from the file): only "
               "for checkpoints you trust whose pickles hold types outside megatron-ucp's allowlist")
-IMPORTS = {"import-legacy": "megatron_torch", "import-torch-dist": "megatron_torch_dist"}
 NO_PROGRESS_HELP = "no progress bars (log lines only)"
 TARGET_DIMS = {"tp": "tensor-parallel", "pp": "pipeline-parallel", "dp": "data-parallel",
                "ep": "expert-parallel", "vpp": "virtual pipeline (model chunks per stage)",
@@ -35,6 +36,21 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line's parser (every subcommand but profile-recompute's own flags)."""
     parser = argparse.ArgumentParser(prog="megatron-ucp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    # (in the order `--help` lists them)
+    _add_convert_inspect(sub)
+    _add_reshard(sub)
+    _add_verify_diff(sub)
+    _add_megatron_imports(sub)
+    _add_export_hf(sub)
+    _add_other_imports(sub)
+    _add_plan_recompute(sub)
+    sub.add_parser("profile-recompute", add_help=False,
+                   help="Lynx: measure per-module layer costs and p2p/TP all-reduce costs on the real "
+                   "megatron-core layers into a profile for plan-recompute (its own --help)")
+    return parser
+
+
+def _add_convert_inspect(sub) -> None:
     p = sub.add_parser("convert", help="consolidate a fragment checkpoint into a universal directory")
     p.add_argument("fragments_dir", help="save root (with 'latest') or an iter_XXXXXXX directory")
     p.add_argument("universal_dir", help="new output directory")
@@ -43,6 +59,28 @@ def build_parser() -> argparse.ArgumentParser:
                        "checkpoint (megatron-ucp, Megatron-LM torch or torch_dist, Hugging Face)")
     p.add_argument("dir", help="checkpoint (format detected): a save root or a checkpoint directory")
     p.add_argument("--trust-pickle", action="store_true", help=TRUST_HELP)
+
+
+def _add_verify_diff(sub) -> None:
+    p = sub.add_parser("verify", help="checksums of every tensor and exact coverage of every parameter")
+    p.add_argument("dir", help="megatron-ucp checkpoint: a save root or a checkpoint directory")
+    p = sub.add_parser("diff", help="compare two checkpoints (any supported format and layout): the "
+                       "iteration, which parameters and optimizer states each holds, every Adam step "
+                       "and the max abs/rel difference per tensor. Exit status: 0 when they hold the "
+                       "same parameters, states and steps and every difference is within --atol or "
+                       "--rtol (default: identical), 1 when they differ, 2 on an error")
+    p.add_argument("a", help="first checkpoint (format detected)")
+    p.add_argument("b", help="second checkpoint (format detected)")
+    p.add_argument("--atol", type=float, default=0.0,
+                   help="a tensor matches when its max abs difference is at most this (default 0)")
+    p.add_argument("--rtol", type=float, default=0.0,
+                   help="... or its max relative difference is at most this (default 0)")
+    p.add_argument("--trust-pickle", action="store_true", help=TRUST_HELP)
+
+
+def _add_reshard(sub) -> None:
+    """reshard: its target formats are the registry's (`formats.TARGETS`)."""
+    megatron = [t for t, name in formats.TARGETS.items() if formats.FORMATS[name].run_args]
     p = sub.add_parser("reshard", help="any checkpoint (megatron-ucp, Megatron-LM torch or torch_dist) "
                        "-> universal directory, checked against a target layout")
     p.add_argument("--load", required=True, help="source checkpoint (format detected)")
@@ -51,10 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--target-{dim}", type=int, default=None,
                        help=f"target {what} size (default 1; a universal target is only checked "
                        "against the target layout, which the loading run chooses)")
-    p.add_argument("--target-format", choices=["universal", "torch", "torch_dist"], default="universal",
+    p.add_argument("--target-format", choices=list(formats.TARGETS), default="universal",
                    help="universal (default; layout-free, megatron_ucp.load or Megatron-LM "
                    "--universal-checkpoint), or a Megatron-LM checkpoint at the target layout: "
-                   "torch (--ckpt-format torch) or torch_dist (--ckpt-format torch_dist); those need "
+                   f"{' or '.join(f'{t} (--ckpt-format {t})' for t in megatron)}; those need "
                    "a Megatron-LM source")
     p.add_argument("--workers", type=int, default=1,
                    help="processes writing the universal data files (forked; default 1)")
@@ -71,21 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "loads at the target TP/PP only)")
     p.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
     p.add_argument("--trust-pickle", action="store_true", help=TRUST_HELP)
-    p = sub.add_parser("verify", help="checksums of every tensor and exact coverage of every parameter")
-    p.add_argument("dir", help="megatron-ucp checkpoint: a save root or a checkpoint directory")
-    p = sub.add_parser("diff", help="compare two checkpoints (any supported format and layout): the "
-                       "iteration, which parameters and optimizer states each holds, every Adam step "
-                       "and the max abs/rel difference per tensor. Exit status: 0 when they hold the "
-                       "same parameters, states and steps and every difference is within --atol or "
-                       "--rtol (default: identical), 1 when they differ, 2 on an error")
-    p.add_argument("a", help="first checkpoint (format detected)")
-    p.add_argument("b", help="second checkpoint (format detected)")
-    p.add_argument("--atol", type=float, default=0.0,
-                   help="a tensor matches when its max abs difference is at most this (default 0)")
-    p.add_argument("--rtol", type=float, default=0.0,
-                   help="... or its max relative difference is at most this (default 0)")
-    p.add_argument("--trust-pickle", action="store_true", help=TRUST_HELP)
-    for command, what in (("import-legacy", "torch"), ("import-torch-dist", "torch_dist")):
+
+
+def _add_megatron_imports(sub) -> None:
+    """import-<format> of each registered format that declares such a command."""
+    for command, name in formats.IMPORT_COMMANDS.items():
+        what = formats.FORMATS[name].target
         p = sub.add_parser(command, help=f"convert a Megatron-LM --ckpt-format {what} checkpoint "
                            "(distributed optimizer) into a universal directory")
         p.add_argument("load_dir", help="Megatron-LM save root (with "
@@ -93,6 +122,32 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("universal_dir", help="new output directory")
         p.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
         p.add_argument("--trust-pickle", action="store_true", help=TRUST_HELP)
+
+
+def _add_other_imports(sub) -> None:
+    """import-hf, import-deepspeed (their own arguments)."""
+    p = sub.add_parser("import-hf", help="a Hugging Face transformers model directory -> universal "
+                       "directory (fp32 master weights, fresh optimizer state)")
+    p.add_argument("hf_dir", help="save_pretrained output: config.json and *.safetensors")
+    p.add_argument("universal_dir", help="new output directory")
+    p.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
+    p = sub.add_parser("import-deepspeed", help="a DeepSpeed universal checkpoint folder "
+                       "(ds_to_universal output) -> universal directory with its optimizer state "
+                       "(fp32 master weights, Adam moments and step)")
+    p.add_argument("ds_universal_dir", help="ds_to_universal's --output_folder (holds zero/), or the "
+                   "DeepSpeed save directory whose latest_universal names it")
+    p.add_argument("universal_dir", help="new output directory")
+    p.add_argument("--name-map", required=True, metavar="MAP.yaml",
+                   help="the megatron-core model settings and the DeepSpeed -> megatron-core name "
+                   "rules (configs/deepspeed/*.yaml; schema in configs/deepspeed/README.md)")
+    p.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
+    p.add_argument("--trust-pickle", action="store_true",
+                   help="unpickle the zero/*.pt files with the plain unpickler (runs code from the "
+                   "files): only for checkpoints you trust that hold types outside the allowlist "
+                   "(tensors, numbers, flags)")
+
+
+def _add_export_hf(sub) -> None:
     p = sub.add_parser("export-hf", help="any checkpoint -> a Hugging Face transformers model "
                        "directory (config.json, safetensors shards; no optimizer state)")
     p.add_argument("src", help="source checkpoint (format detected)")
@@ -113,25 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: Megatron-LM args, else the import-hf record, else gelu / swiglu)")
     p.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
     p.add_argument("--trust-pickle", action="store_true", help=TRUST_HELP)
-    p = sub.add_parser("import-hf", help="a Hugging Face transformers model directory -> universal "
-                       "directory (fp32 master weights, fresh optimizer state)")
-    p.add_argument("hf_dir", help="save_pretrained output: config.json and *.safetensors")
-    p.add_argument("universal_dir", help="new output directory")
-    p.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
-    p = sub.add_parser("import-deepspeed", help="a DeepSpeed universal checkpoint folder "
-                       "(ds_to_universal output) -> universal directory with its optimizer state "
-                       "(fp32 master weights, Adam moments and step)")
-    p.add_argument("ds_universal_dir", help="ds_to_universal's --output_folder (holds zero/), or the "
-                   "DeepSpeed save directory whose latest_universal names it")
-    p.add_argument("universal_dir", help="new output directory")
-    p.add_argument("--name-map", required=True, metavar="MAP.yaml",
-                   help="the megatron-core model settings and the DeepSpeed -> megatron-core name "
-                   "rules (configs/deepspeed/*.yaml; schema in configs/deepspeed/README.md)")
-    p.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
-    p.add_argument("--trust-pickle", action="store_true",
-                   help="unpickle the zero/*.pt files with the plain unpickler (runs code from the "
-                   "files): only for checkpoints you trust that hold types outside the allowlist "
-                   "(tensors, numbers, flags)")
+
+
+def _add_plan_recompute(sub) -> None:
     p = sub.add_parser("plan-recompute", help="Lynx: per-layer recompute choices, overlap windows and "
                        "a recompute-aware stage partition under a memory limit, against Megatron's "
                        "best recompute setting (simulated)")
@@ -151,10 +190,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vpp", type=int, default=None, help="interleaved schedule: model chunks per stage")
     p.add_argument("--out", default="recompute-plan.json", metavar="PLAN.json",
                    help="where to write the plan (default recompute-plan.json)")
-    sub.add_parser("profile-recompute", add_help=False,
-                   help="Lynx: measure per-module layer costs and p2p/TP all-reduce costs on the real "
-                   "megatron-core layers into a profile for plan-recompute (its own --help)")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,64 +224,12 @@ def main(argv: list[str] | None = None) -> int:
             distributed, created_group = _join_torchrun_job()
         if distributed:
             progress = False
-        if args.command == "convert":
-            from megatron_ucp.reshard import convert
-
-            convert(args.fragments_dir, args.universal_dir, progress=progress, distributed=distributed)
-        elif args.command == "inspect":
-            from megatron_ucp.inspector import inspect
-
-            print(inspect(args.dir, trust_pickle=args.trust_pickle))
-        elif args.command == "reshard":
-            from megatron_ucp.layout import Layout
-            from megatron_ucp.reshard import reshard
-
-            sizes = {d: getattr(args, f"target_{d}") for d in TARGET_DIMS}
-            target = (Layout(**{d: v for d, v in sizes.items() if v is not None})
-                      if any(v is not None for v in sizes.values()) else None)
-            print(reshard(args.load, args.save, target, args.target_format,
-                          progress=progress,
-                          first_stage_layers=args.target_first_stage_layers,
-                          last_stage_layers=args.target_last_stage_layers, workers=args.workers,
-                          optim_sharding=args.target_optim_sharding,
-                          expert_tensor_parallel=args.target_etp, trust_pickle=args.trust_pickle,
-                          distributed=distributed))
-        elif args.command == "verify":
-            from megatron_ucp.checks import verify
-
-            print(verify(args.dir))
-        elif args.command == "diff":
-            from megatron_ucp.checks import diff, format_diff
-
-            rows = diff(args.a, args.b, trust_pickle=args.trust_pickle)
-            print(format_diff(rows, args.atol, args.rtol))
-            return int(any(r.differs(args.atol, args.rtol) for r in rows))
-        elif args.command in IMPORTS:
-            from megatron_ucp.reshard import convert
-
-            convert(args.load_dir, args.universal_dir, progress=progress, fmt=IMPORTS[args.command],
-                    trust_pickle=args.trust_pickle)
-        elif args.command == "export-hf":
-            from megatron_ucp.formats.hf import export_hf
-
-            export_hf(args.src, args.out, args.arch, dtype=args.dtype,
-                      max_shard_bytes=args.max_shard_bytes, progress=progress,
-                      vocab_size=args.vocab_size, rope_theta=args.rope_theta,
-                      activation=args.activation, trust_pickle=args.trust_pickle,
-                      distributed=distributed)
-        elif args.command == "import-hf":
-            from megatron_ucp.formats.hf import import_hf
-
-            import_hf(args.hf_dir, args.universal_dir, progress=progress)
-        elif args.command == "import-deepspeed":
-            from megatron_ucp.formats.deepspeed import import_deepspeed
-
-            import_deepspeed(args.ds_universal_dir, args.universal_dir, args.name_map,
-                             trust_pickle=args.trust_pickle, progress=progress)
+        status = _run(args, progress, distributed)
         if distributed:  # every process is done before any tears the group down
             import torch.distributed as dist
 
             dist.barrier()
+        return status
     except UCPError as e:
         print(f"megatron-ucp: error: {e}", file=sys.stderr)
         return 2
@@ -254,6 +237,56 @@ def main(argv: list[str] | None = None) -> int:
         logger.removeHandler(handler)
         if created_group:
             _leave_torchrun_job()
+
+
+def _run(args, progress, distributed: bool) -> int:
+    """One command but plan-/profile-recompute; its exit status."""
+    from megatron_ucp import conversion
+
+    if args.command == "convert":
+        conversion.convert(args.fragments_dir, args.universal_dir, progress=progress,
+                           distributed=distributed)
+    elif args.command == "inspect":
+        from megatron_ucp.inspector import inspect
+
+        print(inspect(args.dir, trust_pickle=args.trust_pickle))
+    elif args.command == "reshard":
+        from megatron_ucp.layout import Layout
+
+        sizes = {d: getattr(args, f"target_{d}") for d in TARGET_DIMS}
+        target = (Layout(**{d: v for d, v in sizes.items() if v is not None})
+                  if any(v is not None for v in sizes.values()) else None)
+        print(conversion.reshard(args.load, args.save, target, args.target_format,
+                                 progress=progress,
+                                 first_stage_layers=args.target_first_stage_layers,
+                                 last_stage_layers=args.target_last_stage_layers,
+                                 workers=args.workers, optim_sharding=args.target_optim_sharding,
+                                 expert_tensor_parallel=args.target_etp,
+                                 trust_pickle=args.trust_pickle, distributed=distributed))
+    elif args.command == "verify":
+        from megatron_ucp.checks import verify
+
+        print(verify(args.dir))
+    elif args.command == "diff":
+        from megatron_ucp.checks import diff, format_diff
+
+        rows = diff(args.a, args.b, trust_pickle=args.trust_pickle)
+        print(format_diff(rows, args.atol, args.rtol))
+        return int(any(r.differs(args.atol, args.rtol) for r in rows))
+    elif args.command in formats.IMPORT_COMMANDS:
+        conversion.convert(args.load_dir, args.universal_dir, progress=progress,
+                           fmt=formats.IMPORT_COMMANDS[args.command], trust_pickle=args.trust_pickle)
+    elif args.command == "export-hf":
+        conversion.export_hf(args.src, args.out, args.arch, dtype=args.dtype,
+                             max_shard_bytes=args.max_shard_bytes, progress=progress,
+                             vocab_size=args.vocab_size, rope_theta=args.rope_theta,
+                             activation=args.activation, trust_pickle=args.trust_pickle,
+                             distributed=distributed)
+    elif args.command == "import-hf":
+        conversion.import_hf(args.hf_dir, args.universal_dir, progress=progress)
+    elif args.command == "import-deepspeed":
+        conversion.import_deepspeed(args.ds_universal_dir, args.universal_dir, args.name_map,
+                                    trust_pickle=args.trust_pickle, progress=progress)
     return 0
 
 

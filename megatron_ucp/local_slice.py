@@ -14,22 +14,11 @@ import torch
 from megatron_ucp.spec import Piece
 
 if TYPE_CHECKING:  # (param_spec imports megatron-core, which assembling a slice does not need)
+    from megatron_ucp.formats.base import Source
     from megatron_ucp.param_spec import LocalParam
 
 
-def _read_box(source, name: str, state: str, offset: tuple[int, ...], shape: tuple[int, ...],
-              out: torch.Tensor) -> None:
-    """Box [offset, offset + shape) of a universal tensor into `out` (a contiguous fp32 tensor of
-    that shape): straight from the source's bytes where the source can (`read_into`), else
-    through the tensor its `read` returns."""
-    read_into = getattr(source, "read_into", None)
-    if read_into is not None:
-        read_into(name, state, offset, shape, out)
-    else:
-        out.copy_(source.read(name, state, offset, shape))
-
-
-def read_local(source, lp: LocalParam, state: str, a: int, b: int,
+def read_local(source: Source, lp: LocalParam, state: str, a: int, b: int,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """Elements [a, b) of this rank's flattened region of `lp`, assembled from universal boxes,
     written into `out` (a contiguous fp32 tensor of b - a elements, e.g. the optimizer's own
@@ -64,11 +53,12 @@ def read_local(source, lp: LocalParam, state: str, a: int, b: int,
     if sum(math.prod(shape) for _, _, shape in boxes) != b - a:
         out.zero_()  # padding rows no box covers (pieces never overlap)
     for at, offset, shape in boxes:
-        _read_box(source, lp.spec.name, state, offset, shape, out[at:at + math.prod(shape)].view(shape))
+        # straight from the source's bytes where the source can (`Source.read_into`)
+        source.read_into(lp.spec.name, state, offset, shape, out[at:at + math.prod(shape)].view(shape))
     return out
 
 
-def _read_strided(source, lp: LocalParam, state: str, a: int, b: int,
+def _read_strided(source: Source, lp: LocalParam, state: str, a: int, b: int,
                   shapes: list[tuple[int, ...]]) -> torch.Tensor:
     """`read_local` for a region with strided pieces (a GroupedMLP expert weight is a transposed
     view of its fused tensor): each piece's part is read and written through its strided view of

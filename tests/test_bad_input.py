@@ -25,9 +25,9 @@ import torch
 import megatron_ucp as ucp
 from megatron_ucp import UCPError
 from megatron_ucp.checks import verify
+from megatron_ucp.conversion import convert, reshard
 from megatron_ucp.formats import open_source
 from megatron_ucp.layout import Layout
-from megatron_ucp.reshard import convert, reshard
 from megatron_ucp.testing.launch import LaunchError, launch
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "megatron_lm"

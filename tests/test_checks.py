@@ -71,7 +71,7 @@ def test_diff_names_the_changed_tensor(saved, tmp_path):
 def test_diff_megatron_torch_dist_against_its_import(tmp_path):
     src = FIXTURES / "torch_dist_pp2_fullyreshardable" / "ckpt"
     assert detect(src) == "megatron_torch_dist"
-    from megatron_ucp.reshard import convert_torch_dist
+    from megatron_ucp.conversion import convert_torch_dist
 
     udir = convert_torch_dist(src, tmp_path / "u", progress=False)
     rows = diff(src, udir)

@@ -12,7 +12,7 @@ from test_transitions import universal_tensors
 
 import megatron_ucp as ucp
 from megatron_ucp.formats import open_source
-from megatron_ucp.formats.universal.writer import balanced
+from megatron_ucp.formats.group_job import balanced
 from megatron_ucp.testing.launch import LaunchError, launch
 
 
@@ -63,7 +63,7 @@ def test_distributed_convert_refuses_a_used_output_on_every_rank(source_runs, tm
 def test_distributed_export_hf_matches_single_process(source_runs, tmp_path):
     """`export-hf` under torchrun: each of 2 processes writes a balanced share of the shards, rank
     0 commits once; every file is byte for byte the single-process export's."""
-    from megatron_ucp.formats.hf import export_hf
+    from megatron_ucp.conversion import export_hf
 
     ckpt = source_runs.get("tp2", {})["ckpt"]
     single = export_hf(ckpt, tmp_path / "single", "gpt2", max_shard_bytes=100_000, progress=False)
@@ -83,7 +83,7 @@ def test_distributed_job_writes_to_a_bucket(command, source_runs, s3_prefix, tmp
     its files, rank 0 commits with the create-only put of the manifest (config.json for HF); the
     objects are byte for byte the single-process output and no upload is left incomplete."""
     from megatron_ucp import storage
-    from megatron_ucp.formats.hf import export_hf
+    from megatron_ucp.conversion import export_hf
     from megatron_ucp.storage import location
 
     ckpt = source_runs.get("tp2", {})["ckpt"]

@@ -59,7 +59,7 @@ TABLE: list[dict] = []  # one row per injected fault, printed by test_fault_tabl
 def servers() -> Iterator[dict[str, ForkLauncher]]:
     """Both servers start together: their imports (~8 s each) overlap."""
     s = {"save": ForkLauncher(f"megatron_ucp.testing.scenarios,{FAULTS}"),
-         "convert": ForkLauncher(f"megatron_ucp.reshard,{FAULTS}")}
+         "convert": ForkLauncher(f"megatron_ucp.conversion,{FAULTS}")}
     yield s
     for server in s.values():
         server.close()
@@ -330,7 +330,7 @@ def _output_tensors(kind: str, out: Path, scratch: Path) -> dict:
     """A conversion output's tensors: universal outputs verified and read; Megatron-LM outputs
     converted back to universal first (a complete checkpoint converts, a partial one cannot)."""
     from megatron_ucp.checks import verify
-    from megatron_ucp.reshard import convert
+    from megatron_ucp.conversion import convert
 
     if kind in ("convert", "reshard_universal"):
         assert verify(out).startswith("OK "), f"{out} does not verify"

@@ -18,8 +18,9 @@ from conftest import REPORT
 
 transformers = pytest.importorskip("transformers")
 
+from megatron_ucp.conversion import import_hf  # noqa: E402
 from megatron_ucp.formats import open_source  # noqa: E402
-from megatron_ucp.formats.hf import archs, export, import_hf  # noqa: E402
+from megatron_ucp.formats.hf import archs, export  # noqa: E402
 from megatron_ucp.formats.hf.archs.nemotron_h import NO_DT_CLAMP  # noqa: E402
 from megatron_ucp.testing.launch import launch  # noqa: E402
 

@@ -23,9 +23,10 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from megatron_ucp.cli import main  # noqa: E402
+from megatron_ucp.conversion import import_hf  # noqa: E402
 from megatron_ucp.errors import UCPError  # noqa: E402
 from megatron_ucp.formats import open_source  # noqa: E402
-from megatron_ucp.formats.hf import archs, export, import_hf  # noqa: E402
+from megatron_ucp.formats.hf import archs, export  # noqa: E402
 from megatron_ucp.formats.hf.archs.nemotron_h import NO_DT_CLAMP  # noqa: E402
 from megatron_ucp.formats.hf.source import HFSource  # noqa: E402
 from megatron_ucp.spec import ParamSpec  # noqa: E402
@@ -349,7 +350,7 @@ def test_megatron_lm_checkpoint_exports(tmp_path, fixture, arch):
     tensor (read with safetensors) is the source's master weight in the export dtype, split into
     HF's tensors by hand from the source files (tests/oracles.py: no megatron_ucp reader and none
     of its q/k/v, gate/up or Conv1D transforms), and transformers runs the model."""
-    from megatron_ucp.formats.hf import export_hf
+    from megatron_ucp.conversion import export_hf
 
     src = FIXTURES / fixture / "ckpt"
     out = export_hf(src, tmp_path / "hf", arch, progress=False)

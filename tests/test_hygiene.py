@@ -32,7 +32,7 @@ before = snapshot()
 from megatron_ucp.checks import diff, verify
 from megatron_ucp.inspector import inspect
 from megatron_ucp.layout import Layout
-from megatron_ucp.reshard import convert, reshard
+from megatron_ucp.conversion import convert, reshard
 out, fx = sys.argv[1], sys.argv[2]
 moe = "/torch_moe_grouped_ep2/ckpt" if gg is not None else "/torch_moe_ep2/ckpt"  # MoE rebuild
 u = convert(fx + moe, out + "/u", progress=False)

@@ -20,8 +20,8 @@ import torch
 from helpers import FIXTURE_MODEL
 from oracles import assert_dumps_hold, dp_reshardable_full, load_keys, model_key, universal_tensors
 
+from megatron_ucp.conversion import convert_torch_dist
 from megatron_ucp.errors import UCPError
-from megatron_ucp.reshard import convert_torch_dist
 from megatron_ucp.testing.launch import launch
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron_lm"
@@ -123,7 +123,7 @@ def test_args_and_tensors_must_agree():
     """The TP1 model built from args and the stored tensors are matched both ways, by name."""
     import argparse
 
-    from megatron_ucp.formats.megatron_dist.layout import DistReader
+    from megatron_ucp.formats.dcp_reader import DistReader
     from megatron_ucp.formats.megatron_dist.layout import plan_model as _plan_model
     from megatron_ucp.formats.megatron_dist.reader import check_names as _check_names
 

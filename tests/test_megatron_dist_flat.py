@@ -29,8 +29,8 @@ import torch
 from helpers import FIXTURE_MODEL, dump_step_and_finish
 from oracles import assert_dumps_hold, assert_holds_universal, flattened_full, universal_tensors
 
+from megatron_ucp.conversion import convert_torch_dist
 from megatron_ucp.errors import UCPError
-from megatron_ucp.reshard import convert_torch_dist
 from megatron_ucp.testing.launch import launch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,14 +113,14 @@ def load_torch_dist_rank(layout: str, cfg: dict, load_dir: str, dump_dir: str) -
 def test_torch_dist_written_for_target_loads_in_megatron_core(converted, tmp_path):
     """0.15 TP2 DP2 (flattened form) -> universal -> torch_dist (our writer) at TP1 DP2 in the form
     megatron-core >= 0.16 reads -> megatron-core's own dist_checkpointing load at TP1 DP2."""
+    from megatron_ucp.conversion import write_torch_dist
     from megatron_ucp.formats.megatron_dist import run_fields
     from megatron_ucp.layout import Layout
-    from megatron_ucp.reshard import write_torch_dist
 
     udir = converted["v015_tp2_dp2_flat"]
     f = run_fields(FIXTURES / "v015_tp2_dp2_flat" / "ckpt")
-    out = write_torch_dist(udir, tmp_path / "out", Layout.parse("tp1dp2"), f["args"],
-                           rng_state=next(iter(f["rng_state"].values())), sharding="fully_reshardable",
+    out = write_torch_dist(udir, tmp_path / "out", Layout.parse("tp1dp2"), f.args,
+                           rng_state=next(iter(f.rng_state.values())), sharding="fully_reshardable",
                            progress=False)
     # megatron-core 0.19 pairs saved and current param groups by their settings (min_lr among
     # them): the run's min_lr is Megatron-LM's default 0, not the tiny GPT's

@@ -32,11 +32,11 @@ from helpers import assert_same, assert_same_tensors
 from oracles import assert_holds_universal, dp_reshardable_full, fully_reshardable_full, universal_tensors
 
 from megatron_ucp import UCPError
+from megatron_ucp.conversion import convert_legacy, convert_torch_dist, reshard, write_torch_dist
+from megatron_ucp.formats.dcp_reader import DistReader
 from megatron_ucp.formats.megatron_dist import iteration_dir as resolve_iter_dir
 from megatron_ucp.formats.megatron_dist import run_fields as torch_dist_source_fields
-from megatron_ucp.formats.megatron_dist.layout import DistReader
 from megatron_ucp.layout import Layout
-from megatron_ucp.reshard import convert_legacy, convert_torch_dist, reshard, write_torch_dist
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "megatron_lm"
@@ -75,9 +75,9 @@ def universal(tmp_path_factory) -> Path:
 
 def test_same_layout_round_trip_is_bitwise(universal, tmp_path):
     f = torch_dist_source_fields(FULLY)
-    args = f["args"]
-    out = write_torch_dist(universal, tmp_path / "out", f["layout"], args, rng_state=f["rng_state"],
-                           num_floating_point_operations_so_far=f["num_floating_point_operations_so_far"],
+    args = f.args
+    out = write_torch_dist(universal, tmp_path / "out", f.layout, args, rng_state=f.rng_state,
+                           num_floating_point_operations_so_far=f.num_floating_point_operations_so_far,
                            first_stage_layers=args.decoder_first_pipeline_num_layers,
                            last_stage_layers=args.decoder_last_pipeline_num_layers, progress=False)
     assert (out / "latest_checkpointed_iteration.txt").read_text() == \
@@ -110,8 +110,8 @@ def test_same_layout_round_trip_is_bitwise(universal, tmp_path):
 def test_other_layout_back_to_universal_is_bitwise(universal, target, tmp_path):
     lay = Layout.parse(target)
     f = torch_dist_source_fields(FULLY)
-    rng = f["rng_state"][(0, 0)]
-    out = write_torch_dist(universal, tmp_path / "out", lay, f["args"], rng_state=rng,
+    rng = f.rng_state[(0, 0)]
+    out = write_torch_dist(universal, tmp_path / "out", lay, f.args, rng_state=rng,
                            progress=False)
     c = common(out)
     a = c["args"]
@@ -168,7 +168,7 @@ def parameter_ranges(ckpt: Path) -> dict[str, torch.Tensor]:
     from megatron_ucp.formats.megatron_dist.layout import bucket_key
     from megatron_ucp.formats.megatron_rebuild import build_chunks, source_rank, wrap_ddp
 
-    args = torch_dist_source_fields(ckpt)["args"]
+    args = torch_dist_source_fields(ckpt).args
     masks: dict[str, torch.Tensor] = {}
     for rank in range(args.tensor_model_parallel_size):  # TP ranks at DP rank 0 (PP1 here)
         with source_rank(args, rank):
@@ -192,7 +192,7 @@ def test_dp_reshardable_same_layout_matches_megatron_lm(dp_universal, tmp_path):
     the same keys, model tensors bitwise, every bucket bitwise at every parameter element (zeros
     in the gaps), the same per-bucket sizes, param groups (step 6) and common.pt."""
     f = torch_dist_source_fields(DP_RESHARDABLE)
-    s = reshard(DP_RESHARDABLE, tmp_path / "out", f["layout"], target_format="torch_dist",
+    s = reshard(DP_RESHARDABLE, tmp_path / "out", f.layout, target_format="torch_dist",
                 optim_sharding="dp_reshardable", progress=False)
     out = s.output
     a, b = DistReader(resolve_iter_dir(DP_RESHARDABLE)), DistReader(resolve_iter_dir(out))
@@ -276,7 +276,7 @@ def test_moe_same_layout_round_trip_matches_megatron_lm(tmp_path):
     every tensor (experts stacked [layers, experts, ...]) and object bitwise, and common.pt with
     the ChainedOptimizer's {0: dense, 1: expert} param groups."""
     f = torch_dist_source_fields(MOE_DIST)
-    out = reshard(MOE_DIST, tmp_path / "out", f["layout"], target_format="torch_dist",
+    out = reshard(MOE_DIST, tmp_path / "out", f.layout, target_format="torch_dist",
                   progress=False).output
     a, b = DistReader(resolve_iter_dir(MOE_DIST)), DistReader(resolve_iter_dir(out))
     # and the (PP, TP) rng shards, which other releases than core_v0.16.x load with EP

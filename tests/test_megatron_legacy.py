@@ -29,8 +29,8 @@ from oracles import legacy_reference as reference
 
 from megatron_ucp import UCPError, convert
 from megatron_ucp.cli import main as cli_main
+from megatron_ucp.conversion import convert_legacy
 from megatron_ucp.mcore_compat import has_legacy_grouped_mlp
-from megatron_ucp.reshard import convert_legacy
 from megatron_ucp.testing.launch import launch
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron_lm"
@@ -265,7 +265,7 @@ def test_rebuild_of_a_grouped_gemm_run_names_experts_like_sequential_mlp():
     from megatron_ucp.formats.megatron_rebuild import build_chunks, source_rank
     from megatron_ucp.param_spec import local_params
 
-    args = legacy_source_fields(FIXTURES / "torch_moe_ep2" / "ckpt")["args"]
+    args = legacy_source_fields(FIXTURES / "torch_moe_ep2" / "ckpt").args
 
     def specs(grouped: bool) -> dict:
         a = argparse.Namespace(**{**vars(args), "add_bias_linear": False, "moe_grouped_gemm": grouped})

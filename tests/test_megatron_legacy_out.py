@@ -1,4 +1,4 @@
-"""Universal -> Megatron-LM `--ckpt-format torch` checkpoints (megatron_ucp.reshard.write_legacy).
+"""Universal -> Megatron-LM `--ckpt-format torch` checkpoints (megatron_ucp.conversion.write_legacy).
 
 (1) Same layout: fixture -> universal -> legacy at the fixture's own layout reproduces every tensor
     of every file bitwise (model weights, flat buffers including their zero gaps, rng states) and
@@ -28,10 +28,10 @@ from helpers import FIXTURE_MODEL, assert_same, assert_same_tensors, dump_step_a
 from oracles import assert_dumps_hold, assert_holds_universal, legacy_full, load, universal_tensors
 
 from megatron_ucp import UCPError
+from megatron_ucp.conversion import convert_legacy, convert_torch_dist, reshard, write_legacy
 from megatron_ucp.formats.megatron_legacy import run_fields as legacy_source_fields
 from megatron_ucp.layout import Layout
 from megatron_ucp.mcore_compat import has_legacy_grouped_mlp
-from megatron_ucp.reshard import convert_legacy, convert_torch_dist, reshard, write_legacy
 from megatron_ucp.testing.launch import launch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,9 +60,9 @@ def universal(tmp_path_factory) -> dict[str, Path]:
 def test_same_layout_round_trip_is_bitwise(universal, name, tmp_path):
     src = FIXTURES / name / "ckpt"
     f = legacy_source_fields(src)
-    out = write_legacy(universal[name], tmp_path / "out", f["layout"], f["args"],
-                       rng_state=f["rng_state"],
-                       num_floating_point_operations_so_far=f["num_floating_point_operations_so_far"],
+    out = write_legacy(universal[name], tmp_path / "out", f.layout, f.args,
+                       rng_state=f.rng_state,
+                       num_floating_point_operations_so_far=f.num_floating_point_operations_so_far,
                        first_stage_layers=SAME_LAYOUT[name], progress=False)
     assert (out / "latest_checkpointed_iteration.txt").read_text() == \
         (src / "latest_checkpointed_iteration.txt").read_text().strip()
@@ -92,8 +92,8 @@ def test_same_layout_round_trip_is_bitwise(universal, name, tmp_path):
 def test_other_layout_back_to_universal_is_bitwise(universal, name, target, first, tmp_path):
     lay = Layout.parse(target)
     f = legacy_source_fields(FIXTURES / name / "ckpt")
-    rng = next(iter(f["rng_state"].values()))
-    out = write_legacy(universal[name], tmp_path / "out", lay, f["args"], rng_state=rng,
+    rng = next(iter(f.rng_state.values()))
+    out = write_legacy(universal[name], tmp_path / "out", lay, f.args, rng_state=rng,
                        first_stage_layers=first, progress=False)
     m = load(next((out / ITER).iterdir()) / "model_optim_rng.pt")
     a = m["args"]
@@ -155,7 +155,7 @@ def test_reshard_torch_needs_megatron_source(universal, tmp_path):
 def test_uneven_target_needs_split(universal, tmp_path):
     f = legacy_source_fields(FIXTURES / "torch_dp2" / "ckpt")
     with pytest.raises(UCPError, match=r"num_layers=3 is not divisible by PP=2"):
-        write_legacy(universal["torch_dp2"], tmp_path / "x", Layout(pp=2), f["args"], progress=False)
+        write_legacy(universal["torch_dp2"], tmp_path / "x", Layout(pp=2), f.args, progress=False)
     assert not (tmp_path / "x").exists()
 
 
@@ -230,10 +230,10 @@ def test_written_checkpoint_loads_in_megatron_core(universal, tmp_path, target, 
     """torch_tp2_pp2 -> legacy at the target -> megatron-core's own legacy optimizer load."""
     lay = Layout.parse(target)
     f = legacy_source_fields(FIXTURES / "torch_tp2_pp2" / "ckpt")
-    out = write_legacy(universal["torch_tp2_pp2"], tmp_path / "out", lay, f["args"],
-                       rng_state=next(iter(f["rng_state"].values())), first_stage_layers=first,
+    out = write_legacy(universal["torch_tp2_pp2"], tmp_path / "out", lay, f.args,
+                       rng_state=next(iter(f.rng_state.values())), first_stage_layers=first,
                        progress=False)
-    cfg = {**FIXTURE_MODEL, "min_lr": f["args"].min_lr,
+    cfg = {**FIXTURE_MODEL, "min_lr": f.args.min_lr,
            "extra": {"add_qkv_bias": True,
                      **({"num_layers_in_first_pipeline_stage": first} if first else {})}}
     env = {"PYTHONPATH": RANK_PATH}
@@ -332,15 +332,14 @@ def test_universal_conversion_is_validated_before_commit(fault, tmp_path, monkey
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
-def test_scratch_of_an_interrupted_conversion_is_removed(tmp_path):
-    """A Megatron-target reshard killed after its commit leaves `.<out>.universal` behind; the
-    next reshard to that path removes it, even when it then refuses the complete output."""
+def test_megatron_target_reshard_writes_no_scratch(tmp_path):
+    """A Megatron-LM -> Megatron-LM reshard streams: the target writer reads the source directly,
+    so beside the output nothing is written (no universal scratch copy), and a refused retry into
+    the complete output leaves it alone."""
     src = FIXTURES / "torch_dp2" / "ckpt"
     out = tmp_path / "out"
     reshard(src, out, Layout(tp=2), target_format="torch", progress=False)
-    scratch = tmp_path / ".out.universal"
-    scratch.mkdir()
-    (scratch / "params_00000.safetensors").write_bytes(b"half")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     with pytest.raises(UCPError, match="exists and is not empty"):
         reshard(src, out, Layout(tp=2), target_format="torch", progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

@@ -29,8 +29,8 @@ from oracles import (
 )
 from test_megatron_dist_out import assert_same_universal, common
 
+from megatron_ucp.conversion import convert, convert_torch_dist, reshard
 from megatron_ucp.layout import Layout
-from megatron_ucp.reshard import convert, convert_torch_dist, reshard
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron_lm"
 # family -> (fixture, target layout of the export, its expert TP, its first-stage layers)

@@ -35,9 +35,9 @@ from oracles import (
     universal_tensors,
 )
 
+from megatron_ucp.conversion import convert_legacy, convert_torch_dist, reshard
 from megatron_ucp.formats.megatron_common import YARN_FROM_ARGS
 from megatron_ucp.layout import Layout
-from megatron_ucp.reshard import convert_legacy, convert_torch_dist, reshard
 
 pytestmark = READS_CORE_V019_FILES
 
@@ -189,8 +189,9 @@ def test_gpt_oss_run_exports_to_hf_with_its_yarn(universal, tmp_path):
     """export-hf of Megatron-LM's GPT-OSS run (YaRN RoPE: --rotary-scaling-factor 4.0
     --yarn-original-max-position-embeddings 8) writes transformers' yarn rope_parameters, which
     transformers loads; import-hf of it gives the run's YaRN settings and bf16 weights back."""
+    from megatron_ucp.conversion import import_hf
     from megatron_ucp.formats import open_source
-    from megatron_ucp.formats.hf import export, import_hf
+    from megatron_ucp.formats.hf import export
 
     transformers = pytest.importorskip("transformers")
     out = export(open_source(universal["torch_dist_gptoss_ep2"]), tmp_path / "hf", "gpt_oss", progress=False)

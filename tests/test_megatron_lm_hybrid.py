@@ -29,10 +29,10 @@ from oracles import (
 )
 from test_megatron_lm_v019 import written_back
 
+from megatron_ucp.conversion import convert_legacy, convert_torch_dist
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.megatron_common import check_supported
 from megatron_ucp.layout import Layout
-from megatron_ucp.reshard import convert_legacy, convert_torch_dist
 
 pytestmark = READS_CORE_V019_FILES
 

@@ -40,8 +40,8 @@ from oracles import (
 from test_megatron_lm_hybrid import STATES, holds_assembly
 from test_megatron_lm_v019 import written_back
 
+from megatron_ucp.conversion import convert_legacy, convert_torch_dist, reshard
 from megatron_ucp.layout import Layout
-from megatron_ucp.reshard import convert_legacy, convert_torch_dist, reshard
 
 CKPT = Path(__file__).parent / "fixtures" / "megatron_lm" / "torch_dist_hybrid_tp2" / "ckpt"
 V019 = Path(__file__).parent / "fixtures" / "megatron_lm_v019"

@@ -41,8 +41,8 @@ from oracles import (
 from oracles import legacy_reference as reference
 
 from megatron_ucp import formats
+from megatron_ucp.conversion import convert, convert_legacy, convert_torch_dist, reshard
 from megatron_ucp.layout import Layout
-from megatron_ucp.reshard import convert, convert_legacy, convert_torch_dist, reshard
 from megatron_ucp.testing.launch import launch
 
 pytestmark = READS_CORE_V019_FILES

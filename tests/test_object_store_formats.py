@@ -19,9 +19,9 @@ from test_hf_import import build
 import megatron_ucp as ucp
 from megatron_ucp import formats, storage
 from megatron_ucp.cli import main as cli
+from megatron_ucp.conversion import reshard
 from megatron_ucp.formats import open_source
 from megatron_ucp.layout import Layout
-from megatron_ucp.reshard import reshard
 from megatron_ucp.spec import states_of
 from megatron_ucp.storage import location, object_store, store_backend
 

@@ -12,9 +12,9 @@ from oracles import assert_holds_universal, assert_universal_is_dump, legacy_ful
 
 import megatron_ucp as ucp
 from megatron_ucp.checks import diff, verify
+from megatron_ucp.conversion import reshard
 from megatron_ucp.formats import manifest as mf
 from megatron_ucp.layout import Layout
-from megatron_ucp.reshard import reshard
 
 ROOT = Path(__file__).resolve().parent.parent
 LEGACY = ROOT / "tests" / "fixtures" / "megatron_lm" / "torch_tp2_pp2" / "ckpt"

@@ -20,11 +20,11 @@ from oracles import assert_holds_universal, assert_universal_is_dump, legacy_ful
 
 from megatron_ucp import UCPError
 from megatron_ucp.checks import diff, verify
+from megatron_ucp.conversion import convert, convert_legacy, convert_torch_dist, reshard
 from megatron_ucp.formats import open_source
 from megatron_ucp.formats.megatron_common import torch_load
 from megatron_ucp.layout import Layout
 from megatron_ucp.mcore_compat import has_core_v019_enums
-from megatron_ucp.reshard import convert, convert_legacy, convert_torch_dist, reshard
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "megatron_lm"
 LEGACY = FIXTURES / "torch_tp2_pp2" / "ckpt"

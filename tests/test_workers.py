@@ -9,8 +9,8 @@ from oracles import assert_holds_universal, assert_universal_is_dump, legacy_ful
 
 import megatron_ucp as ucp
 from megatron_ucp.checks import diff, verify
+from megatron_ucp.conversion import convert_legacy
 from megatron_ucp.formats import manifest as mf
-from megatron_ucp.reshard import convert_legacy
 
 LEGACY = Path(__file__).parent / "fixtures" / "megatron_lm" / "torch_tp2_pp2" / "ckpt"
 

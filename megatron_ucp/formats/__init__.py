@@ -1,15 +1,16 @@
-"""Every on-disk format, one package each, behind one interface; the registry picks by name.
+"""Every on-disk format, one package each, behind one contract (`formats.base`); the registry
+below is the one list of them, and picks a package by name.
 
-A format package has `NAME` and opens a source of universal tensors: megatron-ucp's own formats
-(`fragments`, `universal`; their manifest names them) with `from_manifest(ckpt, manifest, ...)`,
-the others with `detect(path) -> bool` and `open_source(path, ...)`. A source has `.manifest`
-(`formats.manifest.Manifest`: the run state and every parameter's spec and Adam step),
-`.read(name, state, offset, shape)` (a box of a full fp32 tensor), `.step(name)`,
-`.rng_ranks()` / `.rng(rank)`, `.origin`, `.dir`, `.bytes_read` and `.format` (its registry
-name). A format that can be written has `write(source, out, ...)`. Data flows one way: a
-source's tensors go to a writer (`universal.write`, `megatron_legacy.write`,
-`megatron_dist.write`) or into a live run (`load`). Only a format's own package knows its layout
-on disk.
+A format package opens a source of universal tensors (`base.Source`: `.manifest`, `.read`,
+`.step`, `.rng_ranks`/`.rng`, ...): megatron-ucp's own formats (`fragments`, `universal`; their
+manifest names them) with `from_manifest(ckpt, manifest, ...)`, the others with `detect(path)`
+and `open_source(path, ...)`. A format that can be written has `write(source, out, ...)`; one
+whose checkpoints hold Megatron-LM run args has `run_fields(load) -> base.RunFields`. Data flows
+one way: a source's tensors go to a writer or into a live run (`load`); the conversions that
+join them are in `megatron_ucp.conversion`. Only a format's own package knows its layout on disk.
+
+This module imports no torch (the CLI reads the registry to build its parser); opening a format
+imports its package.
 """
 
 from __future__ import annotations
@@ -19,33 +20,47 @@ from pathlib import Path
 from types import ModuleType
 
 from megatron_ucp.errors import UCPError
-from megatron_ucp.formats import manifest as mf
-from megatron_ucp.storage import location
+from megatron_ucp.formats.base import FormatInfo, FormatPackage, Source
 
-# name -> package; the first two are megatron-ucp's own, whose manifest.json names the format
-FORMATS = {
-    "fragments": "megatron_ucp.formats.fragments",
-    "universal": "megatron_ucp.formats.universal",
-    "megatron_torch": "megatron_ucp.formats.megatron_legacy",
-    # before megatron_torch_dist: both are torch.distributed.checkpoint directories
-    "megatron_fsdp": "megatron_ucp.formats.megatron_fsdp",  # fsdp_dtensor, torch_dcp (FSDP runs)
-    "megatron_torch_dist": "megatron_ucp.formats.megatron_dist",
-    "hf": "megatron_ucp.formats.hf",  # Hugging Face transformers model directories
-    "deepspeed": "megatron_ucp.formats.deepspeed",  # DeepSpeed universal folders (with a name map)
-}
+# Detection order matters: the first two are megatron-ucp's own (their manifest.json names the
+# format); megatron_fsdp before megatron_torch_dist (both are torch.distributed.checkpoint
+# directories, the FSDP forms recognised by their keys).
+_ENTRIES = (
+    FormatInfo("fragments", "megatron_ucp.formats.fragments", own=True),
+    FormatInfo("universal", "megatron_ucp.formats.universal", own=True, target="universal",
+               writes=True),
+    FormatInfo("megatron_torch", "megatron_ucp.formats.megatron_legacy", target="torch",
+               writes=True, run_args=True, import_command="import-legacy"),
+    # fsdp_dtensor, torch_dcp (FSDP runs): read only
+    FormatInfo("megatron_fsdp", "megatron_ucp.formats.megatron_fsdp", run_args=True),
+    FormatInfo("megatron_torch_dist", "megatron_ucp.formats.megatron_dist", target="torch_dist",
+               writes=True, run_args=True, import_command="import-torch-dist"),
+    # Hugging Face transformers model directories; written by export-hf (an architecture to choose)
+    FormatInfo("hf", "megatron_ucp.formats.hf", writes=True),
+    # DeepSpeed universal folders (with a name map): read only
+    FormatInfo("deepspeed", "megatron_ucp.formats.deepspeed"),
+)
+FORMATS: dict[str, FormatInfo] = {f.name: f for f in _ENTRIES}
+OWN = tuple(name for name, f in FORMATS.items() if f.own)
+# --target-format value -> format name
+TARGETS = {f.target: name for name, f in FORMATS.items() if f.target}
+# the formats whose checkpoints carry Megatron-LM run args (a Megatron-LM target's source)
+MEGATRON_SOURCES = tuple(name for name, f in FORMATS.items() if f.run_args)
+# CLI import command -> format name
+IMPORT_COMMANDS = {f.import_command: name for name, f in FORMATS.items() if f.import_command}
 
 
-def get(name: str) -> ModuleType:
+def get(name: str) -> FormatPackage | ModuleType:
     if name not in FORMATS:
         raise UCPError(f"unknown checkpoint format {name!r}; choose one of {list(FORMATS)}")
-    return importlib.import_module(FORMATS[name])
-
-
-OWN = ("fragments", "universal")
+    return importlib.import_module(FORMATS[name].package)
 
 
 def detect(path: str | Path) -> str:
     """The name of the format `path` holds (a checkpoint directory or a save root)."""
+    from megatron_ucp.formats import manifest as mf
+    from megatron_ucp.storage import location
+
     path = location(path)  # an unsupported URL scheme is an error here
     if mf.is_checkpoint(path):
         return mf.read_checkpoint(path)[1].kind
@@ -64,20 +79,25 @@ def detect(path: str | Path) -> str:
     raise UCPError(f"{path}: unknown checkpoint format")
 
 
-def open_source(path: str | Path, fmt: str | None = None, **options):
+def open_source(path: str | Path, fmt: str | None = None, **options) -> Source:
     """A source of universal tensors for `path`, in format `fmt` (detected when None)."""
+    from megatron_ucp.formats import manifest as mf
+    from megatron_ucp.storage import location
+
     path = location(path)
     if fmt in OWN or (fmt is None and mf.is_checkpoint(path)):
         return open_megatron_ucp(path, **options)
     return get(fmt or detect(path)).open_source(path, **options)
 
 
-def open_megatron_ucp(path: str | Path, **options):
+def open_megatron_ucp(path: str | Path, **options) -> Source:
     """A source for a megatron-ucp checkpoint (save root or directory) of either kind; its
     manifest names the format, so it is parsed once. Anything else is refused (`mf.resolve`)."""
+    from megatron_ucp.formats import manifest as mf
+
     ckpt, manifest = mf.read_checkpoint(path)
     return get(manifest.kind).from_manifest(ckpt, manifest, **options)
 
 
 def writable() -> list[str]:
-    return [name for name in FORMATS if hasattr(get(name), "write")]
+    return [name for name, f in FORMATS.items() if f.writes]

@@ -137,7 +137,8 @@ class KillSwitch:
         for w in self.watch:
             if p == w or p.startswith(w + os.sep):
                 rel = os.path.relpath(p, os.path.dirname(w))
-                return re.sub(r"\.tmp\d+$", ".tmp<pid>", rel)  # the atomic put's pid suffix (storage.local.write_atomic)
+                # the atomic put's pid suffix (storage.local.write_atomic)
+                return re.sub(r"\.tmp\d+$", ".tmp<pid>", rel)
         return None
 
     def hit(self, kind: str, path, detail: str = "") -> None:
@@ -280,8 +281,8 @@ CONVERSIONS = ("convert", "reshard_universal", "reshard_torch", "reshard_torch_d
 
 def run_conversion(kind: str, source: str, out: str) -> None:
     """One conversion of the matrix (the same call in the faulty child and in the retry)."""
+    from megatron_ucp.conversion import convert, reshard
     from megatron_ucp.layout import Layout
-    from megatron_ucp.reshard import convert, reshard
 
     if kind == "convert":  # fragment save root -> universal
         convert(source, out, progress=False)

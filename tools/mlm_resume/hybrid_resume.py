@@ -37,8 +37,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from megatron_ucp.conversion import convert, reshard  # noqa: E402
 from megatron_ucp.layout import Layout  # noqa: E402
-from megatron_ucp.reshard import convert, reshard  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 import resume_table  # noqa: E402

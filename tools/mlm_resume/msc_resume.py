@@ -37,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
 from resume_table import RELEASES, run_megatron  # noqa: E402
 
+from megatron_ucp.conversion import reshard  # noqa: E402
 from megatron_ucp.formats import open_source  # noqa: E402
 from megatron_ucp.layout import Layout  # noqa: E402
-from megatron_ucp.reshard import reshard  # noqa: E402
 from megatron_ucp.spec import states_of  # noqa: E402
 from megatron_ucp.testing.s3_server import seaweedfs, write_msc_config  # noqa: E402
 

@@ -54,10 +54,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from megatron_ucp.conversion import reshard  # noqa: E402
 from megatron_ucp.errors import UCPError  # noqa: E402
 from megatron_ucp.formats import open_source  # noqa: E402
 from megatron_ucp.layout import Layout  # noqa: E402
-from megatron_ucp.reshard import reshard  # noqa: E402
 
 # Megatron-LM release -> its fixtures (the only place the releases are named). core_v0.16.1 and
 # core_v0.19.0 also resume (--release); core_v0.15.3's flattened_range set is a source only.

@@ -3,8 +3,8 @@ with their optimizer state (fp32 master weights, both Adam moments, step).
 
 DeepSpeed trains arbitrary torch modules, so a name map (YAML, `configs/deepspeed/`) says which
 megatron-core model the run is and where each DeepSpeed parameter goes (`name_map`), in which
-element order (`layouts`). `import_deepspeed` writes the universal form; this format is not a
-target.
+element order (`layouts`). `megatron_ucp.conversion.import_deepspeed` writes the universal form;
+this format is not a target.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from megatron_ucp.formats.deepspeed.source import (
     RECORD,
     DeepSpeedSource,
     DSUniversalDir,
-    import_deepspeed,
     is_ds_universal,
 )
 
 NAME = "deepspeed"
+SOURCES = (DeepSpeedSource,)
 
 
 def detect(path: Path) -> bool:
@@ -31,5 +31,5 @@ def open_source(path: str | Path, name_map: str | Path | None = None, **options)
     return DeepSpeedSource(path, name_map, **options)
 
 
-__all__ = ["NAME", "RECORD", "detect", "open_source", "import_deepspeed", "DeepSpeedSource",
+__all__ = ["NAME", "SOURCES", "RECORD", "detect", "open_source", "DeepSpeedSource",
            "DSUniversalDir", "NameMap"]

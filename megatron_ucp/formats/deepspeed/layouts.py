@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 
 from megatron_ucp.errors import UCPError
-from megatron_ucp.formats.hf import transforms
-from megatron_ucp.formats.hf.transforms import Heads
+from megatron_ucp.formats import tensor_transforms as transforms
+from megatron_ucp.formats.tensor_transforms import Heads
 
 LAYOUTS = ("same", "qkv_concat", "qkv_per_head", "vocab_rows")
 Shape = tuple[int, ...]

@@ -22,7 +22,7 @@ import yaml
 
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.deepspeed.layouts import LAYOUTS
-from megatron_ucp.formats.hf.transforms import Heads
+from megatron_ucp.formats.tensor_transforms import Heads
 from megatron_ucp.spec import ParamSpec
 
 # model settings: name -> default (REQUIRED: must be given)

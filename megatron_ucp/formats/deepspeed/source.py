@@ -24,16 +24,16 @@ from typing import Any
 import torch
 
 from megatron_ucp.errors import UCPError
+from megatron_ucp.formats.base import Source
 from megatron_ucp.formats.deepspeed import layouts
 from megatron_ucp.formats.deepspeed.name_map import AUTO, DTYPES, NameMap, Rule
-from megatron_ucp.formats.hf.transforms import Heads
 from megatron_ucp.formats.manifest import RUN_HYPERPARAMETERS, Manifest, ParamEntry
 from megatron_ucp.formats.megatron_common import torch_load
 from megatron_ucp.formats.megatron_rebuild import import_specs
+from megatron_ucp.formats.tensor_transforms import Heads
 from megatron_ucp.layout import Layout
-from megatron_ucp.progress import Progress
 from megatron_ucp.spec import ParamSpec
-from megatron_ucp.storage import location, refuse_non_empty, size_of
+from megatron_ucp.storage import location, size_of
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class DSUniversalDir:
                        f"{type(obj).__name__}")
 
 
-class DeepSpeedSource:
+class DeepSpeedSource(Source):
     """A DeepSpeed universal folder as universal tensors of megatron-core's model (module doc)."""
 
     format = "deepspeed"  # its name in the `formats` registry
@@ -226,20 +226,3 @@ class DeepSpeedSource:
 
     def rng(self, rank: int) -> tuple[dict[str, torch.Tensor], dict]:
         return {}, {}
-
-
-def import_deepspeed(ds_dir: str | Path, out: str | Path, name_map: str | Path, *,
-                     trust_pickle: bool = False, progress: Progress = True,
-                     max_file_bytes: int = 2**31) -> Path:
-    """`megatron-ucp import-deepspeed`: a DeepSpeed universal folder -> a new universal checkpoint
-    with the optimizer state (fp32 master weights, both Adam moments, step) that
-    `megatron_ucp.load` reads at any layout."""
-    from megatron_ucp.formats.universal import write
-
-    refuse_non_empty(location(out))
-    source = DeepSpeedSource(ds_dir, name_map, trust_pickle=trust_pickle)
-    log.info("%d DeepSpeed parameters -> megatron-core (name map %s); hyper-parameters: %s",
-             len(source.rules), source.map.path,
-             "from the name map" if source.map.optimizer else "the loading run's own "
-             "(zero/optimizer_state.pt is not read)")
-    return write(source, out, progress=progress, max_file_bytes=max_file_bytes)

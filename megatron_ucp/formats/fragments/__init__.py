@@ -18,6 +18,7 @@ from megatron_ucp.formats.fragments.rank_file import Fragment, rank_file_name, w
 from megatron_ucp.formats.fragments.source import FragmentSource
 
 NAME = "fragments"
+SOURCES = (FragmentSource,)
 
 
 def from_manifest(ckpt: Path, manifest: mf.Manifest, verify_checksums: bool = True,
@@ -25,5 +26,6 @@ def from_manifest(ckpt: Path, manifest: mf.Manifest, verify_checksums: bool = Tr
     return FragmentSource(ckpt, manifest, verify_checksums, verify_fragments)
 
 
-__all__ = ["NAME", "from_manifest", "FragmentSource", "Fragment", "Record", "build_index", "check_tiling",
-           "index_part", "merge_specs", "part_records", "rank_file_name", "write_rank_file"]
+__all__ = ["NAME", "SOURCES", "from_manifest", "FragmentSource", "Fragment", "Record",
+           "build_index", "check_tiling", "index_part", "merge_specs", "part_records",
+           "rank_file_name", "write_rank_file"]

@@ -19,6 +19,7 @@ import torch
 
 from megatron_ucp import storage
 from megatron_ucp.errors import UCPError
+from megatron_ucp.formats.base import Source
 from megatron_ucp.formats.fragments.index import check_tiling, tiling_suspects
 from megatron_ucp.formats.fragments.rank_file import header_fragments, rank_file_name, read_rng
 from megatron_ucp.formats.manifest import FragmentEntry, Manifest, SliceEntry
@@ -106,7 +107,7 @@ def _row_blocks(lo: list[int], hi: list[int], sl: SliceEntry, pc: Piece) -> list
     return [([r, *lo[1:]], [min(r + rows, hi[0]), *hi[1:]], sl, pc) for r in range(lo[0], hi[0], rows)]
 
 
-class FragmentSource(ReadsFiles):
+class FragmentSource(ReadsFiles, Source):
     """Reads boxes of universal tensors out of a fragment checkpoint."""
 
     format = "fragments"  # its name in the `formats` registry

@@ -1,10 +1,11 @@
 """`hf`: Hugging Face transformers model directories (`config.json` + safetensors) of the
 architectures in the `archs` registry (`ARCHS`).
 
-Read as a source (weights as fp32 master weights, fresh optimizer state: `source.HFSource`,
-`import_hf`) and written from any source (`export.export`, `export_hf`). Each architecture's name
-map, refusals and config translation in both directions are its module in `archs`; the element
-order of fused tensors, which they share, in `transforms`.
+Read as a source (weights as fp32 master weights, fresh optimizer state: `source.HFSource`;
+`megatron_ucp.conversion.import_hf`) and written from any source (`export.export`;
+`megatron_ucp.conversion.export_hf`). Each architecture's name map, refusals and config translation
+in both directions are its module in `archs`; the element order of fused tensors, which they share,
+in `transforms`.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatron_ucp.formats.hf.archs import ARCHS
-from megatron_ucp.formats.hf.export import export, export_hf
-from megatron_ucp.formats.hf.source import FRESH, HFSource, import_hf, is_hf_dir
+from megatron_ucp.formats.hf.export import export
+from megatron_ucp.formats.hf.source import FRESH, HFSource, is_hf_dir
 
 NAME = "hf"
+SOURCES = (HFSource,)
 
 
 def detect(path: Path) -> bool:
@@ -28,5 +30,4 @@ def open_source(path: str | Path, **_: object) -> HFSource:
 
 write = export  # write(source, out, arch, ...): this format as a target
 
-__all__ = ["NAME", "ARCHS", "FRESH", "detect", "open_source", "write", "export", "export_hf",
-           "import_hf", "HFSource"]
+__all__ = ["NAME", "SOURCES", "ARCHS", "FRESH", "detect", "open_source", "write", "export", "HFSource"]

@@ -21,10 +21,10 @@ import torch
 
 from megatron_ucp import storage
 from megatron_ucp.errors import UCPError
+from megatron_ucp.formats import group_job
 from megatron_ucp.formats.hf import archs, transforms
 from megatron_ucp.formats.hf.archs import Rule
 from megatron_ucp.formats.manifest import Manifest
-from megatron_ucp.formats.megatron_common import null_tokenizer_vocab
 from megatron_ucp.progress import Progress, bar
 from megatron_ucp.storage import (
     DTYPE_NAMES,
@@ -33,7 +33,6 @@ from megatron_ucp.storage import (
     Reader,
     SafetensorsWriter,
     location,
-    refuse_non_empty,
     staged_dir,
 )
 
@@ -253,39 +252,29 @@ def _write_metadata(out_dir: Location, planned: list[Planned], n_shards: int, to
 
 
 def _export_distributed(source, out: Path, planned: list[Planned], n_shards: int, config: dict) -> Path:
-    """`export` as one job of the process group (torchrun; gloo is enough): the shards planned as
-    one process plans them, each process writes and fsyncs a balanced set of them into rank 0's
-    staged directory (a filesystem every process sees) or uploads them to the store prefix,
-    reading only the universal tensors they need; rank 0 writes the index, checks, and commits
-    once with config.json last (in a store: its create-only put); every rank returns or raises its
-    outcome. The output is byte for byte the single-process export."""
+    """`export` as one job of the process group (`group_job.run`): the shards planned as one
+    process plans them, each process reading only the universal tensors its share needs; rank 0
+    writes the index, checks, and commits once with config.json last (in a store: its create-only
+    put). The output is byte for byte the single-process export."""
     import torch.distributed as dist
 
-    from megatron_ucp.formats.universal.writer import balanced
-    from megatron_ucp.storage import commit_group_job, fsync_path, group_staged
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    staged = group_staged(out, CONFIG_FILE)
     shard_bytes = [0] * n_shards
     for p in planned:
         for (_, shape), shard in zip(p.outputs, p.shards):
             shard_bytes[shard] += math.prod(shape) * p.dtype.itemsize
-    mine = set(balanced(shard_bytes, world)[rank])
-    total, error = 0, None
-    try:
-        total = write_shards(staged.partial, source, planned, n_shards, None, shards=mine)
-        for shard in mine:  # (the commit fsyncs rank 0's files only)
-            fsync_path(staged.partial / shard_name(shard, n_shards))
-    except Exception as e:  # reported by rank 0 for every rank, once
-        error = f"rank {rank}: {type(e).__name__}: {e}"
 
-    def finish(totals: list) -> None:  # rank 0
+    def write_share(partial: Path, mine: list[int]) -> int:
+        return write_shards(partial, source, planned, n_shards, None, shards=set(mine))
+
+    def finish(staged, totals: list[int]) -> None:  # rank 0
         _write_metadata(staged.partial, planned, n_shards, sum(totals), config,
                         lambda: check_written(staged.partial, planned, n_shards))
         staged.commit()
 
-    commit_group_job(staged, f"exporting to {out}", total, error, finish)
-    log.info("exported %d shard(s) as HF to %s from %d processes", n_shards, out, world)
+    group_job.run(out, CONFIG_FILE, shard_bytes, lambda shard: shard_name(shard, n_shards),
+                  write_share, finish, f"exporting to {out}")
+    log.info("exported %d shard(s) as HF to %s from %d processes", n_shards, out,
+             dist.get_world_size())
     return out
 
 
@@ -363,25 +352,3 @@ def _open_shard(out_dir: Path, planned: list[Planned], shard: int, n_shards: int
 def _write_json(path: Location, obj: dict, create_only: bool = False) -> None:
     text = json.dumps(obj, indent=2, sort_keys=True) + "\n"
     storage.put(path, text.encode(), create_only=create_only)
-
-
-def export_hf(src: str | Path, out: str | Path, arch: str, *, dtype: str | None = None,
-              max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress: Progress = True,
-              vocab_size: int | None = None, rope_theta: float | None = None,
-              activation: str | None = None, trust_pickle: bool = False, distributed: bool = False) -> Path:
-    """`megatron-ucp export-hf`: open any supported checkpoint at `src` and `export` it
-    (distributed: under torchrun, every process a share of the shards)."""
-    from megatron_ucp import formats
-
-    archs.get(arch)  # before opening (a Megatron-LM source rebuilds its model to open)
-    refuse_non_empty(location(out))
-    # every fragment read is read whole and its checksum checked, as `convert` does
-    source = formats.open_source(src, progress=progress, verify_fragments=True,
-                                 trust_pickle=trust_pickle)
-    args = getattr(source, "args", None)  # a Megatron-LM source's run args
-    hints = archs.hints_from_args(args) if args is not None else {}
-    if vocab_size is None and args is not None:  # Megatron-LM keeps the padding rows: drop them
-        vocab_size = null_tokenizer_vocab(args)
-    return export(source, out, arch, dtype=dtype, max_shard_bytes=max_shard_bytes,
-                  progress=progress, vocab_size=vocab_size, rope_theta=rope_theta,
-                  activation=activation, hints=hints, distributed=distributed)

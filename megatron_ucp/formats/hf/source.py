@@ -3,7 +3,8 @@
 The source holds the HF weights as fp32 master weights, zero Adam moments and Adam step 0 (HF
 directories carry no optimizer state); its manifest's `extra` says so (`fresh_optimizer`), so
 `megatron_ucp.load` starts a fresh optimizer from it at any layout with the run's own
-hyper-parameters and schedule. `import_hf` writes it as a universal checkpoint.
+hyper-parameters and schedule. `megatron_ucp.conversion.import_hf` writes it as a universal
+checkpoint.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from pathlib import Path
 import torch
 
 from megatron_ucp.errors import UCPError
+from megatron_ucp.formats.base import Source
 from megatron_ucp.formats.hf import archs, transforms
 from megatron_ucp.formats.manifest import RUN_HYPERPARAMETERS, Manifest, ParamEntry
 from megatron_ucp.formats.megatron_rebuild import import_specs
 from megatron_ucp.layout import Layout
-from megatron_ucp.progress import Progress
 from megatron_ucp.spec import ParamSpec
 from megatron_ucp.storage import (
     DTYPE_NAMES,
@@ -29,7 +30,6 @@ from megatron_ucp.storage import (
     Reader,
     ReadsFiles,
     location,
-    refuse_non_empty,
 )
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ class HFDir(ReadsFiles):
         return self._stacked[1]
 
 
-class HFSource(ReadsFiles):
+class HFSource(ReadsFiles, Source):
     """An HF model directory of a supported architecture as universal tensors (see module doc)."""
 
     format = "hf"  # its name in the `formats` registry
@@ -211,17 +211,3 @@ class HFSource(ReadsFiles):
 
     def rng(self, rank: int) -> tuple[dict[str, torch.Tensor], dict]:
         return {}, {}
-
-
-def import_hf(hf_dir: str | Path, out: str | Path, *, progress: Progress = True,
-              max_file_bytes: int = 2**31) -> Path:
-    """`megatron-ucp import-hf`: an HF model directory -> a new universal checkpoint (fp32 master
-    weights, zero Adam moments, step 0) that `megatron_ucp.load` reads at any layout."""
-    from megatron_ucp.formats.universal import write
-
-    refuse_non_empty(location(out))
-    source = HFSource(hf_dir)
-    if source.ignored:
-        log.info("skipped %d non-parameter tensor(s) of the HF checkpoint, e.g. %s",
-                 len(source.ignored), source.ignored[0])
-    return write(source, out, progress=progress, max_file_bytes=max_file_bytes)

@@ -13,6 +13,7 @@ from megatron_ucp.formats.megatron_dist.writer import write
 from megatron_ucp.progress import Progress
 
 NAME = "megatron_torch_dist"
+SOURCES = (TorchDistSource,)
 
 
 def detect(path: Path) -> bool:
@@ -29,4 +30,5 @@ def open_source(path: str | Path, progress: Progress = True, trust_pickle: bool 
     return TorchDistSource(path, progress, trust_pickle)
 
 
-__all__ = ["NAME", "detect", "iteration_dir", "open_source", "write", "run_fields", "TorchDistSource"]
+__all__ = ["NAME", "SOURCES", "detect", "iteration_dir", "open_source", "write", "run_fields",
+           "TorchDistSource"]

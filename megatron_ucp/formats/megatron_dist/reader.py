@@ -33,6 +33,8 @@ from pathlib import Path
 import torch
 
 from megatron_ucp.errors import UCPError
+from megatron_ucp.formats.base import RunFields, Source
+from megatron_ucp.formats.dcp_reader import DistReader, ReadsDcp
 from megatron_ucp.formats.manifest import Manifest, ParamEntry
 from megatron_ucp.formats.megatron_common import (
     group_json,
@@ -49,9 +51,7 @@ from megatron_ucp.formats.megatron_dist.layout import (
     FLATTENED,
     OPTIMIZER_KEY,
     READ_SHARDINGS,
-    DistReader,
     Param,
-    ReadsDcp,
     bucket_key,
     buffer_sets,
     flattened_shape,
@@ -91,7 +91,7 @@ def read_common(load_dir: str | Path, trust_pickle: bool = False) -> tuple[Path,
     return ckpt, common, args
 
 
-class TorchDistSource(ReadsDcp):
+class TorchDistSource(ReadsDcp, Source):
     """A Megatron-LM torch_dist checkpoint read as universal tensors.
 
     `load_dir` is a `--save` root (with latest_checkpointed_iteration.txt) or an iter directory.
@@ -181,7 +181,7 @@ class TorchDistSource(ReadsDcp):
         return []  # per-rank generator states are Megatron-LM's, kept by its own writers (fields)
 
 
-def run_fields(load_dir: str | Path, trust_pickle: bool = False) -> dict:
+def run_fields(load_dir: str | Path, trust_pickle: bool = False) -> RunFields:
     """From a torch_dist checkpoint: its args, rng states {(pp, tp): rng list}, layout and flops
     (what a Megatron-LM writer takes from the source run)."""
     ckpt, common, args = read_common(load_dir, trust_pickle)
@@ -193,9 +193,9 @@ def run_fields(load_dir: str | Path, trust_pickle: bool = False) -> dict:
             data = reader.obj(key)
             rng[tuple(int(i) for i in offset[:2])] = data[0] if isinstance(data, list) and len(
                 data) == 1 else data
-    return {"args": args, "rng_state": rng or None, "rng_by_position": rng or None,
-            "layout": layout(args),
-            "num_floating_point_operations_so_far": common.get("num_floating_point_operations_so_far")}
+    return RunFields(args=args, layout=layout(args), rng_state=rng or None,
+                     rng_by_position=rng or None, num_floating_point_operations_so_far=common.get(
+                         "num_floating_point_operations_so_far"))
 
 
 def check_names(reader: DistReader, plan: dict[str, Param], sharding: str) -> None:

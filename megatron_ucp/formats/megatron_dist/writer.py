@@ -106,12 +106,47 @@ def write(source, save_dir: str | Path, target: Layout, args_template, *,
     args.rank, args.local_rank = 0, 0  # common.pt is written by global rank 0
     iteration = int(manifest.iteration)
 
-    # names, stacked keys and extra-state objects of the whole model, rebuilt on one rank
+    plan, objects = _plan(source, args)
+    step = single_step(source)  # (a source it cannot hold is refused before anything is read)
+    state_dict = _model_state(source, plan, args, sharding, progress)
+    for k, v in objects.items():
+        state_dict[k] = object_value(v)
+    if rng_state is not None:
+        state_dict.update(_rng_shards(rng_state, target))
+    optimizer, content = _optimizer_state(source, args, moe, sharding, step, state_dict, progress)
+    common = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
+              "optimizer": optimizer,
+              "opt_param_scheduler": scheduler_state(manifest.scheduler),
+              "num_floating_point_operations_so_far": float(num_floating_point_operations_so_far or 0.0),
+              "content_metadata": content}
+    if hybrid_layer_pattern(args):  # the buffers follow this release's Mamba parameter order
+        common[UCP_COMMON_KEY] = {"mamba_conv1d_module": mamba_conv1d_is_module()}
+
+    def read_back(d: Path) -> None:
+        check_export(d, source, lambda path: TorchDistSource(path, progress=False))
+
+    with staged_dir(out, TRACKER, check=read_back) as partial:
+        iter_dir = partial / iteration_dir_name(iteration)
+        iter_dir.mkdir()
+        dcp.save(state_dict, storage_writer=FileSystemWriter(str(iter_dir)),
+                 planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+                 no_dist=True)
+        torch.save(common, iter_dir / COMMON_FILE)
+        (iter_dir / "metadata.json").write_text(json.dumps(METADATA_JSON))
+        (partial / TRACKER).write_text(str(iteration))
+    log.info("wrote Megatron-LM torch_dist iteration %d at %s (%s, %d parameters) into %s in %.2fs",
+             iteration, target, sharding, len(plan), out, time.perf_counter() - t0)
+    return out
+
+
+def _plan(source, args) -> tuple[dict, dict]:
+    """(universal name -> stacked key and index, extra-state objects) of the whole model rebuilt
+    on one rank from the target args, which must name exactly the source's parameters."""
     plan, _ = plan_model(args)
     one = single_rank_args(args)
     with source_rank(one, 0):
         objects = sharded_objects(build_chunks(one)[0])
-    saved = manifest.params
+    saved = source.manifest.params
     missing = sorted(set(plan) - set(saved))
     if missing:
         raise UCPError(f"{source.dir}: the model rebuilt from the args template has parameter(s) "
@@ -121,7 +156,13 @@ def write(source, save_dir: str | Path, target: Layout, args_template, *,
     if extra:
         raise UCPError(f"{source.dir}: parameter(s) {extra[:3]} are not in the model rebuilt from "
                        "the args template; writing without them would drop state")
-    step = single_step(source)
+    return plan, objects
+
+
+def _model_state(source, plan: dict, args, sharding: str, progress: Progress) -> dict:
+    """The model tensors at their global shape (layers stacked), in the training dtype, and (the
+    fully_reshardable form) every optimizer state next to them in fp32."""
+    saved = source.manifest.params
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
     def full(name: str, state: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -163,17 +204,27 @@ def write(source, save_dir: str | Path, target: Layout, args_template, *,
                 for s in STATES:
                     state_dict[state_key(s, part_key)] = tensors[s][at].contiguous()
     done.close()
-    for k, v in objects.items():
-        state_dict[k] = object_value(v)
-    if rng_state is not None:
-        dps = rng_shard_dp_forms(target.dp, target.ep)  # every release's RNG shard keys
-        for pp_rank in range(target.pp):
-            for tp_rank in range(target.tp):
-                rs = object_value(rng_for(rng_state, (pp_rank, tp_rank)))
-                for dp in dps:
-                    state_dict[rng_shard_key(pp_rank, tp_rank, target.pp, target.tp, dp)] = rs
+    return state_dict
 
-    opt = manifest.optimizer
+
+def _rng_shards(rng_state: dict | list, target: Layout) -> dict:
+    """The rng shards of every (PP, TP) rank, in the key forms of every release
+    (`mcore_compat.dist_ckpt.rng_shard_dp_forms`)."""
+    out = {}
+    dps = rng_shard_dp_forms(target.dp, target.ep)
+    for pp_rank in range(target.pp):
+        for tp_rank in range(target.tp):
+            rs = object_value(rng_for(rng_state, (pp_rank, tp_rank)))
+            for dp in dps:
+                out[rng_shard_key(pp_rank, tp_rank, target.pp, target.tp, dp)] = rs
+    return out
+
+
+def _optimizer_state(source, args, moe: bool, sharding: str, step: float, state_dict: dict,
+                     progress: Progress) -> tuple[dict, dict]:
+    """(common.pt's `optimizer`, its `content_metadata`); the dp_reshardable form adds its
+    per-rank buckets and param groups to `state_dict`."""
+    opt = source.manifest.optimizer
     chained = [[torch_group(g, step) for g in groups]  # MoE: dense and expert optimizers
                for groups in chained_groups(opt.get("param_groups", []), 2 if moe else 1)]
     groups = chained[0]
@@ -185,37 +236,13 @@ def write(source, save_dir: str | Path, target: Layout, args_template, *,
     if sharding == "fully_reshardable":  # MoE: ChainedOptimizer's {index: state}
         optimizer = {i: {"optimizer": {"param_groups": g}, "param_state_sharding_type": sharding}
                      for i, g in enumerate(chained)}
-        optimizer = optimizer if moe else optimizer[0]
-        content = dict(FULLY_RESHARDABLE_CONTENT)
-    else:  # the param groups (and step) are stored per model-parallel rank, next to its buckets
-        state_dict.update(_dp_reshardable_state(source, args, chained, progress))
-        optimizer = {"param_state_sharding_type": sharding}
-        optimizer = {i: dict(optimizer) for i in range(2)} if moe else optimizer
-        content = {"distrib_optim_sharding_type": sharding, "singleton_local_shards": False,
-                   "chained_optim_avoid_prefix": True}
-    common = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
-              "optimizer": optimizer,
-              "opt_param_scheduler": scheduler_state(manifest.scheduler),
-              "num_floating_point_operations_so_far": float(num_floating_point_operations_so_far or 0.0),
-              "content_metadata": content}
-    if hybrid_layer_pattern(args):  # the buffers follow this release's Mamba parameter order
-        common[UCP_COMMON_KEY] = {"mamba_conv1d_module": mamba_conv1d_is_module()}
-
-    def read_back(d: Path) -> None:
-        check_export(d, source, lambda path: TorchDistSource(path, progress=False))
-
-    with staged_dir(out, TRACKER, check=read_back) as partial:
-        iter_dir = partial / iteration_dir_name(iteration)
-        iter_dir.mkdir()
-        dcp.save(state_dict, storage_writer=FileSystemWriter(str(iter_dir)),
-                 planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
-                 no_dist=True)
-        torch.save(common, iter_dir / COMMON_FILE)
-        (iter_dir / "metadata.json").write_text(json.dumps(METADATA_JSON))
-        (partial / TRACKER).write_text(str(iteration))
-    log.info("wrote Megatron-LM torch_dist iteration %d at %s (%s, %d parameters) into %s in %.2fs",
-             iteration, target, sharding, len(plan), out, time.perf_counter() - t0)
-    return out
+        return (optimizer if moe else optimizer[0]), dict(FULLY_RESHARDABLE_CONTENT)
+    # the param groups (and step) are stored per model-parallel rank, next to its buckets
+    state_dict.update(_dp_reshardable_state(source, args, chained, progress))
+    optimizer = {"param_state_sharding_type": sharding}
+    optimizer = {i: dict(optimizer) for i in range(2)} if moe else optimizer
+    return optimizer, {"distrib_optim_sharding_type": sharding, "singleton_local_shards": False,
+                       "chained_optim_avoid_prefix": True}
 
 
 def _expert_buffers(args) -> bool:

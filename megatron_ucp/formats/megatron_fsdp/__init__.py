@@ -18,6 +18,7 @@ from megatron_ucp.progress import Progress
 from megatron_ucp.storage import dcp_reader
 
 NAME = "megatron_fsdp"
+SOURCES = (FsdpDtensorSource, TorchDcpSource)
 
 
 def detect(path: Path) -> bool:
@@ -38,4 +39,4 @@ def open_source(path: str | Path, progress: Progress = True, trust_pickle: bool 
     return open_fsdp_source(path, trust_pickle)
 
 
-__all__ = ["NAME", "detect", "open_source", "run_fields", "FsdpDtensorSource", "TorchDcpSource"]
+__all__ = ["NAME", "SOURCES", "detect", "open_source", "run_fields", "FsdpDtensorSource", "TorchDcpSource"]

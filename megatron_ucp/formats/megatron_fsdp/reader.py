@@ -35,6 +35,8 @@ from pathlib import Path
 import torch
 
 from megatron_ucp.errors import UCPError
+from megatron_ucp.formats.base import RunFields, Source
+from megatron_ucp.formats.dcp_reader import DistReader, ReadsDcp
 from megatron_ucp.formats.manifest import Manifest, ParamEntry
 from megatron_ucp.formats.megatron_common import (
     check_supported,
@@ -44,7 +46,6 @@ from megatron_ucp.formats.megatron_common import (
     resolve_iteration,
     world,
 )
-from megatron_ucp.formats.megatron_dist.layout import DistReader, ReadsDcp
 from megatron_ucp.formats.megatron_fsdp.layout import (
     FSDP2_GROUP_PREFIX,
     FSDP2_MASTER_PREFIX,
@@ -144,7 +145,7 @@ def _split_state_key(key: str) -> tuple[str, str]:
     return strip_wrappers(name), state
 
 
-class _FsdpSource(ReadsDcp):
+class _FsdpSource(ReadsDcp, Source):
     """What both forms share: the args, the model plan, the run state, reading by stored key."""
 
     format = "megatron_fsdp"  # its name in the `formats` registry
@@ -376,7 +377,7 @@ def scheduler(reader: DistReader) -> dict | None:
     return {k[len("opt_param_scheduler."):]: jsonable_tree(v) for k, v in reader.objs(keys).items()}
 
 
-def run_fields(load_dir: str | Path, trust_pickle: bool = False) -> dict:
+def run_fields(load_dir: str | Path, trust_pickle: bool = False) -> RunFields:
     """The run's args (as a DDP + distributed-optimizer run, `training_args`), rng states
     {(pp, tp): rng list} (torch_dcp keeps one list, of the only (0, 0) position), layout and
     flops: what a Megatron-LM writer takes from the source run."""
@@ -399,5 +400,5 @@ def run_fields(load_dir: str | Path, trust_pickle: bool = False) -> dict:
     by_position = {pos: [states[i] for i in sorted(states)] for pos, states in rng.items()} or None
     flops = (reader.obj("num_floating_point_operations_so_far")
              if "num_floating_point_operations_so_far" in reader.meta else None)
-    return {"args": args, "rng_state": by_position, "rng_by_position": by_position,
-            "layout": layout(args), "num_floating_point_operations_so_far": flops}
+    return RunFields(args=args, layout=layout(args), rng_state=by_position,
+                     rng_by_position=by_position, num_floating_point_operations_so_far=flops)

@@ -12,6 +12,7 @@ from megatron_ucp.formats.megatron_legacy.writer import write
 from megatron_ucp.progress import Progress
 
 NAME = "megatron_torch"
+SOURCES = (LegacySource,)
 
 
 def detect(path: Path) -> bool:
@@ -23,4 +24,4 @@ def open_source(path: str | Path, progress: Progress = True, trust_pickle: bool 
     return LegacySource(path, progress, trust_pickle)
 
 
-__all__ = ["NAME", "detect", "open_source", "write", "run_fields", "LegacySource"]
+__all__ = ["NAME", "SOURCES", "detect", "open_source", "write", "run_fields", "LegacySource"]

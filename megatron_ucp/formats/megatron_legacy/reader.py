@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from megatron_ucp.errors import UCPError
+from megatron_ucp.formats.base import RunFields, Source
 from megatron_ucp.formats.manifest import Manifest, ParamEntry
 from megatron_ucp.formats.megatron_common import (
     as_list,
@@ -84,7 +85,7 @@ class _RankFiles:
     optim: list  # distrib_optim.pt entries, one per chained optimizer (None: not DP rank 0 there)
 
 
-class LegacySource:
+class LegacySource(Source):
     """A Megatron-LM `--ckpt-format torch` checkpoint read as universal tensors.
 
     load_dir: the save root (with latest_checkpointed_iteration.txt) or one iter_XXXXXXX directory.
@@ -165,7 +166,7 @@ class LegacySource:
         return []  # per-rank generator states are Megatron-LM's, kept by its own writers (fields)
 
 
-def run_fields(load_dir: str | Path, trust_pickle: bool = False) -> dict:
+def run_fields(load_dir: str | Path, trust_pickle: bool = False) -> RunFields:
     """From a legacy checkpoint: its args, rng states (by rank directory name and by (PP, TP)
     rank), its layout and flops: what a Megatron-LM writer takes from the source run."""
     iter_dir, _ = resolve_iteration(load_dir, is_iteration, "--ckpt-format torch")
@@ -183,8 +184,9 @@ def run_fields(load_dir: str | Path, trust_pickle: bool = False) -> dict:
                                        m["rng_state"])
             if flops is None:
                 flops = m.get("num_floating_point_operations_so_far")
-    return {"args": args, "rng_state": rng or None, "rng_by_position": by_position or None,
-            "layout": layout(args), "num_floating_point_operations_so_far": flops}
+    return RunFields(args=args, layout=layout(args), rng_state=rng or None,
+                     rng_by_position=by_position or None,
+                     num_floating_point_operations_so_far=flops)
 
 
 def _load_rank(rank_dir: Path, iteration: int, trust_pickle: bool) -> _RankFiles:

@@ -10,6 +10,7 @@ from megatron_ucp.formats.universal.source import UniversalSource
 from megatron_ucp.formats.universal.writer import write, write_params
 
 NAME = "universal"
+SOURCES = (UniversalSource,)
 
 
 def from_manifest(ckpt: Path, manifest: mf.Manifest, verify_checksums: bool = True,
@@ -17,4 +18,4 @@ def from_manifest(ckpt: Path, manifest: mf.Manifest, verify_checksums: bool = Tr
     return UniversalSource(ckpt, manifest, verify_checksums)
 
 
-__all__ = ["NAME", "from_manifest", "write", "write_params", "UniversalSource"]
+__all__ = ["NAME", "SOURCES", "from_manifest", "write", "write_params", "UniversalSource"]

@@ -9,6 +9,7 @@ import torch
 
 from megatron_ucp import storage
 from megatron_ucp.errors import UCPError
+from megatron_ucp.formats.base import Source
 from megatron_ucp.formats.manifest import Manifest
 from megatron_ucp.spec import contiguous_strides
 from megatron_ucp.storage import Reader, ReadsFiles, crc32, location
@@ -27,7 +28,7 @@ def rng_prefix(rank: int) -> str:
     return f"rank{rank:05d}"
 
 
-class UniversalSource(ReadsFiles):
+class UniversalSource(ReadsFiles, Source):
     """Reads boxes of universal tensors from a consolidated directory (sliced reads)."""
 
     format = "universal"  # its name in the `formats` registry

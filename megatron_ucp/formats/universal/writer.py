@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_ucp.formats import group_job
 from megatron_ucp.formats import manifest as mf
 from megatron_ucp.formats.manifest import Manifest, ParamEntry, TensorEntry
 from megatron_ucp.formats.universal.source import RNG_FILE, data_file_name, rng_prefix
@@ -138,45 +139,26 @@ def write_params(out_dir: Path, params: dict[str, ParamSpec], read_full: ReadFul
     return entries
 
 
-def balanced(sizes: list[int], n: int) -> list[list[int]]:
-    """Indices of `sizes` split into n sets of near-equal total (largest first, each to the least
-    loaded set), each set in index order."""
-    sets: list[list[int]] = [[] for _ in range(n)]
-    loads = [0] * n
-    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        k = loads.index(min(loads))
-        sets[k].append(i)
-        loads[k] += sizes[i]
-    return [sorted(s) for s in sets]
-
-
 def _write_distributed(source, out: Path, specs: dict[str, ParamSpec], max_file_bytes: int,
                        workers: int) -> Path:
-    """`write` as one job of the process group (torchrun; gloo is enough): the files are planned as
+    """`write` as one job of the process group (`group_job.run`): the files are planned as
     `--workers N` plans them for N = max(workers, world size), so the output is byte for byte that
-    of the single-process `workers=N` conversion; each process writes and fsyncs a balanced set of
-    them into rank 0's staged directory (a filesystem every process sees) or uploads them to the
-    store prefix, rank 0 writes the RNG file, checks, and commits once with the manifest (in a
-    store: its create-only put); every rank returns or raises its outcome."""
+    of the single-process `workers=N` conversion; rank 0 writes the RNG file, checks, and commits
+    once with the manifest (in a store: its create-only put)."""
     import torch.distributed as dist
 
-    from megatron_ucp.storage import commit_group_job, fsync_path, group_staged
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    staged = group_staged(out, mf.MANIFEST)
-    files = _plan_files(specs, max_file_bytes, max(workers, world))
+    files = _plan_files(specs, max_file_bytes, max(workers, dist.get_world_size()))
     sizes = [sum(4 * math.prod(specs[n].shape) * len(states_of(specs[n])) for n in names) for names in files]
-    entries: dict[str, dict[str, TensorEntry]] = {}
-    error = None
-    try:
-        for i in balanced(sizes, world)[rank]:
-            entries.update(_write_file(staged.partial, i, files[i], specs,
-                                       lambda n, s: _read_full(source, n, s, specs[n].shape)))
-            fsync_path(staged.partial / data_file_name(i))  # (the commit fsyncs rank 0's files only)
-    except Exception as e:  # reported by rank 0 for every rank, once
-        error = f"rank {rank}: {type(e).__name__}: {e}"
 
-    def finish(results: list) -> None:  # rank 0
+    def write_share(partial: Path, mine: list[int]) -> tuple[dict, int]:
+        entries: dict[str, dict[str, TensorEntry]] = {}
+        for i in mine:
+            entries.update(_write_file(partial, i, files[i], specs,
+                                       lambda n, s: _read_full(source, n, s, specs[n].shape)))
+        return entries, source.bytes_read
+
+    def finish(staged, results: list[tuple[dict, int]]) -> None:  # rank 0
+        entries: dict[str, dict[str, TensorEntry]] = {}
         for rank_entries, _ in results:
             entries.update(rank_entries)
         ranks = source.rng_ranks()
@@ -189,10 +171,10 @@ def _write_distributed(source, out: Path, specs: dict[str, ParamSpec], max_file_
         mf.write(staged.partial, manifest)
         staged.commit(fsync_files=False)
         log.info("%d parameters, %.1f MiB read by %d processes, written to %s", len(params),
-                 sum(r[1] for r in results) / 2**20, world, out)
+                 sum(r[1] for r in results) / 2**20, len(results), out)
 
-    commit_group_job(staged, f"converting to {out}", (entries, source.bytes_read), error, finish)
-    return out
+    return group_job.run(out, mf.MANIFEST, sizes, data_file_name, write_share, finish,
+                         f"converting to {out}")
 
 
 def write_rng(out_dir: Path, per_rank: dict[int, tuple[dict[str, torch.Tensor], dict]]) -> None:
@@ -241,7 +223,7 @@ def _read_full(source, name: str, state: str, shape: tuple[int, ...]) -> FullTen
     """The whole tensor from the source: as runs of its files' bytes where it can say (a fragment
     source whose layout keeps the tensor row-major: copied like `cp` copies, never read into
     memory), else read."""
-    runs = source.leading_runs(name, state, shape) if hasattr(source, "leading_runs") else None
+    runs = source.leading_runs(name, state, shape)
     return source.read(name, state, (0,) * len(shape), shape) if runs is None else runs
 
 
@@ -257,8 +239,8 @@ def write(source, out: str | Path, *, progress: Progress = True, max_file_bytes:
     out = location(out)
     header: Manifest = source.manifest
     specs = {n: without_padding(p.spec, header.true_vocab) for n, p in header.params.items()}
-    if hasattr(source, "read_order"):  # written in the order the source holds them: its files
-        specs = {n: specs[n] for n in source.read_order(list(specs))}  # are read front to back
+    # written in the order the source holds them: its files are read front to back
+    specs = {n: specs[n] for n in source.read_order(list(specs))}
     if distributed:
         return _write_distributed(source, out, specs, max_file_bytes, workers)
     done = bar(progress, len(specs), f"{source.origin['kind']} -> universal", "param")

@@ -1,7 +1,11 @@
-"""Offline conversions on a CPU box: any supported checkpoint -> any writable format.
+"""Every offline conversion, in one place: convert, reshard, import-hf, import-deepspeed and
+export-hf (the CLI commands and the library API), on a CPU box.
 
 A reader (`formats.open_source`) yields universal tensors and a writer consumes them; the registry
-picks both by format name. The universal form is layout-free, so "resharding" to it means
+picks both by format name, so this module is where a source meets a target. Under torchrun a
+conversion to universal or HF is one job (`distributed=True`): the writer's files are shared out
+among the processes and rank 0 commits once (`formats.group_job`), byte for byte the
+single-process output. The universal form is layout-free, so "resharding" to it means
 consolidating once and checking that the target layout can hold the model; the target run then
 loads it directly at its layout (`megatron_ucp.load`, or Megatron-LM with `--universal-checkpoint`).
 The Megatron-LM targets (`torch`, `torch_dist`) are written at the target layout and need the
@@ -10,9 +14,10 @@ source run's args, so their source must be a Megatron-LM checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import math
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +25,7 @@ from pathlib import Path
 from megatron_ucp import formats, storage
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats import manifest as mf
+from megatron_ucp.formats.base import Source
 from megatron_ucp.layout import Layout
 from megatron_ucp.progress import Progress
 from megatron_ucp.storage import Location, location, refuse_non_empty, staged_dir
@@ -27,11 +33,10 @@ from megatron_ucp.validation import check_layout
 
 log = logging.getLogger(__name__)
 
-# --target-format value -> format name
-TARGET_FORMATS = {"universal": "universal", "torch": "megatron_torch",
-                  "torch_dist": "megatron_torch_dist"}
-# Megatron-LM targets carry the source run's args: the source formats each can take them from
-MEGATRON_SOURCES = ("megatron_torch", "megatron_torch_dist", "megatron_fsdp")
+# --target-format value -> format name, and the formats whose checkpoints carry Megatron-LM run
+# args (a Megatron-LM target's source): both declared by the registry
+TARGET_FORMATS = formats.TARGETS
+MEGATRON_SOURCES = formats.MEGATRON_SOURCES
 
 
 @dataclass
@@ -78,8 +83,7 @@ def _open(load: str | Path, fmt: str | None, progress: Progress, trust_pickle: b
     source's data files checked against its manifest, so none of their parameters is left out)."""
     source = formats.open_source(load, fmt, progress=progress, verify_fragments=True,
                                  trust_pickle=trust_pickle)
-    if source.format in formats.OWN:
-        source.check_files()
+    source.check_files()  # (a no-op but for megatron-ucp's own formats)
     return source
 
 
@@ -131,7 +135,7 @@ def reshard(load: str | Path, save: str | Path, target: Layout | None = None,
     expert_tensor_parallel: torch_dist only, the target's expert TP size (MoE). A legacy torch
     checkpoint cannot hold ETP != TP: only expert-DP rank 0 writes it, so with ETP < TP the TP
     ranks that share an expert shard write no rank directory.
-    workers: processes writing the universal data files (the scratch copy for Megatron targets).
+    workers: processes writing the universal data files (universal target).
     trust_pickle: load Megatron-LM files with the plain unpickler (see `convert`)."""
     t0 = time.perf_counter()
     if target_format not in TARGET_FORMATS:
@@ -153,8 +157,7 @@ def reshard(load: str | Path, save: str | Path, target: Layout | None = None,
         options = {k: v for k, v in (("sharding", optim_sharding),
                                      ("expert_tensor_parallel", expert_tensor_parallel)) if v}
         manifest = _reshard_to_megatron(load, out, target, kind, target_format, progress,
-                                        first_stage_layers, last_stage_layers, workers, trust_pickle,
-                                        options)
+                                        first_stage_layers, last_stage_layers, trust_pickle, options)
     else:
         refuse_non_empty(out)
         source = _open(load, None, progress, trust_pickle)
@@ -182,10 +185,11 @@ def reshard(load: str | Path, save: str | Path, target: Layout | None = None,
 
 def _reshard_to_megatron(load, out: Location, target: Layout | None, kind: str, target_format: str,
                          progress: Progress, first: int | None, last: int | None,
-                         workers: int, trust_pickle: bool, options: dict) -> mf.Manifest:
-    """Megatron-LM -> universal (scratch next to `out`; for a store prefix, under TMPDIR) ->
-    Megatron-LM `target_format` at target (in a store: written locally, then uploaded with the
-    tracker file last, `storage.staged_dir`)."""
+                         trust_pickle: bool, options: dict) -> mf.Manifest:
+    """Megatron-LM -> Megatron-LM `target_format` at target, streamed: the target writer reads
+    the source's tensors box by box (`UniversalView`), nothing in between on disk (in a store:
+    written locally, then uploaded with the tracker file last, `storage.staged_dir`). Returns the
+    manifest the universal form of the source would have."""
     if kind not in MEGATRON_SOURCES:
         raise UCPError(f"{load}: --target-format {target_format} needs a Megatron-LM checkpoint "
                        "(torch, torch_dist, fsdp_dtensor or torch_dcp) source, "
@@ -193,30 +197,118 @@ def _reshard_to_megatron(load, out: Location, target: Layout | None, kind: str, 
                        "args (model architecture, optimizer and run settings) that the written "
                        f"checkpoint must carry; a {kind} checkpoint has no Megatron-LM args. "
                        "Convert the original Megatron-LM checkpoint instead, or call "
-                       "megatron_ucp.reshard.write_legacy / write_torch_dist with an args template")
+                       "megatron_ucp.conversion.write_legacy / write_torch_dist with an args template")
     if target is None:
         raise UCPError(f"--target-format {target_format}: writing a Megatron-LM checkpoint needs a "
                        "target layout (rank files, flat buffers and args depend on it); pass "
                        "target=Layout(...) (CLI: --target-tp/--target-pp/--target-dp ...)")
-    scratch = storage.scratch_dir(out, "universal")  # (a store prefix: under TMPDIR)
-    if scratch.exists():  # left by a conversion killed after its commit (or before its cleanup)
-        log.warning("removing %s, the scratch copy of an interrupted conversion", scratch)
-        shutil.rmtree(scratch, ignore_errors=True)
     refuse_non_empty(out)
     src = formats.get(kind).run_fields(load, trust_pickle)
-    if first is None and last is None and src["layout"].pp == target.pp:
-        first = getattr(src["args"], "decoder_first_pipeline_num_layers", None)
-        last = getattr(src["args"], "decoder_last_pipeline_num_layers", None)
-    rng = src["rng_by_position"]
-    if rng and src["layout"] != target:  # per-rank states belong to the source ranks: rank 0's
+    if first is None and last is None and src.layout.pp == target.pp:
+        first = getattr(src.args, "decoder_first_pipeline_num_layers", None)
+        last = getattr(src.args, "decoder_last_pipeline_num_layers", None)
+    rng = src.rng_by_position
+    if rng and src.layout != target:  # per-rank states belong to the source ranks: rank 0's
         rng = rng.get((0, 0), next(iter(rng.values())))
-    try:
-        convert(load, scratch, progress=progress, workers=workers, fmt=kind, trust_pickle=trust_pickle)
-        source = formats.open_megatron_ucp(scratch)
-        formats.get(TARGET_FORMATS[target_format]).write(
-            source, out, target, src["args"], rng_state=rng,
-            num_floating_point_operations_so_far=src["num_floating_point_operations_so_far"],
-            first_stage_layers=first, last_stage_layers=last, progress=progress, **options)
-    finally:
-        storage.remove_scratch(out, scratch)
+    source = UniversalView(_open(load, kind, progress, trust_pickle))
+    formats.get(TARGET_FORMATS[target_format]).write(
+        source, out, target, src.args, rng_state=rng,
+        num_floating_point_operations_so_far=src.num_floating_point_operations_so_far,
+        first_stage_layers=first, last_stage_layers=last, progress=progress, **options)
     return source.manifest
+
+
+class UniversalView(Source):
+    """A source seen as its universal form would hold it, without writing that form: the manifest
+    `universal.write` would write (vocab rows cut to the true vocabulary, the run state as its
+    JSON holds it) over the source's own reads. So a Megatron-LM target written from it is the
+    one written from the converted universal checkpoint, byte for byte."""
+
+    def __init__(self, source: Source):
+        from megatron_ucp.formats.manifest import Manifest, ParamEntry
+        from megatron_ucp.formats.universal.writer import without_padding
+
+        self.source, self.dir, self.origin, self.args = source, source.dir, source.origin, source.args
+        self.format = source.format
+        header = source.manifest
+        params = {n: ParamEntry(without_padding(p.spec, header.true_vocab), source.step(n))
+                  for n, p in header.params.items()}
+        universal = Manifest.universal(header, params, source.origin)
+        # the run state through JSON, as the universal manifest.json would give it back
+        run_state = json.loads(json.dumps({k: getattr(universal, k) for k in _RUN_STATE}))
+        self.manifest = dataclasses.replace(universal, **run_state)
+
+    @property
+    def bytes_read(self) -> int:
+        return self.source.bytes_read
+
+    def read(self, name: str, state: str, offset: tuple[int, ...], shape: tuple[int, ...]):
+        return self.source.read(name, state, offset, shape)
+
+    def read_into(self, name: str, state: str, offset: tuple[int, ...], shape: tuple[int, ...],
+                  out) -> None:
+        self.source.read_into(name, state, offset, shape, out)
+
+    def step(self, name: str) -> float:
+        return self.manifest.params[name].step
+
+    def rng_ranks(self) -> list[int]:
+        return []  # a Megatron-LM run's generator states go to its writers (`run_fields`)
+
+
+_RUN_STATE = ("model", "optimizer", "scheduler", "extra")
+
+
+def import_hf(hf_dir: str | Path, out: str | Path, *, progress: Progress = True,
+              max_file_bytes: int = 2**31) -> Path:
+    """`megatron-ucp import-hf`: an HF model directory -> a new universal checkpoint (fp32 master
+    weights, zero Adam moments, step 0) that `megatron_ucp.load` reads at any layout."""
+    refuse_non_empty(location(out))
+    source = formats.open_source(hf_dir, "hf")
+    if source.ignored:
+        log.info("skipped %d non-parameter tensor(s) of the HF checkpoint, e.g. %s",
+                 len(source.ignored), source.ignored[0])
+    return formats.get("universal").write(source, out, progress=progress,
+                                          max_file_bytes=max_file_bytes)
+
+
+def import_deepspeed(ds_dir: str | Path, out: str | Path, name_map: str | Path, *,
+                     trust_pickle: bool = False, progress: Progress = True,
+                     max_file_bytes: int = 2**31) -> Path:
+    """`megatron-ucp import-deepspeed`: a DeepSpeed universal folder -> a new universal checkpoint
+    with the optimizer state (fp32 master weights, both Adam moments, step) that
+    `megatron_ucp.load` reads at any layout."""
+    refuse_non_empty(location(out))
+    source = formats.open_source(ds_dir, "deepspeed", name_map=name_map, trust_pickle=trust_pickle)
+    log.info("%d DeepSpeed parameters -> megatron-core (name map %s); hyper-parameters: %s",
+             len(source.rules), source.map.path,
+             "from the name map" if source.map.optimizer else "the loading run's own "
+             "(zero/optimizer_state.pt is not read)")
+    return formats.get("universal").write(source, out, progress=progress,
+                                          max_file_bytes=max_file_bytes)
+
+
+def export_hf(src: str | Path, out: str | Path, arch: str, *, dtype: str | None = None,
+              max_shard_bytes: int | None = None, progress: Progress = True,
+              vocab_size: int | None = None, rope_theta: float | None = None,
+              activation: str | None = None, trust_pickle: bool = False,
+              distributed: bool = False) -> Path:
+    """`megatron-ucp export-hf`: open any supported checkpoint at `src` and write it as a Hugging
+    Face model directory of `arch` (`formats.hf.export` documents the options; distributed: under
+    torchrun, every process a share of the shards)."""
+    from megatron_ucp.formats import hf
+    from megatron_ucp.formats.megatron_common import null_tokenizer_vocab
+
+    hf.archs.get(arch)  # before opening (a Megatron-LM source rebuilds its model to open)
+    refuse_non_empty(location(out))
+    # every fragment read is read whole and its checksum checked, as `convert` does
+    source = formats.open_source(src, progress=progress, verify_fragments=True,
+                                 trust_pickle=trust_pickle)
+    args = source.args  # a Megatron-LM source's run args
+    hints = hf.archs.hints_from_args(args) if args is not None else {}
+    if vocab_size is None and args is not None:  # Megatron-LM keeps the padding rows: drop them
+        vocab_size = null_tokenizer_vocab(args)
+    sizes = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
+    return hf.export(source, out, arch, dtype=dtype, **sizes, progress=progress,
+                     vocab_size=vocab_size, rope_theta=rope_theta, activation=activation,
+                     hints=hints, distributed=distributed)

@@ -1,0 +1,167 @@
+"""The format contract: what a checkpoint source provides, what a format package declares.
+
+A *source* (`Source`) is one opened checkpoint read as universal tensors: every parameter's full
+fp32 master weight and Adam moments, boxed on demand, plus the run state in its `manifest`. Every
+reader subclasses `Source`, so the optional members below exist on every source with a declared
+default; callers use them without probing (`hasattr` / `getattr`).
+
+A *format package* (`megatron_ucp.formats.<package>`) is described by its registry entry
+(`FormatInfo`, in `formats.FORMATS`: the only list of formats; the CLI and the conversions derive
+their choices from it) and provides the members that entry declares (`FormatPackage`;
+`check_package` is the test of it). No format package imports another: conventions several
+formats share live in shared modules (`megatron_common`, `tensor_transforms`, `manifest`).
+
+This module imports neither torch nor megatron-core: the CLI builds its parser from the registry
+without them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+if TYPE_CHECKING:
+    import argparse
+
+    import torch
+
+    from megatron_ucp.formats.manifest import Manifest
+    from megatron_ucp.layout import Layout
+
+
+class Source:
+    """A checkpoint read as universal tensors (the base class of every reader).
+
+    Required, set by every reader:
+      format: its registry name (class attribute, = its package's NAME)
+      manifest: run state, every parameter's spec (`ParamSpec`) and Adam step
+      dir: where it was read from (a local path or a store prefix)
+      origin: {"kind": ..., "path": ...}: what it was converted from (kept in written manifests)
+      bytes_read: bytes read from its files so far
+      read(name, state, offset, shape): a box of a full fp32 tensor
+      step(name): the Adam step of a parameter
+      rng_ranks(): ranks whose generator states it holds (may be empty)
+
+    Optional, with the default here:
+      args: the Megatron-LM run args (Megatron-LM sources); None
+      read_into(...): `read` into a caller's buffer; through `read`
+      read_order(names): the order reading is cheapest (front to back in its files); as given
+      leading_runs(...): a whole tensor as byte runs of its files (copied, never decoded); None
+      check_files(part, parts): check its data files against the manifest; nothing to check
+      rng(rank): rank's generator states; only called for a rank of `rng_ranks()`
+    Optional without a default (declared by the sources that have them): `verify()` (megatron-ucp
+    formats: every checksum), `files_opened`, `requests` and `planning_copy(reader)` (sources
+    reading safetensors files through `storage.ReadsFiles`, whose reads can be planned).
+    """
+
+    format: ClassVar[str]
+    manifest: Manifest
+    dir: Path | Any  # a `storage.Location`
+    origin: dict
+    bytes_read: int
+    args: argparse.Namespace | None = None
+
+    def read(self, name: str, state: str, offset: tuple[int, ...],
+             shape: tuple[int, ...]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def step(self, name: str) -> float:
+        raise NotImplementedError
+
+    def rng_ranks(self) -> Sequence[int]:
+        raise NotImplementedError
+
+    def rng(self, rank: int) -> tuple[dict[str, torch.Tensor], dict]:
+        raise NotImplementedError(f"{type(self).__name__} holds no generator states")
+
+    def read_into(self, name: str, state: str, offset: tuple[int, ...], shape: tuple[int, ...],
+                  out: torch.Tensor) -> None:
+        """Box [offset, offset + shape) into `out` (contiguous fp32 of that shape)."""
+        out.copy_(self.read(name, state, offset, shape))
+
+    def read_order(self, names: list[str]) -> list[str]:
+        return names
+
+    def leading_runs(self, name: str, state: str, shape: tuple[int, ...]) -> Any:
+        return None
+
+    def check_files(self, part: int = 0, parts: int = 1) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class RunFields:
+    """What a Megatron-LM writer takes from a Megatron-LM source run (`run_fields`)."""
+
+    args: argparse.Namespace  # the run's args: the target's template
+    layout: Layout  # the layout it was saved at
+    # the per-rank `rng_state` lists: by rank directory name (torch) or (PP rank, TP rank)
+    rng_state: dict | None
+    rng_by_position: dict | None  # {(PP rank, TP rank): rng_state list}
+    num_floating_point_operations_so_far: float | None
+
+
+@dataclass(frozen=True)
+class FormatInfo:
+    """A format's registry entry: its name and what its package provides, declared once.
+
+    own: megatron-ucp's own format (its manifest.json names it): opened with `from_manifest`,
+        never detected; else the package has `detect` and `open_source`.
+    target: the `reshard --target-format` spelling where reshard writes it (its package's `write`
+        takes `write(source, out, target_layout, args_template, **options)`; universal's
+        `write(source, out, **options)`).
+    writes: its package has a `write` (a reshard target, or another writer such as `hf.write`).
+    run_args: its checkpoints hold the Megatron-LM run args: a source for the Megatron-LM
+        targets (its package has `run_fields`), and as a target it needs them.
+    import_command: the CLI command that converts it to universal (`import-<...>`).
+    """
+
+    name: str
+    package: str
+    own: bool = False
+    target: str | None = None
+    writes: bool = False
+    run_args: bool = False
+    import_command: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.target is not None and not self.writes:
+            raise ValueError(f"format {self.name}: a reshard target writes")
+
+
+class FormatPackage(Protocol):
+    """A format package's members (a module; `check_package` checks one against its entry)."""
+
+    NAME: str
+    SOURCES: tuple[type[Source], ...]  # the reader classes its sources are
+
+    # not own: detect(path) -> bool, open_source(path, **options) -> Source
+    # own: from_manifest(ckpt, manifest, **options) -> Source
+    # writes: write(source, out, ...) -> Path
+    # run_args: run_fields(load, trust_pickle=False) -> RunFields
+
+
+def check_package(info: FormatInfo, package: ModuleType) -> list[str]:
+    """What `package` lacks, or has undeclared, against its registry entry `info` (empty: it
+    satisfies the contract)."""
+    problems = []
+    if getattr(package, "NAME", None) != info.name:
+        problems.append(f"NAME is {getattr(package, 'NAME', None)!r}, registered as {info.name!r}")
+    sources = getattr(package, "SOURCES", ())
+    if not sources:
+        problems.append("no SOURCES")
+    for cls in sources:
+        if not (isinstance(cls, type) and issubclass(cls, Source)):
+            problems.append(f"{cls!r} is not a formats.base.Source")
+        elif getattr(cls, "format", None) != info.name:
+            problems.append(f"{cls.__name__}.format is {getattr(cls, 'format', None)!r}")
+    wanted = {"from_manifest": info.own, "detect": not info.own, "open_source": not info.own,
+              "write": info.writes, "run_fields": info.run_args}
+    for member, declared in wanted.items():
+        has = callable(getattr(package, member, None))
+        if has != declared:
+            problems.append(f"{member}: {'declared, missing' if declared else 'present, undeclared'}")
+    return problems
