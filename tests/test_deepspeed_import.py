@@ -30,9 +30,9 @@ from megatron_ucp import formats
 from megatron_ucp.cli import main
 from megatron_ucp.conversion import import_deepspeed
 from megatron_ucp.errors import UCPError
+from megatron_ucp.formats import tensor_transforms as transforms
 from megatron_ucp.formats.deepspeed import DeepSpeedSource, NameMap, layouts
-from megatron_ucp.formats.hf import transforms
-from megatron_ucp.formats.hf.transforms import Heads
+from megatron_ucp.formats.tensor_transforms import Heads
 from megatron_ucp.spec import ParamSpec
 from megatron_ucp.testing.launch import launch
 

@@ -5,7 +5,7 @@ Read as a source (weights as fp32 master weights, fresh optimizer state: `source
 `megatron_ucp.conversion.import_hf`) and written from any source (`export.export`;
 `megatron_ucp.conversion.export_hf`). Each architecture's name map, refusals and config translation
 in both directions are its module in `archs`; the element order of fused tensors, which they share,
-in `transforms`.
+in `formats.tensor_transforms`.
 """
 
 from __future__ import annotations

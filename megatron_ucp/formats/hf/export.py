@@ -22,7 +22,8 @@ import torch
 from megatron_ucp import storage
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats import group_job
-from megatron_ucp.formats.hf import archs, transforms
+from megatron_ucp.formats import tensor_transforms as transforms
+from megatron_ucp.formats.hf import archs
 from megatron_ucp.formats.hf.archs import Rule
 from megatron_ucp.formats.manifest import Manifest
 from megatron_ucp.progress import Progress, bar

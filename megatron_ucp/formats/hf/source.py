@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 
 from megatron_ucp.errors import UCPError
+from megatron_ucp.formats import tensor_transforms as transforms
 from megatron_ucp.formats.base import Source
-from megatron_ucp.formats.hf import archs, transforms
+from megatron_ucp.formats.hf import archs
 from megatron_ucp.formats.manifest import RUN_HYPERPARAMETERS, Manifest, ParamEntry
 from megatron_ucp.formats.megatron_rebuild import import_specs
 from megatron_ucp.layout import Layout

@@ -2,7 +2,7 @@
 transform), what it refuses to export, its config.json (export-hf) and the megatron-core model of
 a config.json (import-hf). `_base` holds what they share and the `HFArch` hooks; `_llama_like`
 the rotary decoder Llama, Qwen2, Qwen3, Mixtral and Qwen3-MoE build on; the element order of fused
-tensors is in `formats.hf.transforms`.
+tensors is in `formats.tensor_transforms`.
 
 The registry below is the one list of architectures: `export-hf --arch` offers it, import-hf
 finds a config.json's `model_type` in it, and the tests fail for an architecture without test

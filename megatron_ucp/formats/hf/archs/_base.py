@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # (source imports this package)
 
 # A name map entry: (universal name, transform, HF names, feature). `{i}` is the global layer
 # index, `{e}` the global expert index (`{m}` / `{h}` a megatron / HF layer prefix where an
-# architecture says so); transforms are in `formats.hf.transforms`; feature "" = always, else one
+# architecture says so); transforms are in `formats.tensor_transforms`; feature "" = always, else one
 # of FEATURES (or an architecture's own, e.g. DeepSeek-V3's "q_lora").
 Entry = tuple[str, str, tuple[str, ...], str]
 FEATURES = ("untied", "qkv_bias", "linear_bias", "moe", "qk_norm")

@@ -18,7 +18,7 @@ from megatron_ucp.formats.hf.archs._base import (
     refuse_hybrid,
     require,
 )
-from megatron_ucp.formats.hf.transforms import Heads
+from megatron_ucp.formats.tensor_transforms import Heads
 
 GLOBAL: list[Entry] = [
     ("embedding.word_embeddings.weight", "copy", ("model.embed_tokens.weight",), ""),

@@ -30,8 +30,8 @@ from megatron_ucp.formats.hf.archs._base import (
     require,
 )
 from megatron_ucp.formats.hf.archs._llama_like import GLOBAL
-from megatron_ucp.formats.hf.transforms import Heads
 from megatron_ucp.formats.megatron_common import YARN_FROM_ARGS
+from megatron_ucp.formats.tensor_transforms import Heads
 
 QUICK_GELU = "megatron.core.fusions.fused_bias_geglu.quick_gelu"
 QUICK_GELU_ALPHA = 1.702

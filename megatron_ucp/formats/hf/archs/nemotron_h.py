@@ -30,7 +30,7 @@ from megatron_ucp.formats.hf.archs._base import (
     fill,
     require,
 )
-from megatron_ucp.formats.hf.transforms import Heads
+from megatron_ucp.formats.tensor_transforms import Heads
 
 if TYPE_CHECKING:  # (source imports this package)
     from megatron_ucp.formats.hf.source import HFDir
