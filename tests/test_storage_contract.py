@@ -20,7 +20,6 @@ import zlib
 import pytest
 import torch
 from conftest import SCENARIOS, STEPS, nprocs
-from store_servers import azure_server, gcs_server, store  # noqa: F401 (fixtures)
 from test_transitions import check_transition
 
 import megatron_ucp as ucp
@@ -189,23 +188,28 @@ def test_commit_refuse_and_leftovers(store):
     assert sorted(storage.names_in(root / "iter_0000001")) == [mf.MANIFEST, "rank_00000.safetensors"]
 
 
-def test_save_tp2_load_tp1_dp2(store, tmp_path):
+def test_save_tp2_load_tp1_dp2(store, source_runs, tmp_path):
     """A real TP2 save into the backend, loaded at TP1xDP2: bitwise against the reference
     assembled from the saving run, the universal round trip bitwise, the loss continuing
-    (tests/test_transitions.py). gs://: saved locally and laid by the emulator's JSON API."""
-    saved = store.fresh("tp2-") if store.writes else tmp_path / "saved"
-    res = launch(nprocs("tp2"), f"{SCENARIOS}:train_and_save",
-                 {"layout": "tp2", "cfg": {"dtype": "fp32"}, "steps": STEPS, "save_dir": str(saved),
-                  "continue_steps": STEPS, "dump_dir": str(tmp_path / "dump")})
-    ckpt = saved if store.writes else store.place(saved, store.fresh("tp2-"))
-    assert (storage.location(ckpt) / mf.LATEST).read_text().strip() == f"iter_{STEPS:07d}"
-    source = {"dir": tmp_path, "ckpt": ckpt, "dump": tmp_path / "dump", **res[0]}
+    (tests/test_transitions.py). A local directory and gs:// take the session's local TP2 run
+    (conftest.source_runs, shared with tests/test_transitions.py); gs:// gets it laid by the
+    emulator's JSON API."""
+    cfg = {"dtype": "fp32"}
+    if store.writes and store.kind != "local":
+        saved = store.fresh("tp2-")
+        res = launch(nprocs("tp2"), f"{SCENARIOS}:train_and_save",
+                     {"layout": "tp2", "cfg": cfg, "steps": STEPS, "save_dir": str(saved),
+                      "continue_steps": STEPS, "dump_dir": str(tmp_path / "dump")})
+        source = {"dir": tmp_path, "ckpt": saved, "dump": tmp_path / "dump", **res[0]}
+    else:
+        source = dict(source_runs.get("tp2", cfg))
+        if not store.writes:
+            source["ckpt"] = store.place(source["ckpt"], store.fresh("tp2-"))
+    assert (storage.location(source["ckpt"]) / mf.LATEST).read_text().strip() == f"iter_{STEPS:07d}"
 
     class Runs:
         def get(self, layout: str, cfg: dict) -> dict:
             return source
 
     (tmp_path / "load").mkdir()
-    check_transition(Runs(), tmp_path / "load", "tp2", "dp2", {"dtype": "fp32"},
-                     name=f"{store.kind}:tp2->dp2")
-
+    check_transition(Runs(), tmp_path / "load", "tp2", "dp2", cfg, name=f"{store.kind}:tp2->dp2")

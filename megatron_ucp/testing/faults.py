@@ -50,10 +50,13 @@ def _training():
 
 
 def _wait_for_upload(writer, timeout: float = 60.0) -> None:
-    """An object writer's bytes so far are in parts of an incomplete multipart upload."""
+    """An object writer's bytes so far are in parts of an incomplete multipart upload (S3: until
+    the store lists it; Azure's uncommitted blocks and GCS's parts cannot be listed)."""
     from megatron_ucp import object_store
 
     writer._w.flush()  # (obstore's writer: the parts filled so far go up)
+    if object_store.store_kind(writer.path) != "s3":
+        return
     deadline = time.monotonic() + timeout
     while not object_store.incomplete_uploads(writer.path.parent):
         if time.monotonic() > deadline:
