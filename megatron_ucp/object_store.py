@@ -12,9 +12,9 @@ Signature V4). Reads are byte ranges (`get_ranges` merges nearby ones and runs t
 
 Credentials and endpoint come from each store's standard variables (`ENDPOINT_VARIABLES`,
 `CREDENTIAL_VARIABLES`: AWS_* for S3, GOOGLE_* for GCS, AZURE_* and AZURITE_BLOB_STORAGE_URL for
-Azure) and are never logged. obstore
-retries throttling (503 SlowDown), 5xx and connection errors with bounded exponential backoff;
-what still fails is raised as a UCPError naming the URL.
+Azure) and are never logged. obstore retries throttling (503 SlowDown), 5xx and connection errors
+with bounded exponential backoff; what still fails is raised as a UCPError naming the URL and the
+variables of its store.
 """
 
 from __future__ import annotations
