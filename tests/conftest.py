@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from seaweed import s3_prefix, s3_server  # noqa: F401 (fixtures: an S3 server for the object-store tests)
+from store_servers import STORE_SKIP, azure_server, gcs_server, store  # noqa: F401 (fixtures: every store)
 
 from megatron_ucp.testing.launch import launch
 
@@ -80,9 +81,9 @@ def source_runs(tmp_path_factory) -> SourceRuns:
 
 
 # The skips `make test` expects on a CPU host (UCP_EXPECTED_SKIPS_ONLY=1 fails the run on any other,
-# so a test that silently stops running is noticed): the full transition matrix, the GPU tests, and
-# the tests of the other megatron-core release.
-EXPECTED_SKIPS = ("UCP_FULL_MATRIX=1", "needs a CUDA GPU", RELEASE_SKIP)
+# so a test that silently stops running is noticed): the full transition matrix, the GPU tests, the
+# tests of the other megatron-core release, and the store cases an emulator cannot serve (named).
+EXPECTED_SKIPS = ("UCP_FULL_MATRIX=1", "needs a CUDA GPU", RELEASE_SKIP, STORE_SKIP)
 SKIPPED: dict[str, str] = {}
 
 

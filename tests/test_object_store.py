@@ -4,7 +4,7 @@ A URL is never a local path: an unsupported scheme is an error at every entry po
 `s3://` writes its rank files as objects (multipart), commits with a create-only put of the
 manifest, then `latest`; a load at another layout reads byte ranges of them and must equal,
 bitwise, the independent reference assembled from the saving run (tests/reference.py), as the
-disk transitions do (tests/test_transitions.py).
+disk transitions do: that load runs for every store in tests/test_storage_contract.py.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import SCENARIOS, STEPS, nprocs
-from test_transitions import check_transition, universal_tensors
+from test_transitions import universal_tensors
 
 import megatron_ucp as ucp
 from megatron_ucp import storage
@@ -123,14 +123,6 @@ def test_save_writes_objects_and_commits_last(s3_saved):
     assert keys == ["iter_0000003/manifest.json", "iter_0000003/rank_00000.safetensors",
                     "iter_0000003/rank_00001.safetensors", "latest"]
     assert storage.incomplete_uploads(root) == []
-
-
-def test_transition_tp2_to_dp2_from_the_bucket(s3_saved, tmp_path, monkeypatch):
-    """Save at TP2 to s3://, load at TP1xDP2 from it: bitwise against the reference, the
-    universal round trip bitwise, the loss continuing (tests/test_transitions.py)."""
-    runs, source, _ = s3_saved
-    monkeypatch.setattr(runs, "get", lambda layout, cfg: source)
-    check_transition(runs, tmp_path, "tp2", "dp2", {"dtype": "fp32"}, name="s3:tp2->dp2")
 
 
 def test_load_reads_merged_ranges(s3_saved, tmp_path):

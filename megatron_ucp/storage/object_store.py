@@ -11,11 +11,11 @@ parts of `PART_BYTES`), aborted when the write fails; a process killed mid-uploa
 incomplete upload, which `s3_multipart.incomplete_uploads` lists and the next save aborts. Reads
 are byte ranges (`get_ranges`; `store_reads` merges nearby ones and runs them in parallel).
 
-Credentials and endpoint come from the standard variables (AWS_ACCESS_KEY_ID,
-AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION / AWS_DEFAULT_REGION, AWS_ENDPOINT_URL_S3 /
-AWS_ENDPOINT_URL, AWS_ALLOW_HTTP; GOOGLE_* / AZURE_* for the others) and are never logged. obstore
-retries throttling (503 SlowDown), 5xx and connection errors with bounded exponential backoff;
-what still fails is raised as a UCPError naming the URL.
+Credentials and endpoint come from each store's standard variables (`ENDPOINT_VARIABLES`,
+`CREDENTIAL_VARIABLES`: AWS_* for S3, GOOGLE_* for GCS, AZURE_* and AZURITE_BLOB_STORAGE_URL for
+Azure) and are never logged. obstore retries throttling (503 SlowDown), 5xx and connection errors
+with bounded exponential backoff; what still fails is raised as a UCPError naming the URL and the
+variables of its store.
 """
 
 from __future__ import annotations
@@ -63,9 +63,10 @@ class ObjectPath:
         if not parts.netloc:
             raise UCPError(f"{url}: no bucket in the URL; write {parts.scheme}://BUCKET/PREFIX")
         if parts.query or parts.fragment:
+            kind = SCHEMES[parts.scheme]
             raise UCPError(f"{url}: a checkpoint URL takes no query or fragment; write "
                            f"{parts.scheme}://BUCKET/PREFIX and set the endpoint and credentials "
-                           "in the environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...)")
+                           f"in the environment ({ENDPOINT_HINTS[kind]}; {CREDENTIAL_VARIABLES[kind]})")
         return cls(parts.scheme, parts.netloc, parts.path.strip("/"))
 
     def __str__(self) -> str:
@@ -152,9 +153,46 @@ def _obstore():
     return obstore
 
 
+# Each store's standard environment variables (obstore reads them; the endpoint ones are also read
+# here to allow plain http): every message about a store names its own.
+ENDPOINT_VARIABLES = {"s3": ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"),
+                      "gcs": ("GOOGLE_BASE_URL",),
+                      "azure": ("AZURE_STORAGE_ENDPOINT", "AZURE_ENDPOINT")}
+CREDENTIAL_VARIABLES = {
+    "s3": "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (AWS_SESSION_TOKEN)",
+    "gcs": "GOOGLE_SERVICE_ACCOUNT / GOOGLE_SERVICE_ACCOUNT_KEY / GOOGLE_APPLICATION_CREDENTIALS "
+           "(or GOOGLE_BEARER_TOKEN)",
+    "azure": "AZURE_STORAGE_ACCOUNT_NAME / AZURE_STORAGE_ACCOUNT_KEY (or AZURE_STORAGE_SAS_KEY, "
+             "AZURE_STORAGE_TOKEN)"}
+ENDPOINT_HINTS = {
+    "s3": "AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3 (AWS_ALLOW_HTTP=true for plain http)",
+    "gcs": "GOOGLE_BASE_URL (an http:// one is allowed as given)",
+    "azure": "AZURE_STORAGE_ENDPOINT / AZURE_ENDPOINT, or AZURE_STORAGE_USE_EMULATOR=true with "
+             "AZURITE_BLOB_STORAGE_URL for Azurite"}
+
+
+def store_kind(path: ObjectPath | str) -> str:
+    """"s3", "gcs" or "azure": the store an ObjectPath or URL is in."""
+    scheme = path.scheme if isinstance(path, ObjectPath) else urllib.parse.urlsplit(str(path)).scheme
+    return SCHEMES.get(scheme, "s3")
+
+
+def _uses_azurite() -> bool:
+    return os.environ.get("AZURE_STORAGE_USE_EMULATOR", "").lower() in ("1", "true", "yes")
+
+
+def configured_endpoint(kind: str) -> str | None:
+    """The endpoint URL the environment sets for a store kind (None: the cloud's own)."""
+    if kind == "azure" and _uses_azurite():
+        return os.environ.get("AZURITE_BLOB_STORAGE_URL") or "http://127.0.0.1:10000"
+    return next((os.environ[v] for v in ENDPOINT_VARIABLES[kind] if os.environ.get(v)), None)
+
+
 @functools.cache
 def store(scheme: str, bucket: str):
-    """One client per bucket and process (obstore reads the standard environment variables)."""
+    """One client per bucket and process (obstore reads the standard environment variables). A
+    plain-http endpoint set in the environment is allowed (an S3-compatible server, an emulator):
+    obstore refuses http unless told, and would report it as an unreachable endpoint."""
     _obstore()
     from obstore.store import from_url
 
@@ -163,12 +201,13 @@ def store(scheme: str, bucket: str):
                          "max_backoff": datetime.timedelta(seconds=15), "base": 2}}
     client = {"connect_timeout": datetime.timedelta(seconds=10), "timeout": datetime.timedelta(minutes=30)}
     kwargs: dict = {}
-    if SCHEMES[scheme] == "s3":
-        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    kind = SCHEMES[scheme]
+    endpoint = configured_endpoint(kind)
+    if endpoint and endpoint.startswith("http://"):
+        client["allow_http"] = True
+    if kind == "s3":
         if endpoint:
             kwargs["endpoint"] = endpoint
-            if endpoint.startswith("http://"):
-                client["allow_http"] = True
         region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
         if region:
             kwargs["region"] = region
@@ -176,7 +215,7 @@ def store(scheme: str, bucket: str):
         return from_url(f"{scheme}://{bucket}", client_options=client, retry_config=retry, **kwargs)
     except Exception as e:  # a bad variable (never its value in the message: obstore names keys)
         raise UCPError(f"{scheme}://{bucket}: cannot set up the object-store client ({e}); check "
-                       "the AWS_* (GOOGLE_*, AZURE_*) environment variables") from None
+                       f"{ENDPOINT_HINTS[kind]} and {CREDENTIAL_VARIABLES[kind]}") from None
 
 
 def _client(path: ObjectPath):
@@ -189,25 +228,34 @@ class StoreError(UCPError):
 
 
 def store_error(path: ObjectPath | str, what: str, e: BaseException) -> StoreError:
-    """A clear error for a failed store request, naming the URL (never a credential)."""
+    """A clear error for a failed store request, naming the URL (never a credential) and the
+    environment variables of that store that would fix it."""
+    kind = store_kind(path)
     msg = str(e).split("\n")[0][:300]
     lowered = str(e).lower()
-    if "nosuchbucket" in lowered or "bucket does not exist" in lowered:
-        hint = "the bucket does not exist: create it or fix the URL"
-    elif ("accessdenied" in lowered or "signaturedoesnotmatch" in lowered or "invalidaccesskeyid" in lowered
+    if _missing_bucket(e):
+        hint = f"the {'container' if kind == 'azure' else 'bucket'} does not exist: create it or fix the URL"
+    elif (any(code in lowered for code in ("accessdenied", "signaturedoesnotmatch", "invalidaccesskeyid",
+                                           "authorizationfailure", "authenticationfailed"))
           or type(e).__name__ in ("PermissionDeniedError", "UnauthenticatedError")):
-        hint = ("the store refused the credentials: check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY "
-                "(AWS_SESSION_TOKEN) and the bucket's permissions")
+        hint = (f"the store refused the credentials: check {CREDENTIAL_VARIABLES[kind]} and the "
+                f"{'container' if kind == 'azure' else 'bucket'}'s permissions")
     elif "connect" in lowered or "dns" in lowered or "timed out" in lowered or "timeout" in lowered:
-        hint = ("the endpoint cannot be reached (after retries): check AWS_ENDPOINT_URL / "
-                "AWS_ENDPOINT_URL_S3 and the network")
+        hint = f"the endpoint cannot be reached (after retries): check {ENDPOINT_HINTS[kind]} and the network"
     else:
-        hint = "retry, or check the store's endpoint, credentials and bucket"
+        hint = (f"retry, or check the store's endpoint ({ENDPOINT_HINTS[kind]}), credentials "
+                f"({CREDENTIAL_VARIABLES[kind]}) and bucket")
     return StoreError(f"{path}: {what} failed: {hint} ({type(e).__name__}: {msg})")
 
 
+def _missing_bucket(e: BaseException) -> bool:
+    """S3's and GCS's NoSuchBucket, Azure's ContainerNotFound (a 404 too, never "no object")."""
+    lowered = str(e).lower()
+    return any(code in lowered for code in ("nosuchbucket", "bucket does not exist", "containernotfound"))
+
+
 def _missing(e: BaseException) -> bool:
-    return isinstance(e, FileNotFoundError) and "nosuchbucket" not in str(e).lower()
+    return isinstance(e, FileNotFoundError) and not _missing_bucket(e)
 
 
 def head(path: ObjectPath) -> int | None:
@@ -343,6 +391,8 @@ class ObjectWriter:
         from megatron_ucp.storage.s3_multipart import incomplete_uploads
 
         self._w.flush()
+        if store_kind(self.path) != "s3":  # Azure's uncommitted blocks, GCS's parts: not listable
+            return
         deadline = time.monotonic() + timeout
         while not incomplete_uploads(self.path.parent):
             if time.monotonic() > deadline:

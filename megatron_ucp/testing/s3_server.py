@@ -22,7 +22,7 @@ from megatron_ucp.testing.launch import free_port
 BUCKET = "ckpt"
 ACCESS, SECRET = "megatron-ucp-test", "megatron-ucp-secret"
 ENV_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_ALLOW_HTTP",
-            "AWS_ENDPOINT_URL_S3")
+            "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN", "AWS_PROFILE")
 
 
 class ServerError(RuntimeError):
@@ -105,7 +105,8 @@ def seaweedfs(workdir: Path) -> Iterator[tuple[str, str]]:
         endpoint = f"http://127.0.0.1:{s3}"
         os.environ.update(AWS_ACCESS_KEY_ID=ACCESS, AWS_SECRET_ACCESS_KEY=SECRET, AWS_ENDPOINT_URL=endpoint,
                           AWS_REGION="us-east-1", AWS_ALLOW_HTTP="true")
-        os.environ.pop("AWS_ENDPOINT_URL_S3", None)
+        for k in ("AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN", "AWS_PROFILE"):  # only the explicit keys count
+            os.environ.pop(k, None)
         _wait_bucket(proc, log)
         yield endpoint, f"s3://{BUCKET}"
     finally:
