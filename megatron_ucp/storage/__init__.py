@@ -4,7 +4,7 @@
   `backend(location)`, the scheme -> backend table;
 - `local` (POSIX files), `object_store` + `store_backend` + `store_reads` + `s3_multipart`
   (S3, GCS, Azure through obstore): the two backends;
-- `safetensors_codec`: the safetensors header, dtype table and streaming writer;
+- `safetensors_codec` and `writer`: the safetensors header and dtype table, the streaming writer;
 - `reader` and `planner`: tensor reads and the read planner (merged ranged GETs in a store);
 - `commit`: the one commit sequence (stage, check, fsync, publish the writer's marker);
 - `save_root`: a save root's `latest` pointer, `resolve`, interrupted saves;
@@ -36,8 +36,6 @@ from megatron_ucp.storage.files import (
     names_in,
     put,
     read_bytes,
-    remove_scratch,
-    scratch_dir,
     size_of,
 )
 from megatron_ucp.storage.object_store import StoreError
@@ -48,9 +46,7 @@ from megatron_ucp.storage.safetensors_codec import (
     DTYPE_TO_ST,
     NAME_TO_DTYPE,
     ST_TO_DTYPE,
-    SafetensorsWriter,
     tensor_bytes,
-    write_tensors,
 )
 from megatron_ucp.storage.save_root import (
     LATEST,
@@ -63,6 +59,7 @@ from megatron_ucp.storage.save_root import (
 )
 from megatron_ucp.storage.save_root import clean as clean_save_root
 from megatron_ucp.storage.urls import Location, backend, location
+from megatron_ucp.storage.writer import SafetensorsWriter, write_tensors
 
 
 def set_upload_part_bytes(nbytes: int) -> None:
@@ -78,7 +75,7 @@ __all__ = [
     "commit_group_job", "crc32", "crc32_combine", "crc32_many", "dcp_reader", "download",
     "file_in_the_way", "fsync_path", "group_staged", "has_local_files", "incomplete_uploads",
     "interrupted_saves", "is_checkpoint", "list_files", "local_file", "location", "names_in",
-    "plan_reads", "publish", "put", "read_bytes", "refuse_non_empty", "remove_scratch", "resolve",
-    "scratch_dir", "set_upload_part_bytes", "size_of", "staged", "staged_dir", "tensor_bytes",
+    "plan_reads", "publish", "put", "read_bytes", "refuse_non_empty", "resolve",
+    "set_upload_part_bytes", "size_of", "staged", "staged_dir", "tensor_bytes",
     "write_latest", "write_tensors",
 ]

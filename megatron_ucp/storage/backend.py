@@ -178,11 +178,3 @@ class Backend(ABC):
     def clean_save_root(self, root: Location, marker: str) -> None:
         """Remove what writers that died left under a save root (interrupted saves, temporaries,
         incomplete uploads); a committed directory is never touched."""
-
-    @abstractmethod
-    def scratch_dir(self, beside: Location, name: str) -> Path:
-        """A local directory for temporary files of a conversion writing to `beside`."""
-
-    @abstractmethod
-    def remove_scratch(self, scratch: Path) -> None:
-        """Remove what `scratch_dir` made."""

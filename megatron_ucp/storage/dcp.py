@@ -8,10 +8,13 @@ import contextlib
 import functools
 import io
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megatron_ucp.storage.object_store import ObjectPath
 from megatron_ucp.storage.store_reads import DcpObjectReader
-from megatron_ucp.storage.urls import Location
+
+if TYPE_CHECKING:  # (urls imports the backends, which import this module)
+    from megatron_ucp.storage.urls import Location
 
 
 @functools.cache
@@ -77,7 +80,6 @@ def _dcp_reader_class() -> type:
             return super()._slice_file(file, sinfo)
 
     return DcpReader
-
 
 
 def dcp_reader(directory: Location):

@@ -59,14 +59,3 @@ def dcp_reader(directory: Location):
     """torch.distributed.checkpoint's reader of a checkpoint directory, local or in a store."""
     directory = location(directory)
     return backend(directory).dcp_reader(directory)
-
-
-def scratch_dir(beside: Location, name: str) -> Path:
-    """A local directory for a conversion's temporary files: next to a local `beside`, under TMPDIR
-    for a store prefix. Remove it with `remove_scratch(beside, it)`."""
-    beside = location(beside)
-    return backend(beside).scratch_dir(beside, name)
-
-
-def remove_scratch(beside: Location, scratch: Path) -> None:
-    backend(beside).remove_scratch(scratch)

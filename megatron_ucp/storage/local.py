@@ -379,9 +379,3 @@ class LocalBackend(Backend):
         for tmp in root.glob(".*.tmp*"):  # a process killed while replacing `latest` (`write_atomic`)
             if tmp.is_file():
                 tmp.unlink(missing_ok=True)
-
-    def scratch_dir(self, beside: Path, name: str) -> Path:
-        return beside.with_name(f".{beside.name}.{name}")
-
-    def remove_scratch(self, scratch: Path) -> None:
-        shutil.rmtree(scratch, ignore_errors=True)

@@ -25,7 +25,6 @@ import fnmatch
 import functools
 import os
 import re
-import time
 import urllib.parse
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -386,18 +385,10 @@ class ObjectWriter:
                 f.seek(run.offset)
                 self.write(f.read(run.nbytes))
 
-    def sync(self, timeout: float = 60.0) -> None:
-        """The parts filled so far go up; returns once the store lists the incomplete upload."""
-        from megatron_ucp.storage.s3_multipart import incomplete_uploads
-
+    def sync(self) -> None:
+        """The parts filled so far go up (`store_backend.UploadWriter` also waits until S3 lists
+        the incomplete upload)."""
         self._w.flush()
-        if store_kind(self.path) != "s3":  # Azure's uncommitted blocks, GCS's parts: not listable
-            return
-        deadline = time.monotonic() + timeout
-        while not incomplete_uploads(self.path.parent):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.path}: no multipart upload started")
-            time.sleep(0.1)
 
     def close(self, fsync: bool = True) -> None:
         """Complete the upload: the object appears whole (durable once it does: no fsync)."""

@@ -1,6 +1,5 @@
-"""The safetensors codec: the dtype table, the header (built from known shapes, parsed and checked
-against the file's size) and `SafetensorsWriter`, which streams a file tensor by tensor into a
-backend's writer.
+"""The safetensors codec: the dtype table and the header (built from known shapes, parsed and
+checked against the file's size). `writer.SafetensorsWriter` streams a file with it.
 
 safetensors layout (https://github.com/huggingface/safetensors): 8-byte little-endian header length
 N, N bytes of JSON header {name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__":
@@ -14,13 +13,8 @@ import json
 import math
 import struct
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from megatron_ucp.storage.backend import ByteRun, FileWriter
-    from megatron_ucp.storage.urls import Location
 
 DTYPE_TO_ST = {
     torch.float32: "F32",
@@ -99,68 +93,3 @@ def parse_header(raw: bytes, size: int, bad) -> tuple[dict[str, str], dict[str, 
             raise bad(f"tensor {key!r} lies outside the object or has dtype {e['dtype']}")
         entries[key] = (ST_TO_DTYPE[e["dtype"]], tuple(e["shape"]), start + begin, start + end)
     return meta, entries
-
-
-class SafetensorsWriter:
-    """Write a safetensors file tensor by tensor, in the order given to the constructor, into the
-    writer its backend opens (a local file, or a multipart upload that goes up as parts fill)."""
-
-    def __init__(self, path: Location, entries: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None):
-        from megatron_ucp.storage.urls import backend, location
-
-        self.path = location(path)
-        head, data_bytes, self.order, self.expected = encode_header(entries, metadata)
-        self.file: FileWriter = backend(self.path).open_writer(self.path)
-        self.file.write(head)
-        self.next = 0
-        self.nbytes = len(head) + data_bytes
-
-    @property
-    def complete(self) -> bool:
-        """Every tensor of the header written (`close` may follow)."""
-        return self.next == len(self.order)
-
-    def _expect(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
-        if self.next >= len(self.order) or name != self.order[self.next]:
-            expected = self.order[self.next:self.next + 1]
-            raise ValueError(f"{self.path}: expected tensor {expected}, got {name}")
-        return self.expected[name]
-
-    def write(self, name: str, t: torch.Tensor) -> None:
-        dtype, shape = self._expect(name)
-        if t.dtype != dtype or tuple(t.shape) != shape:
-            raise ValueError(f"{self.path}: {name} is {t.dtype}{tuple(t.shape)}, header says {dtype}{shape}")
-        self.file.write(tensor_bytes(t))
-        self.next += 1
-
-    def copy_runs(self, name: str, runs: list[ByteRun]) -> None:
-        """Write tensor `name` as the concatenation of byte runs of other (local) files (its raw
-        bytes, in order), copied file to file where the backend can, without reading them into
-        this process."""
-        dtype, shape = self._expect(name)
-        nbytes = math.prod(shape) * dtype.itemsize
-        if sum(r.nbytes for r in runs) != nbytes:
-            raise ValueError(f"{self.path}: {name} needs {nbytes} bytes, the runs hold "
-                             f"{sum(r.nbytes for r in runs)}")
-        self.file.copy_runs(runs)
-        self.next += 1
-
-    def close(self, fsync: bool = True) -> None:
-        if self.next != len(self.order):
-            raise ValueError(f"{self.path}: {len(self.order) - self.next} tensors not written")
-        self.file.close(fsync=fsync)  # (an upload completes here: the object appears whole)
-
-    def abort(self) -> None:
-        """Give up a write that failed: a store's multipart upload is aborted (the caller removes
-        a local file's directory)."""
-        self.file.abort()
-
-
-def write_tensors(path: Location, tensors: dict[str, torch.Tensor],
-                  metadata: dict[str, str] | None = None) -> None:
-    w = SafetensorsWriter(path, [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()], metadata)
-    for k, v in tensors.items():
-        w.write(k, v)
-    w.close()
-
