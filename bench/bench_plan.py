@@ -47,7 +47,8 @@ sys.path.insert(0, str(ROOT))
 
 from megatron_ucp.formats import manifest as mf  # noqa: E402
 from megatron_ucp.formats.fragments import FragmentSource, build_index, index_part, merge_specs, part_records  # noqa: E402
-from megatron_ucp.formats.manifest import Manifest, paused_gc  # noqa: E402
+from megatron_ucp.formats.manifest import Manifest  # noqa: E402
+from megatron_ucp.gc_pause import paused_gc  # noqa: E402
 from megatron_ucp.layout import Layout  # noqa: E402
 from megatron_ucp.local_slice import read_local  # noqa: E402
 from megatron_ucp.spec import ParamSpec, Piece  # noqa: E402

@@ -337,6 +337,33 @@ def declared_state_dict(model) -> dict:
                        f"split from it, so it can neither save nor load this model.{hint}") from e
 
 
+def _vocab_params(model) -> set[int]:
+    """ids of the parameters whose rows are indexed by token id: the vocab-parallel embedding and
+    the output (logit) layer."""
+    vocab = {id(m.weight) for m in model.modules() if isinstance(m, VocabParallelEmbedding)}
+    output_layer = getattr(model, "output_layer", None)
+    if output_layer is not None and getattr(output_layer, "weight", None) is not None:
+        vocab.add(id(output_layer.weight))
+    return vocab
+
+
+def _check_object(local_key: str, entry: ShardedObject) -> None:
+    """A ShardedObject is not carried: refused where it holds state a resume would need."""
+    if carries_extra_state(entry.data):
+        raise UCPError(f"{local_key!r} holds extra state ({type(entry.data).__name__}, "
+                       "e.g. Transformer Engine FP8 scaling factors and amax history); "
+                       "megatron-ucp carries parameters, optimizer state and buffers "
+                       "only: save from a run without FP8 metadata")
+
+
+def _te_fused_names(chunk_params: list[LocalParam]) -> None:
+    """One chunk's parameters renamed in place to Transformer Engine's spelling (`TE_FUSED_NORMS`)."""
+    renamed = te_fused_names([lp.spec.name for lp in chunk_params])
+    for lp in chunk_params:
+        if lp.spec.name in renamed:
+            lp.spec = replace(lp.spec, name=renamed[lp.spec.name])
+
+
 def local_params(model_chunks: list) -> list[LocalParam]:
     """Every trainable parameter of this rank's model chunks with its spec and pieces."""
     out: list[LocalParam] = []
@@ -345,19 +372,11 @@ def local_params(model_chunks: list) -> list[LocalParam]:
         params = {id(p): (n, p) for n, p in model.named_parameters()}
         buffers = {id(b): (n, b) for n, b in model.named_buffers()}
         owners = {id(p): m for m in model.modules() for p in m.parameters(recurse=False)}
-        # rows indexed by token id: the vocab-parallel embedding and the output (logit) layer
-        vocab = {id(m.weight) for m in model.modules() if isinstance(m, VocabParallelEmbedding)}
-        output_layer = getattr(model, "output_layer", None)
-        if output_layer is not None and getattr(output_layer, "weight", None) is not None:
-            vocab.add(id(output_layer.weight))
+        vocab = _vocab_params(model)
         seen: set[int] = set()
         for local_key, entry in declared_state_dict(model).items():
             if isinstance(entry, ShardedObject):
-                if carries_extra_state(entry.data):
-                    raise UCPError(f"{local_key!r} holds extra state ({type(entry.data).__name__}, "
-                                   "e.g. Transformer Engine FP8 scaling factors and amax history); "
-                                   "megatron-ucp carries parameters, optimizer state and buffers "
-                                   "only: save from a run without FP8 metadata")
+                _check_object(local_key, entry)
                 continue
             if not isinstance(entry, (ShardedTensor, ShardedTensorFactory)):
                 raise UCPError(f"{local_key!r}: unsupported sharded entry {type(entry).__name__}")
@@ -412,11 +431,7 @@ def local_params(model_chunks: list) -> list[LocalParam]:
                                           base, numel, (expert,)))
                 continue
             out.append(LocalParam(spec, param, chunk_index, name_in_model, pieces, canonical))
-        chunk_params = [lp for lp in out if lp.chunk == chunk_index]
-        renamed = te_fused_names([lp.spec.name for lp in chunk_params])
-        for lp in chunk_params:
-            if lp.spec.name in renamed:
-                lp.spec = replace(lp.spec, name=renamed[lp.spec.name])
+        _te_fused_names([lp for lp in out if lp.chunk == chunk_index])
         missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in seen]
         if missing:
             raise UCPError(f"parameters {missing} are not declared by the model's "

@@ -45,7 +45,8 @@ from megatron_ucp.formats.fragments import (
     rank_file_name,
     write_rank_file,
 )
-from megatron_ucp.formats.manifest import Manifest, paused_gc
+from megatron_ucp.formats.manifest import Manifest
+from megatron_ucp.gc_pause import paused_gc
 from megatron_ucp.layout import Layout
 from megatron_ucp.optimizer_state import OptimizerIndex
 from megatron_ucp.param_spec import local_params

@@ -40,7 +40,8 @@ from megatron_ucp.formats.fragments import (
     write_rank_file,
 )
 from megatron_ucp.formats.fragments.index import tiling_suspects
-from megatron_ucp.formats.manifest import Manifest, ParamEntry, _Check, paused_gc
+from megatron_ucp.formats.manifest import Manifest, ParamEntry, _Check
+from megatron_ucp.gc_pause import paused_gc
 from megatron_ucp.layout import Layout
 from megatron_ucp.local_slice import flat_range_boxes
 from megatron_ucp.spec import STATES, ParamSpec, Piece

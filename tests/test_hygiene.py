@@ -248,3 +248,25 @@ def test_the_storage_seam_check_sees_what_it_forbids(tmp_path):
         "imports obstore", "imports megatron_ucp.storage.object_store",
         "imports megatron_ucp.storage.object_store", "isinstance(..., ObjectPath)",
         "isinstance(..., Path)"], found
+
+
+# Library code a newcomer reads: no module over 500 lines, no function over 80. An exception is
+# named here with the reason in docs/ARCHITECTURE.md ("Sizes"); there is none today.
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 500, 80
+SIZE_EXCEPTIONS: dict[str, str] = {}
+
+
+def test_library_modules_and_functions_stay_readable():
+    too_long = []
+    for path in sorted((ROOT / "megatron_ucp").rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        text = path.read_text()
+        if text.count("\n") > MAX_MODULE_LINES and rel not in SIZE_EXCEPTIONS:
+            too_long.append(f"{rel}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES and f"{rel}:{node.name}" not in SIZE_EXCEPTIONS:
+                    too_long.append(f"{rel}:{node.lineno} {node.name}: {lines} lines")
+    assert too_long == [], ("split these (or name them in SIZE_EXCEPTIONS and say why in "
+                            "docs/ARCHITECTURE.md):\n" + "\n".join(too_long))

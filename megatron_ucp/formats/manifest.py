@@ -10,11 +10,9 @@ are its only reader and writer, and `from_json` refuses what the specification d
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import json
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
@@ -22,6 +20,7 @@ from typing import NamedTuple
 
 from megatron_ucp import storage
 from megatron_ucp.errors import UCPError
+from megatron_ucp.gc_pause import paused_gc
 from megatron_ucp.layout import Layout
 from megatron_ucp.spec import STATES, ParamSpec, Piece, cover_once_cheap, states_of
 from megatron_ucp.storage import Location, location
@@ -33,32 +32,6 @@ FORMAT = "megatron-ucp"
 VERSION = 3
 MANIFEST = "manifest.json"
 KINDS = ("fragments", "universal")
-
-
-@contextlib.contextmanager
-def paused_gc() -> Iterator[None]:
-    """No cyclic garbage collection while building or parsing metadata: it allocates millions of
-    small containers and no cycles, and the collector's passes over them would cost seconds
-    (measured 5x on the 4096-rank plan benchmark).
-
-    Re-enabling alone would only defer that cost: every container allocated in the pause sits in
-    the youngest generation, and the first collection after it walks them all (0.4 s for a
-    4096-rank index). So the survivors are moved to the oldest generation unexamined (`gc.freeze`
-    then `gc.unfreeze`), where only the rare full collections see them, as any long-lived data.
-    Young garbage cycles from before the pause are collected first (a young collection: cheap),
-    so none is held back until the next full collection."""
-    enabled = gc.isenabled()
-    if enabled:
-        gc.collect(1)
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            if gc.get_freeze_count() == 0:  # nobody else's frozen objects would be thawed
-                gc.freeze()
-                gc.unfreeze()
-            gc.enable()
 
 
 # ----------------------------------------------------------------------------------- validation
@@ -518,4 +491,4 @@ def write(ckpt_dir: Location, manifest: Manifest) -> None:
 
 __all__ = ["FORMAT", "VERSION", "MANIFEST", "STATES", "Manifest", "ParamEntry",
            "SliceEntry", "FragmentEntry", "TensorEntry", "read", "write",
-           "resolve", "is_checkpoint", "NotACheckpoint", "encode", "iteration_dir_name", "paused_gc"]
+           "resolve", "is_checkpoint", "NotACheckpoint", "encode", "iteration_dir_name"]

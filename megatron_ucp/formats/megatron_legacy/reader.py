@@ -220,12 +220,12 @@ def _check_same_run(files: _RankFiles, args, first: Path) -> None:
                        "restore this directory from the same save")
 
 
-def _collect(chunks: list, files: _RankFiles, args, copies: dict[str, list[_Copy]],
-             specs: dict[str, ParamSpec]) -> None:
-    """Every parameter of this rank: its spec, pieces, model weight and optimizer slices."""
+def _saved_models(chunks: list, files: _RankFiles, args) -> tuple[list[str], list[dict]]:
+    """(the model state dict keys, one saved state dict per model chunk), each checked to hold
+    exactly the modules of the chunk rebuilt from the args."""
     from megatron.core.utils import unwrap_model
 
-    model_file, optim_file = files.path / MODEL_FILE, files.path / OPTIM_FILE
+    model_file = files.path / MODEL_FILE
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     state_dicts = []
     for key, chunk in zip(keys, chunks):
@@ -247,6 +247,14 @@ def _collect(chunks: list, files: _RankFiles, args, copies: dict[str, list[_Copy
                            f"checkpoint ({_RESTORE}) or it uses a layer spec megatron-ucp cannot "
                            "rebuild")
         state_dicts.append(saved)
+    return keys, state_dicts
+
+
+def _collect(chunks: list, files: _RankFiles, args, copies: dict[str, list[_Copy]],
+             specs: dict[str, ParamSpec]) -> None:
+    """Every parameter of this rank: its spec, pieces, model weight and optimizer slices."""
+    model_file, optim_file = files.path / MODEL_FILE, files.path / OPTIM_FILE
+    keys, state_dicts = _saved_models(chunks, files, args)
 
     buffers = optimizer_buffers(chunks, args)
     if len(buffers) != len(files.optim):
