@@ -12,7 +12,6 @@ import hashlib
 import hmac
 import os
 import shutil
-import signal
 import subprocess
 import time
 import urllib.error
@@ -21,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from megatron_ucp.testing.launch import free_port
+from megatron_ucp.testing.server_process import only_these_variables, stop
 
 AZURITE_VERSION = "3.37.0"  # (the Makefile's AZURITE_VERSION)
 # Where `make install` puts it; MEGATRON_UCP_AZURITE (the azurite-blob executable) overrides
@@ -109,24 +109,12 @@ def azurite(workdir: Path) -> Iterator[tuple[str, str]]:
            str(workdir / "data"), "--skipApiVersionCheck", "--disableTelemetry", "--silent"]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    saved = {k: os.environ.get(k) for k in ENV_KEYS}
     try:
         _wait_up(endpoint, proc, log)
         create_container(endpoint)
-        for k in ENV_KEYS:
-            os.environ.pop(k, None)
-        os.environ.update(AZURE_STORAGE_USE_EMULATOR="true", AZURITE_BLOB_STORAGE_URL=endpoint,
-                          AZURE_STORAGE_ACCOUNT_NAME=ACCOUNT, AZURE_STORAGE_ACCOUNT_KEY=ACCOUNT_KEY)
-        yield endpoint, f"az://{CONTAINER}"
+        with only_these_variables(ENV_KEYS, AZURE_STORAGE_USE_EMULATOR="true",
+                                  AZURITE_BLOB_STORAGE_URL=endpoint, AZURE_STORAGE_ACCOUNT_NAME=ACCOUNT,
+                                  AZURE_STORAGE_ACCOUNT_KEY=ACCOUNT_KEY):
+            yield endpoint, f"az://{CONTAINER}"
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        os.killpg(proc.pid, signal.SIGTERM)  # (its own session: node and nothing else)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop(proc)

@@ -14,8 +14,6 @@ speaking the JSON API would do) and read them back through megatron-ucp's own cl
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import subprocess
 import time
 import urllib.error
@@ -25,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from megatron_ucp.testing.launch import free_port
+from megatron_ucp.testing.server_process import only_these_variables, stop
 
 BUCKET = "ckpt"
 # Explicit credentials: without one, obstore's GCS client asks the cloud metadata address for a
@@ -102,22 +101,9 @@ def fake_gcs(workdir: Path) -> Iterator[tuple[str, str]]:
            "-data", str(workdir / "seed"), "-log-level", "warn"]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    saved = {k: os.environ.get(k) for k in ENV_KEYS}
     try:
         _wait_up(endpoint, proc, log)
-        for k in ENV_KEYS:
-            os.environ.pop(k, None)
-        os.environ.update(GOOGLE_BASE_URL=endpoint, GOOGLE_BEARER_TOKEN=BEARER_TOKEN)
-        yield endpoint, f"gs://{BUCKET}"
+        with only_these_variables(ENV_KEYS, GOOGLE_BASE_URL=endpoint, GOOGLE_BEARER_TOKEN=BEARER_TOKEN):
+            yield endpoint, f"gs://{BUCKET}"
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        os.killpg(proc.pid, signal.SIGTERM)  # (its own session: the server and nothing else)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop(proc)

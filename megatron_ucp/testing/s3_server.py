@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from megatron_ucp.testing.launch import free_port
+from megatron_ucp.testing.server_process import only_these_variables, stop
 
 BUCKET = "ckpt"
 ACCESS, SECRET = "megatron-ucp-test", "megatron-ucp-secret"
@@ -99,25 +99,14 @@ def seaweedfs(workdir: Path) -> Iterator[tuple[str, str]]:
            "-webdav=false", *(f"{k}={v}" for k, v in ports.items())]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    saved = {k: os.environ.get(k) for k in ENV_KEYS}
     try:
         _wait_up(s3, proc, log)
         endpoint = f"http://127.0.0.1:{s3}"
-        os.environ.update(AWS_ACCESS_KEY_ID=ACCESS, AWS_SECRET_ACCESS_KEY=SECRET, AWS_ENDPOINT_URL=endpoint,
-                          AWS_REGION="us-east-1", AWS_ALLOW_HTTP="true")
-        for k in ("AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN", "AWS_PROFILE"):  # only the explicit keys count
-            os.environ.pop(k, None)
-        _wait_bucket(proc, log)
-        yield endpoint, f"s3://{BUCKET}"
+        # only the explicit keys count (no AWS_SESSION_TOKEN / AWS_PROFILE left over)
+        with only_these_variables(ENV_KEYS, AWS_ACCESS_KEY_ID=ACCESS, AWS_SECRET_ACCESS_KEY=SECRET,
+                                  AWS_ENDPOINT_URL=endpoint, AWS_REGION="us-east-1",
+                                  AWS_ALLOW_HTTP="true"):
+            _wait_bucket(proc, log)
+            yield endpoint, f"s3://{BUCKET}"
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        os.killpg(proc.pid, signal.SIGTERM)  # (its own session: weed and nothing else)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop(proc)
