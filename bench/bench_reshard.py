@@ -3,6 +3,10 @@
 For every Megatron-LM fixture in tests/fixtures/megatron_lm: reshard to universal, and (legacy
 sources) to a stock legacy checkpoint at another layout; the anchor is `shutil.copytree` + fsync of
 the same source directory. Runs in ONE process, so the first conversion pays megatron's import.
+A Megatron-LM -> Megatron-LM reshard (legacy sources) also runs once untimed under
+`_measure.PeakMemory` and /proc/self/io: bytes this process wrote (`written`, against the output's
+size: a reshard that streams writes its output once; one that went through a universal copy on
+disk wrote about twice as much) and its peak RSS.
 
     .venv/bin/python bench/bench_reshard.py [--repeat 3] [--fixtures torch_dp2 ...] [--json F]
 """
@@ -21,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._measure import copy_tree_fsync, dir_bytes  # noqa: E402
+from bench._measure import PeakMemory, copy_tree_fsync, dir_bytes, proc_io  # noqa: E402
 from megatron_ucp.conversion import reshard  # noqa: E402
 from megatron_ucp.layout import Layout  # noqa: E402
 
@@ -65,6 +69,15 @@ def scaled_legacy_checkpoint(tmp: Path) -> Path:
     return write_legacy(tmp / "uni", tmp / "legacy", Layout(tp=2, pp=2), a, progress=False)
 
 
+def written_and_peak(fn, out: Path) -> dict:
+    """One untimed call: bytes this process wrote (write syscalls), the output's size, peak RSS."""
+    before = proc_io().get("wchar", 0)
+    with PeakMemory(sample_s=0) as peak:
+        fn(out)
+    return {"written": proc_io().get("wchar", 0) - before, "out_bytes": dir_bytes(out),
+            "rss_peak": peak.result["rss_peak"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--repeat", type=int, default=3)
@@ -80,7 +93,7 @@ def main() -> None:
             sources.append(("scaled 23M legacy TP2xPP2", scaled_legacy_checkpoint(Path(tmp))))
             TARGETS["scaled 23M legacy TP2xPP2"] = Layout(tp=1, dp=2)
         reshard(FIXTURES / "torch_dp2" / "ckpt", Path(tmp) / "warm", progress=False)  # imports
-        rows = []
+        rows, io = [], {}
         n = itertools.count()  # a fresh output directory for every timed call
         for fixture, src in sources:
             size = dir_bytes(src)
@@ -93,6 +106,9 @@ def main() -> None:
                 t_s = timed(lambda t=target, s=src: reshard(s, Path(tmp) / f"t{next(n)}", t, "torch",
                                                      progress=False), args.repeat)
                 rows.append((fixture, f"torch {target}", size, t_s, copy_s))
+                io[fixture] = written_and_peak(
+                    lambda out, t=target, s=src: reshard(s, out, t, "torch", progress=False),
+                    Path(tmp) / f"t{next(n)}")
     print(f"{'fixture':<34} {'target':<22} {'MiB':>6} {'conv s':>8} {'MiB/s':>7} "
           f"{'copy s':>8} {'copy MiB/s':>10} {'conv/copy':>9}")
     for fixture, target, size, conv, copy in rows:
@@ -100,10 +116,15 @@ def main() -> None:
         print(f"{fixture:<34} {target:<22} {mib:>6.2f} {conv:>8.3f} {mib / conv:>7.1f} "
               f"{copy:>8.4f} {mib / copy:>10.1f} {conv / copy:>8.1f}x")
     print("conv = reshard wall time (median); copy = copytree + fsync of the same source bytes")
+    for fixture, m in io.items():
+        print(f"{fixture} -> torch {TARGETS[fixture]}: wrote {m['written'] / 2**20:.1f} MiB for an output "
+              f"of {m['out_bytes'] / 2**20:.1f} MiB ({m['written'] / m['out_bytes']:.2f}x), "
+              f"peak RSS {m['rss_peak'] / 2**20:.0f} MiB")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(
-            [{"fixture": fixture, "target": target, "bytes": size, "convert_s": conv, "copy_s": copy}
+            [{"fixture": fixture, "target": target, "bytes": size, "convert_s": conv, "copy_s": copy,
+              **(io.get(fixture, {}) if target.startswith("torch") else {})}
              for fixture, target, size, conv, copy in rows], indent=1) + "\n")
 
 
