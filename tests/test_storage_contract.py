@@ -157,17 +157,17 @@ def test_commit_refuse_and_leftovers(store):
     store.skip_writes()
     root = store.fresh("commit-")
     storage.refuse_non_empty(root)  # new: fine
-    with storage.staged_dir(root / "one") as partial:
+    with storage.staged_dir(root / "one", mf.MANIFEST) as partial:
         storage.write_tensors(partial / "t.safetensors", {"w": TENSORS["w"]})
         (partial / mf.MANIFEST).write_text("{}")
     assert sorted(storage.names_in(root / "one")) == [mf.MANIFEST, "t.safetensors"]
     with pytest.raises(ucp.UCPError, match="choose a new"):
         storage.refuse_non_empty(root / "one")
     with pytest.raises(ucp.UCPError, match="choose a new"):
-        with storage.staged_dir(root / "one"):
+        with storage.staged_dir(root / "one", mf.MANIFEST):
             pass
     with pytest.raises(RuntimeError, match="writer died"):  # a failed write commits nothing
-        with storage.staged_dir(root / "two") as partial:
+        with storage.staged_dir(root / "two", mf.MANIFEST) as partial:
             (partial / "half").write_bytes(b"x")
             raise RuntimeError("writer died")
     assert storage.names_in(root / "two") == []
@@ -181,10 +181,10 @@ def test_commit_refuse_and_leftovers(store):
     # an interrupted one (no marker) is listed as left over, and removed by the next create
     job = storage.staged(root / "iter_0000002", mf.MANIFEST)
     storage.write_tensors(job.create() / "rank_00000.safetensors", {"w": TENSORS["w"]})
-    assert [p.name for p in storage.interrupted_saves(root)] == [job.partial.name]
+    assert [p.name for p in storage.interrupted_saves(root, mf.MANIFEST)] == [job.partial.name]
     job.create(replace=True)
     job.abort()
-    assert storage.interrupted_saves(root) == []
+    assert storage.interrupted_saves(root, mf.MANIFEST) == []
     assert sorted(storage.names_in(root / "iter_0000001")) == [mf.MANIFEST, "rank_00000.safetensors"]
 
 
