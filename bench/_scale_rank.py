@@ -27,7 +27,8 @@ from megatron.core import parallel_state as ps
 import megatron_ucp as ucp
 from bench._measure import drop_page_cache
 from bench._rank import _poison, _rank0_then_barrier, _timed
-from megatron_ucp.optimizer_state import STATES, OptimizerIndex
+from megatron_ucp.optimizer_state import OptimizerIndex
+from megatron_ucp.spec import STATES
 from megatron_ucp.param_spec import local_params
 from megatron_ucp.storage import tensor_bytes
 

@@ -106,7 +106,7 @@ def write_legacy(universal_dir: str | Path, save_dir: str | Path, target: Layout
                  **options) -> Path:
     """A megatron-ucp checkpoint -> Megatron-LM `--ckpt-format torch` at `target`
     (`formats.megatron_legacy.write` documents the options)."""
-    return formats.get("megatron_torch").write(formats.open_megatron_ucp(universal_dir), save_dir,
+    return formats.get("megatron_torch").write(_adam_source(universal_dir, "torch"), save_dir,
                                                target, args_template, **options)
 
 
@@ -114,8 +114,22 @@ def write_torch_dist(universal_dir: str | Path, save_dir: str | Path, target: La
                      args_template, **options) -> Path:
     """A megatron-ucp checkpoint -> Megatron-LM `--ckpt-format torch_dist` at `target`
     (`formats.megatron_dist.write` documents the options)."""
-    return formats.get("megatron_torch_dist").write(formats.open_megatron_ucp(universal_dir),
+    return formats.get("megatron_torch_dist").write(_adam_source(universal_dir, "torch_dist"),
                                                     save_dir, target, args_template, **options)
+
+
+def _adam_source(universal_dir: str | Path, target_format: str) -> Source:
+    """The megatron-ucp checkpoint as a source of a Megatron-LM target, whose optimizer files
+    megatron-ucp writes for Adam's state only: other optimizers' state is refused by name."""
+    source = formats.open_megatron_ucp(universal_dir)
+    other = sorted({p.spec.optimizer for p in source.manifest.params.values()
+                    if not p.spec.buffer and p.spec.optimizer != "adam"})
+    if other:
+        raise UCPError(f"{source.dir}: holds {', '.join(other)} optimizer state; megatron-ucp writes "
+                       f"Megatron-LM --ckpt-format {target_format} optimizer state for Adam only. "
+                       "Resume from the megatron-ucp checkpoint (megatron_ucp.load / install()), "
+                       "or export the weights (export-hf)")
+    return source
 
 
 def reshard(load: str | Path, save: str | Path, target: Layout | None = None,

@@ -40,15 +40,34 @@ def inspect(path: str | Path, trust_pickle: bool = False) -> str:
         f"parameters   {len(params)} tensors, {numel:,} elements",
         f"files        {len(files)} data files, {size / 2**20:.2f} MiB",
         f"extra        {m.extra}",
+        *optimizer_lines(m),
         "",
     ]
     width = max([64, *map(len, params)])  # MTP and expert names run past 64
-    lines.append(f"{'name':<{width}} {'shape':>14} {'dtype':>9} {'tp_axis':>7} {'blocks':>6}")
+    lines.append(f"{'name':<{width}} {'shape':>14} {'dtype':>9} {'tp_axis':>7} {'blocks':>6} "
+                 f"{'optimizer':>9}")
     for name, p in params.items():
         shape = "x".join(map(str, p.shape))
         tp = "-" if p.spec.tp_axis is None else str(p.spec.tp_axis)
-        lines.append(f"{name:<{width}} {shape:>14} {p.spec.dtype:>9} {tp:>7} {p.spec.tp_blocks:>6}")
+        fam = "-" if p.spec.buffer else p.spec.optimizer
+        lines.append(f"{name:<{width}} {shape:>14} {p.spec.dtype:>9} {tp:>7} {p.spec.tp_blocks:>6} "
+                     f"{fam:>9}")
     return "\n".join(lines)
+
+
+def optimizer_lines(m: mf.Manifest) -> list[str]:
+    """The optimizers the run trained with and how many tensors each family's state covers."""
+    counts: dict[str, int] = {}
+    for p in m.params.values():
+        if not p.spec.buffer:
+            counts[p.spec.optimizer] = counts.get(p.spec.optimizer, 0) + 1
+    out = [f"optimizer    state of {', '.join(f'{f} ({n} tensors)' for f, n in sorted(counts.items()))}"]
+    for o in m.optimizer.get("optimizers", []):
+        hyper = o.get("hyperparameters")
+        out.append(f"             {o['family']}: {o['class']}" + (f" {hyper}" if hyper else ""))
+        if o.get("note"):
+            out.append(f"             note: {o['note']}")
+    return out
 
 
 def features(cfg: dict) -> list[str]:

@@ -26,7 +26,6 @@ from megatron_ucp.layout import Layout
 from megatron_ucp.local_slice import read_local
 from megatron_ucp.optimizer_state import OptimizerIndex
 from megatron_ucp.param_spec import LocalParam, local_params
-from megatron_ucp.spec import STATES
 from megatron_ucp.staging import collective_device, fill
 from megatron_ucp.storage import Location, location, plan_reads
 from megatron_ucp.validation import check_load_layout, check_model_config, model_config
@@ -51,6 +50,8 @@ class LoadResult:
     # all-gather of the model weights (the param sync every optimizer step ends with)
     read_seconds: float = 0.0
     param_sync_seconds: float = 0.0
+    # reset_optimizer=True: the saved optimizer families whose state was dropped (weights kept)
+    optimizer_reset: tuple[str, ...] = ()
 
 
 def _check_params(source, params: list[LocalParam], strict: bool) -> None:
@@ -116,6 +117,41 @@ def _set_step(index: OptimizerIndex, source, param, shard: tuple[int, int], step
     index.set_step(param, next(iter(steps.values()))[0])
 
 
+def _check_families(source, params: list[LocalParam], index: OptimizerIndex,
+                    reset_optimizer: bool) -> tuple[str, ...]:
+    """The run's optimizer keeps, for each parameter, the state family the checkpoint saved
+    (Adam's moments into Adam, Muon's momentum into Muon); else the load is refused, or with
+    reset_optimizer the saved families are returned (the weights load, the state stays fresh).
+    Every rank decides alike: a mismatch one rank sees is raised (or reset) on all."""
+    mismatch = ""
+    saved_families = set()
+    for lp in params:
+        if lp.spec.buffer:
+            continue
+        saved = source.manifest.params[lp.spec.name].spec.optimizer
+        saved_families.add(saved)
+        live = index.family(lp.param)
+        if live is not None and live != saved and not mismatch:
+            mismatch = (f"{source.dir}: parameter {lp.spec.name} has {saved} optimizer state in the "
+                        f"checkpoint but the run's optimizer is {live}")
+    flag = torch.tensor([int(bool(mismatch))], dtype=torch.uint8).to(collective_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if reset_optimizer:
+        families = tuple(sorted(saved_families))
+        if dist.get_rank() == 0:
+            log.warning("reset_optimizer: loading the weights of %s only; its optimizer state (%s) "
+                        "and hyper-parameters are dropped, the run's optimizer starts fresh",
+                        source.dir, ", ".join(families))
+        return families
+    if int(flag.item()):
+        problems = [""] * dist.get_world_size()
+        dist.all_gather_object(problems, mismatch)
+        raise UCPError(next(p for p in problems if p) + "; a conversion between optimizers drops "
+                       "the state: pass reset_optimizer=True (megatron-ucp: --reset-optimizer) to "
+                       "keep the weights and start the optimizer fresh")
+    return ()
+
+
 def _resolve_once(path: str | Path) -> Location:
     """The checkpoint directory `path` names, found by rank 0 alone and broadcast: thousands of
     ranks reading `latest` and probing prefixes of one bucket are what gets a store to answer 503
@@ -136,9 +172,13 @@ def _resolve_once(path: str | Path) -> Location:
 
 
 def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: bool = True,
-         verify_checksums: bool = True) -> LoadResult:
-    """Fill model weights, DistributedOptimizer master weights, Adam moments and step, scheduler,
-    and RNG from `path` (a save root with `latest`, a fragment directory or a universal directory).
+         verify_checksums: bool = True, reset_optimizer: bool = False) -> LoadResult:
+    """Fill model weights, the optimizer's master weights and state (Adam moments and step, Lion's
+    or SGD's or Muon's momentum), scheduler, and RNG from `path` (a save root with `latest`, a
+    fragment directory or a universal directory).
+    reset_optimizer: load the weights only and keep the optimizer's fresh state (zero, step 0), as
+        a run with another optimizer than the checkpoint's must; what was dropped is logged and
+        returned (`LoadResult.optimizer_reset`). Without it such a load is refused.
     Collective: call on every rank after building model, optimizer and scheduler."""
     t0 = time.perf_counter()
     source = open_megatron_ucp(_resolve_once(path), verify_checksums=verify_checksums)
@@ -152,16 +192,26 @@ def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: 
     _check_params(source, params, strict)
 
     index = OptimizerIndex(optimizer)
-    index.ensure_state()
-    regions = [(lp, None if lp.spec.buffer else index.region_range(lp)) for lp in params]
-    regions = [(lp, r) for lp, r in regions if lp.spec.buffer or r is not None]
+    reset = _check_families(source, params, index, reset_optimizer)
+    if not reset_optimizer:  # (a reset keeps the optimizer as built: no state until its first step)
+        index.ensure_state()
+    unowned = index.unowned()
+    # (lp, region, states): a buffer, or a weight whose state another DP rank owns (LayerWise),
+    # has no region: its whole local slice is read into the model tensor
+    regions = []
+    for lp in params:
+        if lp.spec.buffer or lp.param in unowned:
+            regions.append((lp, None, ("param",)))
+        elif (region := index.region_range(lp)) is not None:
+            states = ("param",) if reset_optimizer else source.manifest.params[lp.spec.name].states
+            regions.append((lp, region, states))
 
     def reads(src) -> None:  # every read of the loop below, in its order (its plan in a store)
-        for lp, region in regions:
+        for lp, region, states in regions:
             if region is None:
                 read_local(src, lp, "param", 0, lp.numel)
                 continue
-            for s in STATES:
+            for s in states:
                 read_local(src, lp, s, region[1] - lp.base, region[2] - lp.base)
 
     plan_reads(source, reads)
@@ -171,15 +221,17 @@ def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: 
     # allocates no copy of the rank's optimizer state.
     shards: dict[int, tuple] = {}
     with torch.no_grad():
-        for lp, region in regions:  # (region: this universal tensor's part of the shard)
-            if region is None:  # a buffer: every holder reads its whole local slice; no optimizer state
+        for lp, region, states in regions:  # (region: this universal tensor's part of the shard)
+            if region is None:  # every holder reads its whole local slice; no optimizer state
                 lp.region(lp.param).copy_(read_local(source, lp, "param", 0, lp.numel))
                 continue
             shard, a, b = region
-            live = index.states(lp.param)
-            for s in STATES:
+            live = index.states(lp.param, weights_only=reset_optimizer)
+            for s in states:
                 fill(live[s][a - shard[0]:b - shard[0]],
                      partial(read_local, source, lp, s, a - lp.base, b - lp.base))
+            if reset_optimizer:
+                continue
             steps = shards.setdefault(id(lp.param), (lp.param, shard, {}))[2]
             steps[lp.spec.name] = (source.step(lp.spec.name), b - a)
             if sum(n for _, n in steps.values()) == shard[1] - shard[0]:
@@ -189,7 +241,7 @@ def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: 
     t_read = time.perf_counter()
     index.copy_main_to_model(model_chunks)
     t_sync = time.perf_counter()
-    if not manifest.extra.get(RUN_HYPERPARAMETERS):  # imports without them keep the run's
+    if not manifest.extra.get(RUN_HYPERPARAMETERS) and not reset_optimizer:  # (imports keep the run's)
         index.load_param_groups(manifest.optimizer["param_groups"])
     index.load_grad_scaler(manifest.optimizer.get("grad_scaler"))
     if scheduler is not None and manifest.scheduler:
@@ -210,4 +262,4 @@ def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: 
                  time.perf_counter() - t0, t_read - t0, t_sync - t_read)
     return LoadResult(manifest.iteration, manifest.extra, source.dir, source_layout,
                       restored, source.bytes_read, source.files_opened, source.requests,
-                      t_read - t0, t_sync - t_read)
+                      t_read - t0, t_sync - t_read, reset)

@@ -297,14 +297,18 @@ def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg='load', 
         _print_rank_0(f"WARNING: no megatron-ucp checkpoint under --{load_arg.replace('_', '-')} "
                       f"{load_dir}; training from scratch")
         return 0, 0
-    for flag in ("finetune", "no_load_optim", "no_load_rng"):
+    for flag in ("finetune", "no_load_rng"):
         if getattr(args, flag, False):
             raise UCPError(f"--{flag.replace('_', '-')} is not supported with megatron-ucp loads: "
                            "they restore model, optimizer, schedule and RNG together")
     if skip_load_to_model_and_opt:
         raise UCPError("megatron-ucp cannot load into FSDP2 models (skip_load_to_model_and_opt)")
     models = ddp_model if isinstance(ddp_model, list) else [ddp_model]
-    result = megatron_ucp.load(models, optimizer, opt_param_scheduler, ckpt, strict=strict)
+    # --no-load-optim: the weights alone, the optimizer and its schedule fresh, as Megatron-LM's own
+    # load does (the way to switch optimizers, e.g. an Adam checkpoint into a Muon run)
+    no_optim = bool(getattr(args, "no_load_optim", False))
+    result = megatron_ucp.load(models, optimizer, None if no_optim else opt_param_scheduler, ckpt,
+                               strict=strict, reset_optimizer=no_optim)
 
     extra = result.extra
     for k in SAMPLE_COUNTERS:

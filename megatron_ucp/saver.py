@@ -134,7 +134,8 @@ def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: 
         manifest = Manifest.fragments(
             iteration=iteration, layout=layout, world_size=dist.get_world_size(),
             model={**model_config(model_chunks), "unpadded_vocab_size": vocab_size},
-            optimizer={"param_groups": index.param_groups(), "grad_scaler": index.grad_scaler()},
+            optimizer={"param_groups": index.param_groups(), "grad_scaler": index.grad_scaler(),
+                       "optimizers": index.optimizers()},
             scheduler=scheduler.state_dict() if scheduler is not None else None,
             extra=extra or {}, seed=seed)
     # Rank 0 has prepared the directory once every rank is here: the one barrier, after the
@@ -188,7 +189,7 @@ def _capture(params: list, specs: list[dict], index: OptimizerIndex,
                                       {"param": lp.region(lp.param.detach()).float()}))
             steps.append(0.0)
             continue
-        region = index.region_range(lp) if lp.canonical else None
+        region = index.region_range(lp, save=True) if lp.canonical else None
         if region is None:
             continue
         shard, a, b = region
@@ -196,7 +197,7 @@ def _capture(params: list, specs: list[dict], index: OptimizerIndex,
         if (a, b) != shard:  # (usually the whole shard: no slicing)
             tensors = {s: t[a - shard[0]:b - shard[0]] for s, t in tensors.items()}
         fragments.append(Fragment(lp.spec.name, lp.local_shape, lp.pieces, a - lp.base, b - lp.base,
-                                  0.0, tensors))
+                                  0.0, tensors, family=index.family(lp.param)))
         steps.append(step)
     for f, step in zip(fragments, steps_to_floats(steps)):
         f.step = step

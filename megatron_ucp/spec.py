@@ -11,10 +11,21 @@ import torch
 
 STATES = ("param", "exp_avg", "exp_avg_sq")  # fp32 master weight and Adam moments
 BUFFER_STATES = ("param",)  # a persistent buffer (e.g. MoE router expert_bias): its value only
+# The optimizer families megatron-ucp reshards, by the per-parameter state each keeps: tensors of
+# the parameter's own shape, element for element, so they slice over TP/PP/DP/EP like the
+# weight. (A factored or Kronecker state, e.g. SOAP's or adaptive Muon's, would not.) A parameter
+# records its family in its spec (`ParamSpec.optimizer`, default "adam": manifests before it).
+OPTIMIZER_STATES = {
+    "adam": ("exp_avg", "exp_avg_sq"),  # torch Adam/AdamW, TE/Apex FusedAdam: + a step
+    "lion": ("exp_avg",),  # emerging_optimizers Lion
+    "sgd": ("momentum_buffer",),  # torch SGD with momentum
+    "plain_sgd": (),  # torch SGD without momentum: no state
+    "muon": ("momentum_buffer",),  # Muon (emerging_optimizers OrthogonalizedOptimizer)
+}
 
 
 def states_of(spec: ParamSpec) -> tuple[str, ...]:
-    return BUFFER_STATES if spec.buffer else STATES
+    return BUFFER_STATES if spec.buffer else ("param", *OPTIMIZER_STATES[spec.optimizer])
 
 
 @functools.lru_cache(maxsize=4096)  # a model has few distinct shapes; an index, many pieces
@@ -117,12 +128,16 @@ class ParamSpec:
     # the blocks' sizes along tp_axis where they differ (None: tp_blocks equal blocks): Mamba's
     # in_proj is [z, x, B, C, dt] and its conv1d [x, B, C], each section split over TP on its own
     tp_sections: list[int] | None = None
+    # the optimizer family whose state the parameter carries (OPTIMIZER_STATES)
+    optimizer: str = "adam"
 
     def to_json(self) -> dict:
         d = asdict(self)
         d["shape"] = list(self.shape)
         if self.tp_sections is None:  # (absent, as in manifests written before sections existed)
             del d["tp_sections"]
+        if self.optimizer == "adam":  # (absent: Adam, as in every manifest written before)
+            del d["optimizer"]
         return d
 
     @classmethod

@@ -152,14 +152,21 @@ def assemble(dump_dir: Path, swiglu: bool = False) -> dict[str, dict]:
         locals_ = {"model": [t["model"] for t in tps]}
         steps = {f["step"] for t in tps for f in t["frags"]}
         assert len(steps) <= 1, f"{key}: steps {steps}"
-        for s in STATES if steps else ():  # no steps: a persistent buffer, no optimizer state
+        names = {tuple(f.get("states", STATES)) for t in tps for f in t["frags"]}
+        assert len(names) <= 1, f"{key}: the ranks hold different optimizer states {names}"
+        for s in next(iter(names)) if steps else ():  # no steps: a buffer, no optimizer state
             locals_[s] = []
             for t in tps:
                 flat = torch.empty(t["model"].numel(), dtype=torch.float32)
-                covered = 0
+                covered, seen = 0, {}
                 for f in t["frags"]:
-                    flat[f["range"][0]:f["range"][1]] = f[s]
-                    covered += f["range"][1] - f["range"][0]
+                    r = tuple(f["range"])
+                    if r in seen:  # a replicated state (no distributed optimizer): DP replicas agree
+                        assert torch.equal(seen[r], f[s].reshape(-1)), f"{key}: DP replicas differ in {s}"
+                        continue
+                    seen[r] = f[s].reshape(-1)
+                    flat[r[0]:r[1]] = f[s].reshape(-1)
+                    covered += r[1] - r[0]
                 assert covered == flat.numel(), f"{key}: DP fragments cover {covered}/{flat.numel()}"
                 locals_[s].append(flat.view(t["model"].shape))
         if GROUPED.match(key.split("@")[0]):
@@ -181,7 +188,7 @@ VOCAB = ("word_embeddings.weight", "output_layer.weight")
 def _fit_vocab(exp: dict, rows: int) -> dict:
     """The saved tensors cut or zero-padded to the target's padded vocabulary (docs/FORMAT.md)."""
     out = dict(exp)
-    for k in ("model", *STATES):
+    for k in [k for k in exp if k != "step"]:
         t = exp[k][:rows]
         out[k] = torch.cat([t, t.new_zeros(rows - len(t), *t.shape[1:])]) if len(t) < rows else t
     return out
@@ -220,7 +227,7 @@ def compare_to_reference(dump_dir: Path, expected: dict[str, dict], swiglu: bool
                 continue
             assert e["step"] == step, f"{key}: step {e['step']} != {step}"
             s0, s1 = e["range"]
-            for s in STATES:
+            for s in e.get("states", STATES):
                 where = f"{c['layout']} tp{c['tp']} pp{c['pp']} dp{c['dp']}"
                 want = _want(key, e, c, expected, s, swiglu).reshape(-1)[s0:s1]
                 assert torch.equal(e[s], want), f"{where}: {s} {key}"

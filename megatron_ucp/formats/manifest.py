@@ -22,7 +22,7 @@ from megatron_ucp import storage
 from megatron_ucp.errors import UCPError
 from megatron_ucp.gc_pause import paused_gc
 from megatron_ucp.layout import Layout
-from megatron_ucp.spec import STATES, ParamSpec, Piece, cover_once_cheap, states_of
+from megatron_ucp.spec import OPTIMIZER_STATES, STATES, ParamSpec, Piece, cover_once_cheap, states_of
 from megatron_ucp.storage import Location, location
 from megatron_ucp.storage.save_root import NotACheckpoint
 
@@ -127,7 +127,7 @@ class SliceEntry:
 
 
 _SPEC_REQUIRED = ("name", "shape", "dtype", "tp_axis")
-_SPEC_OPTIONAL = ("tp_blocks", "aliases", "vocab_rows", "buffer", "tp_sections")
+_SPEC_OPTIONAL = ("tp_blocks", "aliases", "vocab_rows", "buffer", "tp_sections", "optimizer")
 
 
 @dataclass
@@ -178,6 +178,8 @@ class ParamEntry:
         d = {**vars(self.spec), "shape": list(self.spec.shape), "aliases": list(self.spec.aliases)}
         if self.spec.tp_sections is None:
             del d["tp_sections"]
+        if self.spec.optimizer == "adam":
+            del d["optimizer"]
         if self.step is not None:
             d["step"] = self.step
         if self.tensors is not None:
@@ -191,7 +193,7 @@ class ParamEntry:
         if kind == "fragments" and _plain_fragment_entry(d):  # the common case, checked in one go
             spec = ParamSpec(d["name"], tuple(d["shape"]), d["dtype"], d["tp_axis"], d.get("tp_blocks", 1),
                              list(d.get("aliases", [])), d.get("vocab_rows", False), d.get("buffer", False),
-                             d.get("tp_sections"))
+                             d.get("tp_sections"), d.get("optimizer", "adam"))
             return cls(spec, d.get("step"), slices_json=d.get("slices"), parse_check=(check, n_files))
         storage = ("tensors",) if kind == "universal" else ("slices",)
         check.obj(d, path, _SPEC_REQUIRED + (("step",) + storage if kind == "universal" else ()),
@@ -212,7 +214,8 @@ class ParamEntry:
                          check.typed(d.get("vocab_rows", False), f"{path}.vocab_rows", bool),
                          check.typed(d.get("buffer", False), f"{path}.buffer", bool),
                          _sections(d.get("tp_sections"), shape, tp_axis, blocks, check,
-                                   f"{path}.tp_sections"))
+                                   f"{path}.tp_sections"),
+                         _optimizer_family(d.get("optimizer", "adam"), check, f"{path}.optimizer"))
         step = d.get("step")
         if step is not None:
             step = check.typed(step, f"{path}.step", (int, float))
@@ -236,6 +239,7 @@ class ParamEntry:
 
 _FRAGMENT_ENTRY_FIELDS = frozenset(_SPEC_REQUIRED + _SPEC_OPTIONAL + ("step", "slices"))
 _DTYPES = frozenset(("float32", "bfloat16", "float16"))
+_FAMILIES = tuple(OPTIMIZER_STATES)  # (a tuple: `in` on an unhashable value is False, not an error)
 
 
 def _plain_fragment_entry(d) -> bool:
@@ -254,8 +258,15 @@ def _plain_fragment_entry(d) -> bool:
             and type(d.get("tp_blocks", 1)) is int
             and type(aliases) is list and all(type(a) is str for a in aliases)
             and type(d.get("vocab_rows", False)) is bool and type(d.get("buffer", False)) is bool
-            and d.get("tp_sections") is None
+            and d.get("tp_sections") is None and d.get("optimizer", "adam") in _FAMILIES
             and type(step) in (int, float) and type(d.get("slices", [])) is list)
+
+
+def _optimizer_family(name, check: _Check, path: str) -> str:
+    if name not in OPTIMIZER_STATES:
+        raise check.fail(path, f"{name!r} is not an optimizer family megatron-ucp knows "
+                         f"({sorted(OPTIMIZER_STATES)}); a newer megatron-ucp wrote it")
+    return name
 
 
 def _sections(sections, shape: list[int], tp_axis: int | None, blocks: int, check: _Check,
@@ -414,9 +425,11 @@ class Manifest:
             if entry.name != name:
                 raise check.fail(f"params[{name!r}].name", f"{entry.name!r} differs from its key")
             params[name] = entry
-        optimizer = check.obj(d["optimizer"], "optimizer", ("param_groups",), ("grad_scaler",))
+        optimizer = check.obj(d["optimizer"], "optimizer", ("param_groups",), ("grad_scaler", "optimizers"))
         for i, g in enumerate(check.typed(optimizer["param_groups"], "optimizer.param_groups", list)):
             check.typed(g, f"optimizer.param_groups[{i}]", dict)
+        for i, o in enumerate(check.typed(optimizer.get("optimizers", []), "optimizer.optimizers", list)):
+            check.obj(o, f"optimizer.optimizers[{i}]", ("class", "family"), ("hyperparameters", "note"))
         return cls(kind, check.typed(d["iteration"], "iteration", int), sizes, world,
                    check.typed(d["model"], "model", dict), params, optimizer,
                    check.typed(d["scheduler"], "scheduler", dict, none=True),

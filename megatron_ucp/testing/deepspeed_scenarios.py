@@ -21,7 +21,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 import megatron_ucp as ucp
 from megatron_ucp.layout import Layout
-from megatron_ucp.optimizer_state import distributed_optimizers
+from megatron_ucp.optimizer_state import torch_optimizers
 from megatron_ucp.testing import tiny_gpt as tg  # installs the CPU shim first
 
 
@@ -82,7 +82,7 @@ def step_from_import(runs: list[dict], model: dict, tokens: list) -> list[dict]:
         # gradient_clipping (1.0), which the fixture's run kept
         r = ucp.load(st.model, st.optimizer, st.scheduler, run["load_dir"])
         groups = [{k: g[k] for k in ("lr", "betas", "eps", "weight_decay", "wd_mult")}
-                  for o in distributed_optimizers(st.optimizer) for g in o.optimizer.param_groups]
+                  for o in torch_optimizers(st.optimizer) for g in o.param_groups]
         loss = _step(st, batch, train=bool(run.get("save_dir")))
         if run.get("save_dir"):
             ucp.save(st.model, st.optimizer, st.scheduler, run["save_dir"], r.iteration + 1,

@@ -24,8 +24,7 @@ from megatron_ucp.testing import tiny_gpt as tg  # installs the CPU shim first
 
 
 def _scaler_state(st: tg.TrainState) -> dict | None:
-    opts = getattr(st.optimizer, "chained_optimizers", None) or [st.optimizer]
-    scaler = opts[0].grad_scaler
+    scaler = getattr(_leaf_optimizers(st.optimizer)[0], "grad_scaler", None)
     return {k: float(v) for k, v in scaler.state_dict().items()} if scaler is not None else None
 
 
@@ -40,22 +39,51 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True)
 
 
+def _leaf_optimizers(optimizer) -> list:
+    """The optimizers that hold state: megatron-core's DistributedOptimizer, Float16/FP32 wrappers
+    and (inside LayerWise, fp32) bare torch optimizers, out of any ChainedOptimizer nesting."""
+    inner = getattr(optimizer, "chained_optimizers", None)
+    return [leaf for o in inner for leaf in _leaf_optimizers(o)] if inner else [optimizer]
+
+
+def _optimizer_entry(opts: list, p: torch.nn.Parameter) -> dict | None:
+    """This rank's range of `p`'s state in megatron-core's own structures: {range, step, states,
+    <state>: tensor}; None when no optimizer of this rank holds it. (Independent of
+    megatron_ucp.optimizer_state: the reference the transition tests compare against.)"""
+    for o in opts:
+        if hasattr(o, "model_param_group_index_map"):  # DistributedOptimizer
+            if p not in o.model_param_group_index_map:
+                continue
+            start, end = mcore_optimizer.param_range(o, p)
+            s = mcore_optimizer.main_param_and_optimizer_states(o, p)
+            group = o.optimizer.param_groups[o.model_param_group_index_map[p][0]]
+        else:  # the full state of p in the torch optimizer (its fp32 copy: main_param)
+            torch_opt = getattr(o, "optimizer", o)
+            main = getattr(p, "main_param", p)
+            group = next((g for g in torch_opt.param_groups if any(m is main for m in g["params"])),
+                         None)
+            if group is None:
+                continue
+            start, end = 0, p.numel()
+            s = {"param": main, **torch_opt.state[main]}
+        # torch Adam keeps the step per parameter, TE/Apex FusedAdam per param group; Lion, SGD
+        # and Muon count none
+        step = s["step"] if "step" in s else group.get("step", 0)
+        states = ["param"] + sorted(k for k, v in s.items() if torch.is_tensor(v)
+                                    and k not in ("param", "step", "master_param"))
+        return {"range": (start, end), "step": float(step), "states": states,
+                **{k: _host_copy(s[k]).reshape(-1) for k in states}}
+    return None
+
+
 def dump_local_state(state: tg.TrainState, dump_dir: str) -> None:
     """Write rank<r>.pt: every local param's model tensor, optimizer shard and step."""
-    opts = getattr(state.optimizer, "chained_optimizers", None) or [state.optimizer]
+    opts = _leaf_optimizers(state.optimizer)
     entries = []
     for chunk_index, chunk in enumerate(state.model):
         for name, p in unwrap_model(chunk).named_parameters():
             e = {"chunk": chunk_index, "name": name, "model": _host_copy(p), "range": None}
-            for o in opts:
-                if p in o.model_param_group_index_map:
-                    start, end = mcore_optimizer.param_range(o, p)
-                    s = mcore_optimizer.main_param_and_optimizer_states(o, p)
-                    # torch Adam keeps the step per parameter, TE/Apex FusedAdam per param group
-                    step = s["step"] if "step" in s else \
-                        o.optimizer.param_groups[o.model_param_group_index_map[p][0]]["step"]
-                    e.update(range=(start, end), step=float(step),
-                             **{k: _host_copy(s[k]) for k in ("param", "exp_avg", "exp_avg_sq")})
+            e.update(_optimizer_entry(opts, p) or {})
             entries.append(e)
         persistent = unwrap_model(chunk).state_dict(keep_vars=True)
         for name, b in unwrap_model(chunk).named_buffers():
@@ -190,7 +218,7 @@ def _latest(save_dir: str) -> str:
 
 def load_and_train(layout: str, cfg: dict, load_dir: str, steps: int, dump_dir: str | None = None,
                    resave_dir: str | None = None, sabotage: str | None = None,
-                   rng_dir: str | None = None) -> dict:
+                   rng_dir: str | None = None, reset_optimizer: bool = False) -> dict:
     """Load at `layout`, optionally dump (state; generators to `rng_dir`) and re-save at once,
     then train `steps`.
 
@@ -199,7 +227,7 @@ def load_and_train(layout: str, cfg: dict, load_dir: str, steps: int, dump_dir: 
     """
     st = setup(layout, cfg)
     t0 = time.perf_counter()
-    r = ucp.load(st.model, st.optimizer, st.scheduler, load_dir)
+    r = ucp.load(st.model, st.optimizer, st.scheduler, load_dir, reset_optimizer=reset_optimizer)
     load_s = time.perf_counter() - t0
     if sabotage == "scheduler":
         st.scheduler.num_steps = 0
@@ -221,7 +249,8 @@ def load_and_train(layout: str, cfg: dict, load_dir: str, steps: int, dump_dir: 
             "files_opened": r.files_opened, "requests": r.requests,
             "rng_restored": r.rng_restored, "load_seconds": load_s, "grad_scaler": scaler,
             "read_seconds": r.read_seconds, "param_sync_seconds": r.param_sync_seconds,
-            "lr": [g["lr"] for g in st.optimizer.param_groups]}
+            "lr": [g["lr"] for g in st.optimizer.param_groups],
+            "optimizer_reset": list(r.optimizer_reset)}
 
 
 def train_fresh(layout: str, cfg: dict, steps: int) -> dict:

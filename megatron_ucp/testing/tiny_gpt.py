@@ -94,6 +94,15 @@ class TinyGPTConfig:
     # - MLP, E MoE (num_layers is its length); the Mamba math on CPU is megatron_ucp.testing.mamba_cpu
     hybrid_pattern: str | None = None
     extra: dict = field(default_factory=dict)  # extra TransformerConfig fields
+    # megatron-core's optimizer (--optimizer: adam, sgd, lion, muon), plain DDP or the distributed
+    # optimizer, and further OptimizerConfig fields (optimizer_cpu_offload, sgd_momentum,
+    # muon_tp_mode, use_layer_wise_distributed_optimizer, muon_scalar_optimizer, ...)
+    optimizer: str = "adam"
+    use_distributed_optimizer: bool = True
+    optimizer_extra: dict = field(default_factory=dict)
+    # Muon's LayerWise optimizer over megatron-core's shard-aligned param layout (its default);
+    # False: the legacy path (plain DDP buffers, params assigned ping-pong by size)
+    layer_wise_param_layout: bool = True
 
 
 @dataclass
@@ -283,19 +292,25 @@ def _hybrid_chunks(cfg: TinyGPTConfig, layout: Layout, tf_config: TransformerCon
 
 def _finish(cfg: TinyGPTConfig, layout: Layout, tf_config: TransformerConfig, chunks: list) -> TrainState:
     """DDP, the distributed optimizer and the LR schedule around the model chunks."""
+    layer_wise = bool(cfg.optimizer_extra.get("use_layer_wise_distributed_optimizer"))
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        use_distributed_optimizer=(cfg.layer_wise_param_layout if layer_wise
+                                   else cfg.use_distributed_optimizer),
     )
+    layouts = _layer_wise_layouts(chunks, ddp_config) if layer_wise and cfg.layer_wise_param_layout \
+        else [None] * len(chunks)
     chunks = [
         DistributedDataParallel(
-            config=tf_config, ddp_config=ddp_config, module=m, disable_bucketing=(i > 0)
+            config=tf_config, ddp_config=ddp_config, module=m, disable_bucketing=(i > 0),
+            **({"full_param_layout": layout} if layout is not None else {}),
         )
-        for i, m in enumerate(chunks)
+        for i, (m, layout) in enumerate(zip(chunks, layouts))
     ]
     for m in chunks:
         m.broadcast_params()
     opt_config = OptimizerConfig(
-        optimizer="adam",
+        optimizer=cfg.optimizer,
         lr=cfg.lr,
         min_lr=cfg.min_lr,
         weight_decay=0.01,
@@ -306,8 +321,13 @@ def _finish(cfg: TinyGPTConfig, layout: Layout, tf_config: TransformerConfig, ch
         fp16=tf_config.fp16,
         initial_loss_scale=cfg.initial_loss_scale,
         params_dtype=tf_config.params_dtype,
-        use_distributed_optimizer=True,
+        use_distributed_optimizer=cfg.use_distributed_optimizer and not layer_wise,
+        **cfg.optimizer_extra,
     )
+    if cfg.optimizer_extra.get("optimizer_cpu_offload") and not REAL_CUDA:
+        from megatron_ucp.testing import hybrid_offload_cpu
+
+        hybrid_offload_cpu.install()
     optimizer = get_megatron_optimizer(opt_config, chunks)
     scheduler = OptimizerParamScheduler(
         optimizer,
@@ -326,6 +346,22 @@ def _finish(cfg: TinyGPTConfig, layout: Layout, tf_config: TransformerConfig, ch
     tf_config.grad_scale_func = optimizer.scale_loss  # fp16: scale the loss by the loss scaler
     tf_config.no_sync_func = [m.no_sync for m in chunks] if len(chunks) > 1 else chunks[0].no_sync
     return TrainState(chunks, optimizer, scheduler, cfg, layout)
+
+
+def _layer_wise_layouts(chunks: list, ddp_config) -> list:
+    """Muon's shard-aligned param layout per model chunk, as Megatron-LM's training builds it
+    before wrapping the chunks in DDP (tag the Muon-managed params, then lay out every buffer)."""
+    from megatron.core.optimizer.layer_wise_optimizer import (
+        LayerWiseDistributedOptimizer,
+        tag_params_for_buffer_routing,
+    )
+
+    tag_params_for_buffer_routing(chunks)
+    dp = ps.get_data_parallel_world_size(with_context_parallel=True)
+    expert_dp = ps.get_expert_data_parallel_world_size()
+    return [LayerWiseDistributedOptimizer.compute_full_param_layout(
+        [p for p in m.parameters() if p.requires_grad], ddp_config.bucket_size, dp, ddp_config,
+        expert_data_parallel_world_size=expert_dp) for m in chunks]
 
 
 def sample_tokens(cfg: TinyGPTConfig, sample_index: int) -> torch.Tensor:

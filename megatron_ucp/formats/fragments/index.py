@@ -25,8 +25,8 @@ from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.manifest import ParamEntry, SliceEntry
 from megatron_ucp.spec import ParamSpec, Piece
 
-# name, local shape, pieces (JSON), start, end, step
-Record = tuple[str, list[int], list, int, int, float]
+# name, local shape, pieces (JSON), start, end, step[, optimizer family when not "adam"]
+Record = tuple
 
 
 def index_part(specs: list[dict] | None, records: list[Record]) -> tuple[bytes | None, bytes]:
@@ -68,10 +68,17 @@ def build_index(specs: dict[str, dict], records_per_file: Iterable[list[Record]]
     written from them; no object per piece and fragment)."""
     slices: dict[str, dict[tuple | str, dict]] = {name: {} for name in specs}  # name -> key -> slice
     steps: dict[str, tuple[float, int]] = {}
+    families: dict[str, tuple[str, int]] = {}  # the first rank's family of each tensor's states
     n_files = 0
     for file_index, records in enumerate(records_per_file):
         n_files += 1
-        for name, local_shape, pieces, start, end, step in records:
+        for name, local_shape, pieces, start, end, step, *family in records:
+            fam = family[0] if family else "adam"
+            seen_family = families.setdefault(name, (fam, file_index))
+            if seen_family[0] != fam:
+                raise UCPError(f"{where}: parameter {name} has {fam} optimizer state on rank "
+                               f"{file_index} and {seen_family[0]} on rank {seen_family[1]}; the "
+                               "ranks' optimizers differ")
             by_key = slices.get(name)
             if by_key is None:
                 raise UCPError(f"{where}: rank {file_index} saved a fragment of {name}, which no "
@@ -104,7 +111,9 @@ def build_index(specs: dict[str, dict], records_per_file: Iterable[list[Record]]
         for e in entries:
             if len(e["fragments"]) > 1:
                 e["fragments"].sort(key=itemgetter(1))
-        out[name] = ParamEntry(ParamSpec.from_json(spec), steps[name][0], slices_json=entries)
+        spec = ParamSpec.from_json(spec)
+        spec.optimizer = families[name][0]
+        out[name] = ParamEntry(spec, steps[name][0], slices_json=entries)
     for name in tiling_suspects(out, n_files, whole=True):  # the exact check names the problem
         check_tiling(where, name, out[name].shape, out[name].slices)
     return out

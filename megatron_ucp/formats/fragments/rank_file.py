@@ -36,6 +36,7 @@ class Fragment:
     step: float
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # state -> 1-D fp32
     crc: dict[str, int] = field(default_factory=dict)
+    family: str = "adam"  # the optimizer family of the states (spec.OPTIMIZER_STATES)
 
     def to_json(self) -> dict:
         return {"name": self.name, "local_shape": list(self.local_shape),
@@ -44,8 +45,9 @@ class Fragment:
 
     def record(self) -> tuple:
         """What the fragment index needs of it (`index.Record`)."""
-        return (self.name, list(self.local_shape), [p.to_json() for p in self.pieces], self.start,
-                self.end, self.step)
+        record = (self.name, list(self.local_shape), [p.to_json() for p in self.pieces], self.start,
+                  self.end, self.step)
+        return record if self.family == "adam" else (*record, self.family)
 
 
 def write_rank_file(path: Location, fragments: list[Fragment], rng_tensors: dict[str, torch.Tensor],

@@ -1,0 +1,137 @@
+"""Every optimizer path megatron-core builds, saved at one layout and loaded at another.
+
+Each case is a transition test (tests/test_transitions.check_transition): after the load, every
+model tensor and every optimizer state the optimizer holds (Adam's moments and step, SGD's and
+Muon's momentum buffers, Lion's momentum) equals bitwise an independent assembly of the saved run
+(megatron-core's own structures, tests/reference.py), a re-save consolidates to the same universal
+tensors, and the loss continues the uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from conftest import RELEASE_SKIP, SCENARIOS, STEPS, nprocs
+from test_transitions import check_transition, universal_tensors
+
+from megatron_ucp.formats import manifest as mf
+from megatron_ucp.testing.launch import LaunchError, launch
+
+HAS_EMERGING = importlib.util.find_spec("emerging_optimizers") is not None
+NEEDS_EMERGING = pytest.mark.skipif(
+    not HAS_EMERGING, reason=f"{RELEASE_SKIP}Muon and Lion come with emerging-optimizers, which needs "
+                             "Python >= 3.12 (the megatron-core 0.19 venv)")
+
+SGD = {"optimizer": "sgd", "optimizer_extra": {"sgd_momentum": 0.9}}
+LION = {"optimizer": "lion"}
+PLAIN_DDP = {"use_distributed_optimizer": False}
+# (bf16: HybridDeviceOptimizer cannot take fp32 runs' main params, views into the model's buffer:
+# "can't optimize a non-leaf Tensor"; on CPU its device side is testing/hybrid_offload_cpu)
+CPU_OFFLOAD = {"dtype": "bf16", "optimizer_extra": {
+    "optimizer_cpu_offload": True, "optimizer_offload_fraction": 1.0,
+    "use_torch_optimizer_for_cpu_offload": True, "pin_cpu_grads": False, "pin_cpu_params": False}}
+MUON = {"optimizer": "muon", "optimizer_extra": {"use_layer_wise_distributed_optimizer": True}}
+
+
+def _muon(tp_mode: str = "duplicated", **kw) -> dict:
+    extra = {**kw.pop("optimizer_extra", MUON["optimizer_extra"]), "muon_tp_mode": tp_mode}
+    return {**MUON, "dtype": "bf16", "optimizer_extra": extra, **kw}
+
+
+BF16 = (5e-5, 2e-4)  # tests/test_transitions.RTOL's bf16 reduction-order floor
+MUON_TP = (1e-3, 1e-3)
+
+
+# id, source layout, target layout, config (the same at both), loss tolerances (first, later)
+CASES = [
+    # (megatron-core's DistributedOptimizer takes no SGD: "Only Adam, HybridDeviceOptimizer, and
+    # optimizers with an init_state_fn (e.g., Lion)"; SGD runs in plain DDP or under CPU offload)
+    ("adam-plain-ddp-fp32", "dp2", "tp2", PLAIN_DDP, (1e-5, 1e-5), []),
+    ("adam-plain-ddp-bf16", "tp2", "dp2", {**PLAIN_DDP, "dtype": "bf16"}, BF16, []),
+    # (plain DDP at PP2 trains apart from PP1 from its first step in megatron-core 0.16 and 0.19,
+    # before any save: a PP change has no uninterrupted run to continue here)
+    ("sgd-plain-ddp", "tp2", "dp2", {**SGD, **PLAIN_DDP}, (1e-5, 1e-5), []),
+    ("sgd-plain-ddp-bf16", "dp2", "tp2", {**SGD, **PLAIN_DDP, "dtype": "bf16"}, BF16, []),
+    ("adam-cpu-offload", "dp2", "tp2", CPU_OFFLOAD, BF16, []),
+    ("sgd-cpu-offload", "tp2", "dp2", {**CPU_OFFLOAD, "optimizer": "sgd",
+                                       "optimizer_extra": {**CPU_OFFLOAD["optimizer_extra"],
+                                                           "sgd_momentum": 0.9}}, BF16, []),
+    # Lion's update is a sign: another DP size's reduction order flips the sign of near-zero
+    # updates (fresh runs at DP1 and DP2 part at step 3 by 7e-4), so its layout change keeps DP
+    # (at DP1, TP2 and TP1 train bitwise alike)
+    ("lion-distopt", "tp2", "tp1", LION, (1e-5, 1e-5), [NEEDS_EMERGING]),
+    # Muon: megatron-core 0.19.2 builds LayerWise in bf16 only (fp32: its chain's config check
+    # fails on the layout path, "'TensorParallelMuon' object has no attribute 'get_loss_scale'"
+    # on the legacy one). At another TP, fresh bf16 runs part by up to 3.7e-4 in 5 steps.
+    ("muon-layerwise", "dp2", "dp1", _muon(), BF16, [NEEDS_EMERGING]),
+    ("muon-layerwise", "tp2", "dp2", _muon(), MUON_TP, [NEEDS_EMERGING]),
+    ("muon-layerwise", "tp2pp2", "dp2", _muon(), MUON_TP, [NEEDS_EMERGING]),
+    # (the legacy LayerWise path without megatron-core's param layout, layer_wise_param_layout=
+    # False, all-gathers uneven sizes: NCCL does, gloo refuses "invalid tensor size", so it
+    # cannot train on CPU)
+    ("muon-lion-scalar", "tp2", "tp1",
+     _muon(optimizer_extra={**MUON["optimizer_extra"], "muon_scalar_optimizer": "lion"}), MUON_TP,
+     [NEEDS_EMERGING]),
+    ("muon-distributed-tp", "tp2", "tp1", _muon("distributed"), MUON_TP, [NEEDS_EMERGING]),
+]
+
+
+@pytest.mark.parametrize("case,src,dst,cfg,rtol", [
+    pytest.param(*c[:5], id=f"{c[0]}-{c[1]}->{c[2]}", marks=c[5]) for c in CASES])
+def test_optimizer_transition(case, src, dst, cfg, rtol, source_runs, tmp_path):
+    check_transition(source_runs, tmp_path, src, dst, cfg, rtol=rtol, name=f"{case}:{src}->{dst}")
+
+
+def test_cpu_offload_step_and_weights(source_runs, tmp_path):
+    """Adam under --optimizer-cpu-offload (HybridDeviceOptimizer): before the fix the per-parameter
+    step came back as 1 (the dummy initial step) and the optimizer's own copy of the weights kept
+    the dummy step's values, which its next step copied over the loaded weights."""
+    src = source_runs.get("dp2", CPU_OFFLOAD)
+    res = launch(nprocs("dp2"), f"{SCENARIOS}:load_and_train",
+                 {"layout": "dp2", "cfg": CPU_OFFLOAD, "load_dir": str(src["ckpt"]), "steps": STEPS,
+                  "dump_dir": str(tmp_path / "dump")})
+    dumps = [torch.load(p, weights_only=False) for p in sorted((tmp_path / "dump").glob("rank*.pt"))]
+    steps = {e["step"] for d in dumps for e in d["params"] if e["range"] is not None}
+    assert steps == {float(STEPS)}
+    assert res[0]["losses"] == src["continued"]  # at the saving layout: the same run, bitwise
+
+
+@NEEDS_EMERGING
+def test_muon_records_optimizers_and_families(source_runs, tmp_path):
+    """The manifest says which optimizer manages each parameter (`optimizer` family) and what each
+    optimizer is; inspect shows both; blockwise Muon's change of update rule at another TP is said."""
+    src = source_runs.get("dp2", _muon("blockwise"))
+    manifest = mf.read(src["ckpt"] / (src["ckpt"] / "latest").read_text().strip()).to_json()
+    fams = {p.get("optimizer", "adam") for p in manifest["params"].values()}
+    assert fams == {"muon", "adam"}, fams
+    assert manifest["params"]["decoder.layers.0.mlp.linear_fc1.weight"]["optimizer"] == "muon"
+    assert "optimizer" not in manifest["params"]["decoder.layers.0.mlp.linear_fc1.bias"]
+    classes = [o["class"] for o in manifest["optimizer"]["optimizers"]]
+    assert any("TensorParallelMuon" in c for c in classes), classes
+    blockwise = [o for o in manifest["optimizer"]["optimizers"] if o["family"] == "muon"]
+    assert blockwise[0]["hyperparameters"]["tp_mode"] == "blockwise" and "TP" in blockwise[0]["note"]
+    u = universal_tensors(src["ckpt"], tmp_path / "u")
+    assert "decoder.layers.0.mlp.linear_fc1.weight/momentum_buffer" in u
+    assert "decoder.layers.0.mlp.linear_fc1.weight/exp_avg" not in u
+    assert "decoder.layers.0.mlp.linear_fc1.bias/exp_avg_sq" in u
+
+
+def test_other_optimizer_is_refused_then_reset(source_runs, tmp_path):
+    """Adam state into an SGD run is refused by name; reset_optimizer=True keeps the weights
+    (bitwise the saved master weights) and starts SGD fresh, saying what it dropped."""
+    src = source_runs.get("dp2", {})
+    with pytest.raises(LaunchError, match=r"has adam optimizer state in the checkpoint but the run's "
+                                          r"optimizer is sgd.*reset_optimizer=True"):
+        launch(2, f"{SCENARIOS}:load_and_train", {"layout": "dp2", "cfg": SGD,
+                                                   "load_dir": str(src["ckpt"]), "steps": 1})
+    res = launch(2, f"{SCENARIOS}:load_and_train",
+                 {"layout": "dp2", "cfg": SGD, "load_dir": str(src["ckpt"]), "steps": 1,
+                  "dump_dir": str(tmp_path / "dump"), "reset_optimizer": True})
+    assert res[0]["optimizer_reset"] == ["adam"]
+    saved = {n: t for n, t in universal_tensors(src["ckpt"], tmp_path / "u").items()
+             if n.endswith("/param")}
+    dumps = [torch.load(p, weights_only=False) for p in sorted((tmp_path / "dump").glob("rank*.pt"))]
+    for e in dumps[0]["params"]:
+        assert torch.equal(e["model"], saved[f"{e['name']}/param"]), e["name"]
