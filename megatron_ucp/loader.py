@@ -152,6 +152,53 @@ def _check_families(source, params: list[LocalParam], index: OptimizerIndex,
     return ()
 
 
+def _read_regions(source, params: list[LocalParam], index: OptimizerIndex,
+                  reset_optimizer: bool) -> None:
+    """Read every rank's regions straight into the optimizer's own shard tensors (on a device:
+    through one host tensor of one region and state at a time), so a load allocates no copy of
+    the rank's optimizer state; then set each parameter's Adam step once its regions tile it."""
+    unowned = index.unowned()
+    # (lp, region, states): a buffer, or a weight whose state another DP rank owns (LayerWise),
+    # has no region: its whole local slice is read into the model tensor
+    regions = []
+    for lp in params:
+        if lp.spec.buffer or lp.param in unowned:
+            regions.append((lp, None, ("param",)))
+        elif (region := index.region_range(lp)) is not None:
+            states = ("param",) if reset_optimizer else source.manifest.params[lp.spec.name].states
+            regions.append((lp, region, states))
+
+    def reads(src) -> None:  # every read of the loop below, in its order (its plan in a store)
+        for lp, region, states in regions:
+            if region is None:
+                read_local(src, lp, "param", 0, lp.numel)
+                continue
+            for s in states:
+                read_local(src, lp, s, region[1] - lp.base, region[2] - lp.base)
+
+    plan_reads(source, reads)
+    # id(param) -> (param, shard range, steps) while its regions are being read
+    shards: dict[int, tuple] = {}
+    with torch.no_grad():
+        for lp, region, states in regions:  # (region: this universal tensor's part of the shard)
+            if region is None:  # every holder reads its whole local slice; no optimizer state
+                lp.region(lp.param).copy_(read_local(source, lp, "param", 0, lp.numel))
+                continue
+            shard, a, b = region
+            live = index.states(lp.param, weights_only=reset_optimizer)
+            for s in states:
+                fill(live[s][a - shard[0]:b - shard[0]],
+                     partial(read_local, source, lp, s, a - lp.base, b - lp.base))
+            if reset_optimizer:
+                continue
+            steps = shards.setdefault(id(lp.param), (lp.param, shard, {}))[2]
+            steps[lp.spec.name] = (source.step(lp.spec.name), b - a)
+            if sum(n for _, n in steps.values()) == shard[1] - shard[0]:
+                _set_step(index, source, *shards.pop(id(lp.param)))
+    for param, shard, steps in shards.values():  # regions that do not tile their shard
+        _set_step(index, source, param, shard, steps)
+
+
 def _resolve_once(path: str | Path) -> Location:
     """The checkpoint directory `path` names, found by rank 0 alone and broadcast: thousands of
     ranks reading `latest` and probing prefixes of one bucket are what gets a store to answer 503
@@ -195,49 +242,7 @@ def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: 
     reset = _check_families(source, params, index, reset_optimizer)
     if not reset_optimizer:  # (a reset keeps the optimizer as built: no state until its first step)
         index.ensure_state()
-    unowned = index.unowned()
-    # (lp, region, states): a buffer, or a weight whose state another DP rank owns (LayerWise),
-    # has no region: its whole local slice is read into the model tensor
-    regions = []
-    for lp in params:
-        if lp.spec.buffer or lp.param in unowned:
-            regions.append((lp, None, ("param",)))
-        elif (region := index.region_range(lp)) is not None:
-            states = ("param",) if reset_optimizer else source.manifest.params[lp.spec.name].states
-            regions.append((lp, region, states))
-
-    def reads(src) -> None:  # every read of the loop below, in its order (its plan in a store)
-        for lp, region, states in regions:
-            if region is None:
-                read_local(src, lp, "param", 0, lp.numel)
-                continue
-            for s in states:
-                read_local(src, lp, s, region[1] - lp.base, region[2] - lp.base)
-
-    plan_reads(source, reads)
-    # id(param) -> (param, shard range, steps) while its regions are being read; its Adam step is
-    # set once they tile the shard. The regions are read straight into the optimizer's own shard
-    # tensors (on a device: through one host tensor of one region and state at a time), so a load
-    # allocates no copy of the rank's optimizer state.
-    shards: dict[int, tuple] = {}
-    with torch.no_grad():
-        for lp, region, states in regions:  # (region: this universal tensor's part of the shard)
-            if region is None:  # every holder reads its whole local slice; no optimizer state
-                lp.region(lp.param).copy_(read_local(source, lp, "param", 0, lp.numel))
-                continue
-            shard, a, b = region
-            live = index.states(lp.param, weights_only=reset_optimizer)
-            for s in states:
-                fill(live[s][a - shard[0]:b - shard[0]],
-                     partial(read_local, source, lp, s, a - lp.base, b - lp.base))
-            if reset_optimizer:
-                continue
-            steps = shards.setdefault(id(lp.param), (lp.param, shard, {}))[2]
-            steps[lp.spec.name] = (source.step(lp.spec.name), b - a)
-            if sum(n for _, n in steps.values()) == shard[1] - shard[0]:
-                _set_step(index, source, *shards.pop(id(lp.param)))
-    for param, shard, steps in shards.values():  # regions that do not tile their shard
-        _set_step(index, source, param, shard, steps)
+    _read_regions(source, params, index, reset_optimizer)
     t_read = time.perf_counter()
     index.copy_main_to_model(model_chunks)
     t_sync = time.perf_counter()
@@ -250,6 +255,10 @@ def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: 
 
     source_layout = manifest.layout
     same = source_layout == layout
+    if dist.get_rank() == 0 and source_layout.tp != layout.tp:
+        for o in manifest.optimizer.get("optimizers", []):
+            if o.get("note"):  # e.g. blockwise Muon: the same state, another update rule
+                log.warning("%s: TP %d -> %d: %s", o["class"], source_layout.tp, layout.tp, o["note"])
     rng_tensors, rng_meta = source.rng(dist.get_rank()) if same else ({}, {})
     if rng_tensors:
         restored = rng.restore(rng_tensors, rng_meta)

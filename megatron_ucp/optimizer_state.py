@@ -65,8 +65,15 @@ def family(torch_optimizer, group: dict) -> str:
     if module.startswith(("emerging_optimizers", "megatron.core.optimizer")):
         if name == "Lion":
             return "lion"
-        if name in ("TensorParallelMuon", "Muon") or (
-                name.endswith("Muon") and "Adaptive" not in name):
+        if name.endswith("AdaptiveMuon"):
+            # (its default second moment is elementwise, but megatron-core 0.19.2's
+            # TensorParallelAdaptiveMuon fails its first step, "no attribute 'scale_mode'": no
+            # run to test a layout of its state against)
+            raise UCPError(f"optimizer {_qualname(opt)} (--optimizer adaptive_muon) is not "
+                           "supported by megatron-ucp yet: megatron-core 0.19.2 cannot train it "
+                           "(TensorParallelAdaptiveMuon has no attribute 'scale_mode'); resume "
+                           "weights only (load(..., reset_optimizer=True))")
+        if name in ("TensorParallelMuon", "Muon"):
             return "muon"
     raise UCPError(f"optimizer {_qualname(opt)} is not supported by megatron-ucp: its state has "
                    f"no layout megatron-ucp can reshard (supported: {SUPPORTED}). Train with one "

@@ -13,7 +13,7 @@ STATES = ("param", "exp_avg", "exp_avg_sq")  # fp32 master weight and Adam momen
 BUFFER_STATES = ("param",)  # a persistent buffer (e.g. MoE router expert_bias): its value only
 # The optimizer families megatron-ucp reshards, by the per-parameter state each keeps: tensors of
 # the parameter's own shape, element for element, so they slice over TP/PP/DP/EP like the
-# weight. (A factored or Kronecker state, e.g. SOAP's or adaptive Muon's, would not.) A parameter
+# weight. (A Kronecker-factored state, e.g. SOAP's, would not.) A parameter
 # records its family in its spec (`ParamSpec.optimizer`, default "adam": manifests before it).
 OPTIMIZER_STATES = {
     "adam": ("exp_avg", "exp_avg_sq"),  # torch Adam/AdamW, TE/Apex FusedAdam: + a step
@@ -22,6 +22,9 @@ OPTIMIZER_STATES = {
     "plain_sgd": (),  # torch SGD without momentum: no state
     "muon": ("momentum_buffer",),  # Muon (emerging_optimizers OrthogonalizedOptimizer)
 }
+
+# (a tuple: `in` on an unhashable JSON value is False, not a TypeError)
+OPTIMIZER_FAMILIES = tuple(OPTIMIZER_STATES)
 
 
 def states_of(spec: ParamSpec) -> tuple[str, ...]:
@@ -132,12 +135,15 @@ class ParamSpec:
     optimizer: str = "adam"
 
     def to_json(self) -> dict:
-        d = asdict(self)
-        d["shape"] = list(self.shape)
-        if self.tp_sections is None:  # (absent, as in manifests written before sections existed)
-            del d["tp_sections"]
-        if self.optimizer == "adam":  # (absent: Adam, as in every manifest written before)
-            del d["optimizer"]
+        return self.omit_defaults({**asdict(self), "shape": list(self.shape)})
+
+    @staticmethod
+    def omit_defaults(d: dict) -> dict:
+        """A spec's JSON without the fields at the default their absence means in manifests
+        written before they existed (tp_sections None, optimizer "adam")."""
+        for k, default in (("tp_sections", None), ("optimizer", "adam")):
+            if d.get(k, default) == default:
+                d.pop(k, None)
         return d
 
     @classmethod

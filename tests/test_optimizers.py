@@ -17,6 +17,7 @@ from conftest import RELEASE_SKIP, SCENARIOS, STEPS, nprocs
 from test_transitions import check_transition, universal_tensors
 
 from megatron_ucp.formats import manifest as mf
+from megatron_ucp.inspector import inspect
 from megatron_ucp.testing.launch import LaunchError, launch
 
 HAS_EMERGING = importlib.util.find_spec("emerging_optimizers") is not None
@@ -112,6 +113,9 @@ def test_muon_records_optimizers_and_families(source_runs, tmp_path):
     assert any("TensorParallelMuon" in c for c in classes), classes
     blockwise = [o for o in manifest["optimizer"]["optimizers"] if o["family"] == "muon"]
     assert blockwise[0]["hyperparameters"]["tp_mode"] == "blockwise" and "TP" in blockwise[0]["note"]
+    shown = inspect(src["ckpt"])
+    assert "optimizer    state of adam (" in shown and "muon (" in shown
+    assert "TensorParallelMuon" in shown and "note: blockwise Muon" in shown
     u = universal_tensors(src["ckpt"], tmp_path / "u")
     assert "decoder.layers.0.mlp.linear_fc1.weight/momentum_buffer" in u
     assert "decoder.layers.0.mlp.linear_fc1.weight/exp_avg" not in u
@@ -140,3 +144,15 @@ def test_other_optimizer_is_refused_then_reset(source_runs, tmp_path):
             assert torch.equal(a["model"], b["model"]), a["name"]
             if b["range"] is not None:  # SGD as built: its momentum starts at the first step
                 assert b["states"] == ["param"], b["states"]
+
+
+@NEEDS_EMERGING
+def test_unsupported_optimizer_is_refused_by_name(tmp_path):
+    """SOAP (its Kronecker factors have no elementwise layout) is refused at save by its class
+    name and what to do, before anything is written; never a bare KeyError."""
+    cfg = {"dtype": "bf16", "optimizer": "soap", "optimizer_extra": MUON["optimizer_extra"]}
+    with pytest.raises(LaunchError, match=r"optimizer emerging_optimizers\.soap\.soap\.SOAP is not "
+                                          r"supported by megatron-ucp.*reset_optimizer=True"):
+        launch(2, f"{SCENARIOS}:train_and_save", {"layout": "dp2", "cfg": cfg, "steps": 1,
+                                                   "save_dir": str(tmp_path / "ckpt")})
+    assert not (tmp_path / "ckpt" / "latest").exists()

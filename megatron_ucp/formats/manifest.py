@@ -22,7 +22,7 @@ from megatron_ucp import storage
 from megatron_ucp.errors import UCPError
 from megatron_ucp.gc_pause import paused_gc
 from megatron_ucp.layout import Layout
-from megatron_ucp.spec import OPTIMIZER_STATES, STATES, ParamSpec, Piece, cover_once_cheap, states_of
+from megatron_ucp.spec import OPTIMIZER_FAMILIES, STATES, ParamSpec, Piece, cover_once_cheap, states_of
 from megatron_ucp.storage import Location, location
 from megatron_ucp.storage.save_root import NotACheckpoint
 
@@ -69,6 +69,11 @@ class _Check:
         if not isinstance(v, list) or (n is not None and len(v) != n) or not all(
                 isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
             raise self.fail(path, f"expected a list of {n or ''} non-negative integers, got {v!r}")
+        return v
+
+    def choice(self, v, path: str, choices: tuple[str, ...]) -> str:
+        if not isinstance(v, str) or v not in choices:
+            raise self.fail(path, f"{v!r} is not one of {list(choices)}")
         return v
 
     def name(self, v, path: str) -> str:
@@ -175,11 +180,8 @@ class ParamEntry:
 
     def to_json(self) -> dict:
         # (`ParamSpec.to_json` without dataclasses.asdict's deep copy: 20k specs in an index)
-        d = {**vars(self.spec), "shape": list(self.spec.shape), "aliases": list(self.spec.aliases)}
-        if self.spec.tp_sections is None:
-            del d["tp_sections"]
-        if self.spec.optimizer == "adam":
-            del d["optimizer"]
+        d = ParamSpec.omit_defaults({**vars(self.spec), "shape": list(self.spec.shape),
+                                     "aliases": list(self.spec.aliases)})
         if self.step is not None:
             d["step"] = self.step
         if self.tensors is not None:
@@ -200,9 +202,7 @@ class ParamEntry:
                   _SPEC_OPTIONAL + ("step",) + storage)
         check.name(d["name"], f"{path}.name")
         shape = check.ints(d["shape"], f"{path}.shape")
-        check.typed(d["dtype"], f"{path}.dtype", str)
-        if d["dtype"] not in ("float32", "bfloat16", "float16"):
-            raise check.fail(f"{path}.dtype", f"{d['dtype']!r} is not float32, bfloat16 or float16")
+        check.choice(d["dtype"], f"{path}.dtype", _DTYPES)
         tp_axis = check.typed(d["tp_axis"], f"{path}.tp_axis", int, none=True)
         if tp_axis is not None and not 0 <= tp_axis < len(shape):
             raise check.fail(f"{path}.tp_axis", f"{tp_axis} is not a dimension of shape {shape}")
@@ -215,7 +215,7 @@ class ParamEntry:
                          check.typed(d.get("buffer", False), f"{path}.buffer", bool),
                          _sections(d.get("tp_sections"), shape, tp_axis, blocks, check,
                                    f"{path}.tp_sections"),
-                         _optimizer_family(d.get("optimizer", "adam"), check, f"{path}.optimizer"))
+                         check.choice(d.get("optimizer", "adam"), f"{path}.optimizer", OPTIMIZER_FAMILIES))
         step = d.get("step")
         if step is not None:
             step = check.typed(step, f"{path}.step", (int, float))
@@ -238,8 +238,7 @@ class ParamEntry:
 
 
 _FRAGMENT_ENTRY_FIELDS = frozenset(_SPEC_REQUIRED + _SPEC_OPTIONAL + ("step", "slices"))
-_DTYPES = frozenset(("float32", "bfloat16", "float16"))
-_FAMILIES = tuple(OPTIMIZER_STATES)  # (a tuple: `in` on an unhashable value is False, not an error)
+_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _plain_fragment_entry(d) -> bool:
@@ -258,15 +257,8 @@ def _plain_fragment_entry(d) -> bool:
             and type(d.get("tp_blocks", 1)) is int
             and type(aliases) is list and all(type(a) is str for a in aliases)
             and type(d.get("vocab_rows", False)) is bool and type(d.get("buffer", False)) is bool
-            and d.get("tp_sections") is None and d.get("optimizer", "adam") in _FAMILIES
+            and d.get("tp_sections") is None and d.get("optimizer", "adam") in OPTIMIZER_FAMILIES
             and type(step) in (int, float) and type(d.get("slices", [])) is list)
-
-
-def _optimizer_family(name, check: _Check, path: str) -> str:
-    if name not in OPTIMIZER_STATES:
-        raise check.fail(path, f"{name!r} is not an optimizer family megatron-ucp knows "
-                         f"({sorted(OPTIMIZER_STATES)}); a newer megatron-ucp wrote it")
-    return name
 
 
 def _sections(sections, shape: list[int], tp_axis: int | None, blocks: int, check: _Check,

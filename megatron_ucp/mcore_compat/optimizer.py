@@ -51,3 +51,13 @@ def megatron_param_groups(model_chunks: list, args) -> list[dict]:
     names = {f.name for f in dataclasses.fields(OptimizerConfig)}
     config = OptimizerConfig(**{k: v for k, v in vars(args).items() if k in names})
     return _get_param_groups(model_chunks, config, get_standard_config_overrides(config))
+
+
+def replace_hybrid_param_split(split) -> None:
+    """Replace `HybridDeviceOptimizer._get_sub_optimizer_param_groups(self, offload_fraction)`,
+    the private method that splits the main params between CPU offload's host and device
+    optimizers (the same in 0.16 and 0.19): the CPU stand-in of its device side
+    (`megatron_ucp.testing.hybrid_offload_cpu`) installs itself through here."""
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+    HybridDeviceOptimizer._get_sub_optimizer_param_groups = split

@@ -13,7 +13,7 @@ own hook copies them back after each step, the state a checkpoint must restore. 
 
 from __future__ import annotations
 
-from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+from megatron_ucp.mcore_compat import optimizer as mcore_optimizer
 
 
 def _host_copies(self, offload_fraction: float):
@@ -32,4 +32,4 @@ def _host_copies(self, offload_fraction: float):
 
 
 def install() -> None:
-    HybridDeviceOptimizer._get_sub_optimizer_param_groups = _host_copies
+    mcore_optimizer.replace_hybrid_param_split(_host_copies)
