@@ -96,7 +96,7 @@ def rank_load_and_train(load_dir: str, empty_dir: str) -> dict:
     # --no-load-optim: the weights, and the optimizer and its schedule as built (no state yet)
     args = _megatron_args(universal_checkpoint=True, load=load_dir, no_load_optim=True)
     megatron_lm.load_checkpoint(st.model, st.optimizer, st.scheduler)
-    out["no_load_optim"] = [sum(len(o.state) for o in torch_optimizers(st.optimizer)),
+    out["no_load_optim"] = [sum(len(s) for o in torch_optimizers(st.optimizer) for s in o.state.values()),
                             st.scheduler.num_steps]
     dist.barrier()
 
