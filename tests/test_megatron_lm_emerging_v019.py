@@ -164,3 +164,16 @@ def test_live_load_at_dp1_restores_the_state(converted, name, cfg, tmp_path):
         seen.add(n)
     assert seen == set(manifest["params"])
     assert all(x == x and x < 10 for x in res[0]["losses"])  # it trains on
+
+
+@pytest.mark.parametrize("target_format", ["torch", "torch_dist"])
+def test_megatron_lm_target_is_refused_by_family(tmp_path, target_format):
+    """megatron-ucp writes Megatron-LM optimizer files for Adam only: a Muon source is refused by
+    name (before: a step mismatch, Adam's 6 against Muon's 0)."""
+    from megatron_ucp.conversion import reshard
+    from megatron_ucp.errors import UCPError
+    from megatron_ucp.layout import Layout
+
+    with pytest.raises(UCPError, match=r"holds muon optimizer state.*Adam only"):
+        reshard(FIXTURES / "torch_dist_muon_dp2" / "ckpt", tmp_path / "out", Layout(tp=2),
+                target_format=target_format, progress=False)
