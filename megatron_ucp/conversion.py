@@ -121,7 +121,12 @@ def write_torch_dist(universal_dir: str | Path, save_dir: str | Path, target: La
 def _adam_source(universal_dir: str | Path, target_format: str) -> Source:
     """The megatron-ucp checkpoint as a source of a Megatron-LM target, whose optimizer files
     megatron-ucp writes for Adam's state only: other optimizers' state is refused by name."""
-    source = formats.open_megatron_ucp(universal_dir)
+    return _refuse_non_adam(formats.open_megatron_ucp(universal_dir), target_format)
+
+
+def _refuse_non_adam(source: Source, target_format: str) -> Source:
+    """`source` unless it holds state of an optimizer other than Adam (a Megatron-LM Muon/Lion run
+    too), which megatron-ucp does not write into Megatron-LM's optimizer files."""
     other = sorted({p.spec.optimizer for p in source.manifest.params.values()
                     if not p.spec.buffer and p.spec.optimizer != "adam"})
     if other:
@@ -224,7 +229,7 @@ def _reshard_to_megatron(load, out: Location, target: Layout | None, kind: str, 
     rng = src.rng_by_position
     if rng and src.layout != target:  # per-rank states belong to the source ranks: rank 0's
         rng = rng.get((0, 0), next(iter(rng.values())))
-    source = UniversalView(_open(load, kind, progress, trust_pickle))
+    source = UniversalView(_refuse_non_adam(_open(load, kind, progress, trust_pickle), target_format))
     formats.get(TARGET_FORMATS[target_format]).write(
         source, out, target, src.args, rng_state=rng,
         num_floating_point_operations_so_far=src.num_floating_point_operations_so_far,

@@ -237,7 +237,8 @@ def check_supported(args, where: Path | str) -> None:
     for flag in ("yaml_cfg", "heterogeneous_layers_config_path", "experimental_attention_variant"):
         if getattr(args, flag, None):
             problems.append(f"--{flag.replace('_', '-')} is set")
-    if not getattr(args, "use_distributed_optimizer", False):
+    if not getattr(args, "use_distributed_optimizer", False) and not getattr(
+            args, "use_layer_wise_distributed_optimizer", False):
         problems.append("the run did not use --use-distributed-optimizer (no distrib_optim.pt)")
     if getattr(args, "num_distributed_optimizer_instances", 1) != 1:
         problems.append("--num-distributed-optimizer-instances > 1")
@@ -473,3 +474,20 @@ YARN_FROM_ARGS = (
     ("yarn_mscale_all_dim", "mscale_all_dim", 0.0),
     ("yarn_correction_range_round_to_int", "yarn_correction_range_round_to_int", True),
 )
+
+
+def layer_wise_family(states: set[str], args, where: str) -> str:
+    """The optimizer family (`spec.OPTIMIZER_STATES`) of one torch optimizer chained inside
+    megatron-core 0.19's LayerWiseDistributedOptimizer (`--optimizer muon|lion`), by the states
+    its parameters carry; anything else is refused by name (no state is guessed)."""
+    names = set(states) - {"param", "fp32_param", "step"}
+    if names == {"exp_avg", "exp_avg_sq"}:
+        return "adam"
+    if names == {"exp_avg"}:
+        return "lion"
+    if names == {"momentum_buffer"} and getattr(args, "optimizer", None) in ("muon", "dist_muon"):
+        return "muon"
+    raise UCPError(f"{where}: a LayerWiseDistributedOptimizer state {sorted(names)} (--optimizer "
+                   f"{getattr(args, 'optimizer', None)}) that megatron-ucp does not map (it reads "
+                   "Muon's momentum_buffer, Lion's exp_avg and Adam's exp_avg/exp_avg_sq); resume "
+                   "the run with Megatron-LM itself, or convert its weights only")

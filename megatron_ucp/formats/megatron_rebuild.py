@@ -407,3 +407,55 @@ def import_specs(args: argparse.Namespace, run: dict, true_vocab: int) -> tuple[
     if "rotary_base" in run or model.get("position_embedding_type") == "none":
         model.pop("max_sequence_length", None)
     return specs, model
+
+
+def layer_wise_params(chunks: list, args) -> list[list[list[tuple[int, str]]]]:
+    """megatron-core 0.19's LayerWiseDistributedOptimizer (`--optimizer muon|lion` with
+    `--use-distributed-optimizer`) as stock Megatron-LM builds it, for the current (fake) rank:
+    per chained torch optimizer, per param group, the (chunk index, local name) of the parameters
+    this data-parallel rank owns, in the group's order: the order of that rank's
+    `layer_wise_optimizer_<dp>.pt` state and `fp32_from_fp16_params`. `chunks`: the bare model
+    chunks rebuilt from the args.
+
+    megatron-core itself assigns the parameters (`get_megatron_optimizer`: the Muon/Adam param
+    groups and the ping-pong assignment by numel, `_shard_params_ping_pong`). Megatron-LM's model
+    builder (`megatron/training/models/dist_utils.py:_ddp_wrap`) gives DDP no LayerWise param layout
+    and `use_distributed_optimizer=False`, so LayerWise runs its legacy path with every parameter,
+    as rebuilt here. The optimizer is built in fp32 (its bf16 wrapper needs CUDA tensors): the
+    groups, their order and the assignment depend on the parameters' names, shapes and the
+    hyper-parameters only; the bf16 wrapper keeps each group's order."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.utils import unwrap_model
+    from torch.overrides import TorchFunctionMode
+
+    config = unwrap_model(chunks[0]).config
+    fields = {f.name for f in dataclasses.fields(DistributedDataParallelConfig)}
+    kw = {k: getattr(args, k) for k in fields if hasattr(args, k)}
+    kw.update(use_distributed_optimizer=False, check_for_nan_in_grad=False,
+              check_for_large_grads=False, nccl_ub=False,
+              grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32)
+    ddp = [DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(**kw),
+                                   module=c, disable_bucketing=i > 0) for i, c in enumerate(chunks)]
+    ofields = {f.name for f in dataclasses.fields(OptimizerConfig)}
+    okw = {k: getattr(args, k) for k in ofields if hasattr(args, k)}
+    okw.update(bf16=False, fp16=False, timers=None, use_distributed_optimizer=False,
+               use_layer_wise_distributed_optimizer=True)
+
+    class _CudaToMeta(TorchFunctionMode):  # tensors megatron-core creates on device="cuda"
+        def __torch_function__(self, func, types, a=(), k=None):
+            k = dict(k or {})
+            if "cuda" in str(k.get("device", "")):
+                k["device"] = "meta"
+            return func(*a, **k)
+
+    with _CudaToMeta():
+        opt = get_megatron_optimizer(OptimizerConfig(**okw), ddp, use_gloo_process_groups=False)
+    if type(opt).__name__ != "LayerWiseDistributedOptimizer":  # (a chain of it and others)
+        raise UCPError(f"the optimizer rebuilt from args is {type(opt).__name__} of "
+                       f"{[type(o).__name__ for o in getattr(opt, 'chained_optimizers', [])]}, "
+                       "not one LayerWiseDistributedOptimizer as stock Megatron-LM builds it for "
+                       "--optimizer muon|lion --use-distributed-optimizer; not mapped")
+    names = {id(p): (i, n) for i, c in enumerate(chunks) for n, p in unwrap_model(c).named_parameters()}
+    return [[[names[id(p)] for p in g["params"]] for g in getattr(o, "optimizer", o).param_groups]
+            for o in opt.chained_optimizers]

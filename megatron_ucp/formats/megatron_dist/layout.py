@@ -12,7 +12,11 @@ model-parallel rank's flat DistributedOptimizer buckets, `optimizer.distributed.
 a MoE run's ChainedOptimizer prefixes them `chained_0.` (dense) and `chained_1.` (experts, one
 per expert tensor-model-pipeline rank))
 or, from megatron-core 0.13-0.15, `fully_sharded_model_space` (the `flattened_range` form,
-`optimizer.state.<fp32_param|exp_avg|exp_avg_sq>.<model key>`, see `flattened_shape`).
+`optimizer.state.<fp32_param|exp_avg|exp_avg_sq>.<model key>`, see `flattened_shape`). A run with an
+emerging optimizer (`--optimizer muon` / `lion` with `--use-distributed-optimizer`: megatron-core
+0.19's LayerWiseDistributedOptimizer) stores every state in model space, global shape, per chained
+optimizer: `chained_<i>.optimizer.state.<fp32_param|state>.<model key>` (`LAYER_WISE`,
+`layer_wise_key`), whatever its `content_metadata` says.
 Which stacked index holds which universal parameter is read off the model rebuilt from `args`.
 """
 
@@ -48,6 +52,10 @@ COMMON_FILE = "common.pt"
 METADATA_FILE = ".metadata"
 SHARDINGS = ("dp_reshardable", "fully_reshardable")  # the forms written (and read)
 READ_SHARDINGS = (*SHARDINGS, FLATTENED)  # read only: megatron-core >= 0.16 no longer loads it
+# read only: megatron-core 0.19's LayerWiseDistributedOptimizer (Muon / Lion and their scalar Adam),
+# each chained optimizer's state in model space (`layer_wise_key`); its saves say dp_reshardable
+LAYER_WISE = "layer_wise"
+LAYER_WISE_KEY = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.state\.(.+)$")  # chain, "<state>.<key>"
 # megatron-ucp's note in the common state of a hybrid model's save: {"mamba_conv1d_module": bool},
 # the Mamba conv1d form (megatron_rebuild.wrap_ddp) whose parameter order its flat buffers follow
 # (its common.pt does not tell: megatron-ucp writes one under 0.19 too). Megatron-LM ignores it.
@@ -69,6 +77,14 @@ def flattened_state_key(state: str, model_key: str) -> str:
     """fully_sharded_model_space: the key of one optimizer state of a model tensor (the master
     weight is called `fp32_param` there)."""
     return f"optimizer.state.{'fp32_param' if state == 'param' else state}.{model_key}"
+
+
+def layer_wise_key(chain: int | None, state: str, model_key: str) -> str:
+    """LayerWiseDistributedOptimizer: one state of a model tensor in chained optimizer `chain`
+    (None: a LayerWise optimizer of one torch optimizer, no `chained_` prefix); the master weight
+    is `fp32_param`."""
+    prefix = "" if chain is None else f"chained_{chain}."
+    return f"{prefix}optimizer.state.{'fp32_param' if state == 'param' else state}.{model_key}"
 
 
 def flattened_shape(model_shape: tuple[int, ...], stored_shape: tuple[int, ...]) -> tuple[int, ...] | None:

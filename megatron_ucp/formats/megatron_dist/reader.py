@@ -12,6 +12,9 @@ We therefore ask megatron-core itself rather than re-implementing its rules:
   model-parallel rank (fake process group of the source world size), and the TP-local slices are
   put back together with that rank's `local_params` pieces;
 * `fully_reshardable` stores `optimizer.state.<state>.<model key>` at global shape: no layout math;
+* `layer_wise` (megatron-core 0.19's LayerWiseDistributedOptimizer, `--optimizer muon|lion`) stores
+  each chained optimizer's states in model space, `chained_<i>.optimizer.state.<state>.<model key>`
+  at global shape: no layout math; each parameter takes the family of the chain holding it;
 * `fully_sharded_model_space` (megatron-core 0.13/0.14 default, 0.15 with
   `--dist-ckpt-save-pre-mcore-014`; later releases no longer load it) stores each state of a model
   tensor as one row per TP-local chunk, the chunk flattened (`layout.flattened_shape`); the rows
@@ -39,6 +42,7 @@ from megatron_ucp.formats.manifest import Manifest, ParamEntry
 from megatron_ucp.formats.megatron_common import (
     group_json,
     group_step,
+    layer_wise_family,
     layout,
     resolve_iteration,
     torch_load,
@@ -49,6 +53,8 @@ from megatron_ucp.formats.megatron_dist.layout import (
     DENSE,
     EXPERT,
     FLATTENED,
+    LAYER_WISE,
+    LAYER_WISE_KEY,
     OPTIMIZER_KEY,
     READ_SHARDINGS,
     Param,
@@ -57,13 +63,14 @@ from megatron_ucp.formats.megatron_dist.layout import (
     flattened_shape,
     flattened_state_key,
     is_iteration,
+    layer_wise_key,
     param_groups_key,
     plan_model,
     saved_mamba_conv1d_module,
     state_key,
 )
 from megatron_ucp.progress import Progress
-from megatron_ucp.spec import STATES, ParamSpec
+from megatron_ucp.spec import OPTIMIZER_STATES, STATES, ParamSpec
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +115,9 @@ class TorchDistSource(ReadsDcp, Source):
         opt = common.get("optimizer") or {}
         sharding = opt.get("param_state_sharding_type") or (common.get("content_metadata") or {}).get(
             "distrib_optim_sharding_type")
-        if sharding not in READ_SHARDINGS:
+        if getattr(args, "use_layer_wise_distributed_optimizer", False):
+            sharding = LAYER_WISE  # (its content_metadata says dp_reshardable, its state is not)
+        if sharding not in (*READ_SHARDINGS, LAYER_WISE):
             raise UCPError(f"{ckpt}: optimizer sharding {sharding!r} is not supported (expected "
                            f"one of {', '.join(READ_SHARDINGS)} from --use-distributed-optimizer)")
         moe = bool(getattr(args, "num_experts", None))
@@ -122,9 +131,14 @@ class TorchDistSource(ReadsDcp, Source):
         check_names(reader, self.plan, sharding)
         lay = layout(args)
         replica_buckets: set[str] = set()
+        self.chain: dict[str, int | None] = {}  # layer_wise: the chained optimizer of each param
+        families: dict[str, str] = {}
+        steps: dict[str, float] = {}
         # both keep the param groups in common.pt (megatron-core's "fully reshardable formats");
         # fully_reshardable MoE: {0: dense, 1: expert} (a ChainedOptimizer)
-        if sharding in ("fully_reshardable", FLATTENED):
+        if sharding == LAYER_WISE:
+            groups, step, self.chain, families, steps = _plan_layer_wise(reader, self.plan, opt, args)
+        elif sharding in ("fully_reshardable", FLATTENED):
             chained = [opt[i] for i in sorted(k for k in opt if isinstance(k, int))] or [opt]
             groups = [(i, g) for i, o in enumerate(chained)
                       for g in (o.get("optimizer") or {}).get("param_groups") or []]
@@ -152,7 +166,7 @@ class TorchDistSource(ReadsDcp, Source):
             if sharding == "dp_reshardable":
                 replica_buckets = _plan_dp_reshardable(args, reader, self.plan, chained,
                                                        saved_mamba_conv1d_module(common, ckpt))
-        _check_optimizer_keys(reader, self.plan, sharding, replica_buckets)
+        _check_optimizer_keys(reader, self.plan, sharding, replica_buckets, self.chain, families)
         if not groups:
             raise UCPError(f"{ckpt}: no optimizer param groups found (was it saved without optimizer?)")
         if step is None:
@@ -162,7 +176,9 @@ class TorchDistSource(ReadsDcp, Source):
         self.manifest = Manifest(
             "universal", int(common.get("iteration", getattr(args, "iteration", 0))), lay,
             lay.world_size, model_cfg,
-            {n: ParamEntry(ParamSpec.from_json(p.spec), step if p.buffer_dtype is None else 0.0)
+            {n: ParamEntry(ParamSpec.from_json({**p.spec, **({"optimizer": families[n]} if n in families
+                                                             else {})}),
+                           steps.get(n, step) if p.buffer_dtype is None else 0.0)
              for n, p in self.plan.items()},
             {"param_groups": [group_json(g, i) for i, g in groups], "grad_scaler": None},
             common.get("opt_param_scheduler"),
@@ -174,7 +190,8 @@ class TorchDistSource(ReadsDcp, Source):
 
     def read(self, name: str, state: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
         if self._last is None or self._last[0] != (name, state):
-            self._last = ((name, state), _read_full(self.reader, self.plan[name], state, self.sharding))
+            self._last = ((name, state), _read_full(self.reader, self.plan[name], state, self.sharding,
+                                                    self.chain.get(name)))
         return self._last[1][tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
     def rng_ranks(self) -> list[int]:
@@ -250,11 +267,16 @@ def check_names(reader: DistReader, plan: dict[str, Param], sharding: str) -> No
 
 
 def _check_optimizer_keys(reader: DistReader, plan: dict[str, Param], sharding: str,
-                          replica_buckets: set[str]) -> None:
+                          replica_buckets: set[str], chain: dict | None = None,
+                          families: dict | None = None) -> None:
     """Every stored optimizer tensor is accounted for: no state is silently dropped.
     replica_buckets: dp_reshardable buckets holding replicas only (with PP > 1, the tied output
-    layer's copy of the embedding sits in a bucket of its own on the last stage)."""
-    if sharding == "fully_reshardable":
+    layer's copy of the embedding sits in a bucket of its own on the last stage).
+    chain, families (layer_wise): each parameter's chained optimizer and family."""
+    if sharding == LAYER_WISE:
+        wanted = {layer_wise_key(chain[n], s, key) for n, p in plan.items() if p.buffer_dtype is None
+                  for key, _, _ in p.parts() for s in ("param", *OPTIMIZER_STATES[families[n]])}
+    elif sharding == "fully_reshardable":
         wanted = {state_key(s, key) for p in plan.values() if p.buffer_dtype is None
                   for key, _, _ in p.parts() for s in STATES}
     elif sharding == FLATTENED:
@@ -319,11 +341,77 @@ def _plan_dp_reshardable(args, reader: DistReader, plan: dict[str, Param], chain
     return replica_buckets
 
 
+def _plan_layer_wise(reader: DistReader, plan: dict[str, Param], opt: dict, args):
+    """LayerWiseDistributedOptimizer (megatron-core 0.19, `--optimizer muon|lion`): which chained
+    optimizer holds each parameter (its `fp32_param` key), that optimizer's family (by the states
+    it stores: Muon's momentum_buffer, Lion's exp_avg, Adam's moments), the param groups of every
+    chained optimizer, in order, and the steps (Adam's `common_step`; Muon and Lion count none).
+    Returns (groups, step, chain, families, steps)."""
+    by_chain: dict[int | None, dict[str, set[str]]] = {}  # chain -> model key -> its states
+    model_keys = {key for p in plan.values() for key, _, _ in p.parts()}
+    for k in reader.meta:
+        m = LAYER_WISE_KEY.match(k)
+        if not m:
+            continue
+        chain = None if m.group(1) is None else int(m.group(1))
+        state, key = next(((st, key) for st in ("fp32_param", "momentum_buffer", "exp_avg_sq", "exp_avg")
+                           for key in [m.group(2).removeprefix(st + ".")]
+                           if m.group(2).startswith(st + ".") and key in model_keys), (None, None))
+        if state is None:
+            raise UCPError(f"{reader.dir}: LayerWiseDistributedOptimizer tensor {k!r} is no state of a "
+                           "parameter of the model built from args (an unsupported optimizer state "
+                           "or module?)")
+        by_chain.setdefault(chain, {}).setdefault(key, set()).add(state)
+    if not by_chain:
+        raise UCPError(f"{reader.dir}: the run used the LayerWiseDistributedOptimizer "
+                       "(use_layer_wise_distributed_optimizer in args) but the checkpoint holds no "
+                       "`chained_<i>.optimizer.state.*` tensor (saved without its optimizer?)")
+    fam = {c: layer_wise_family(set().union(*keys.values()), args,
+                                f"{reader.dir}: chained optimizer {c}") for c, keys in by_chain.items()}
+    chains = [opt[i] for i in sorted(k for k in opt if isinstance(k, int))] or [opt]
+    groups = [(i, g) for i, o in enumerate(chains)
+              for g in (o.get("optimizer") or {}).get("param_groups") or []]
+    adam_steps = {}
+    for i, o in enumerate(chains):
+        st = (o.get("optimizer") or {}).get("state") or {}
+        step = st.get("common_step") if isinstance(st, dict) else None
+        step = group_step((o.get("optimizer") or {}).get("param_groups") or [], str(reader.dir)) \
+            if step is None else float(step)
+        adam_steps[i if len(chains) > 1 else None] = step
+    chain_of, families, steps = {}, {}, {}
+    for name, p in plan.items():
+        if p.buffer_dtype is not None:
+            continue
+        keys = [key for key, _, _ in p.parts()]
+        holders = {c for c, held in by_chain.items() for key in keys if key in held}
+        if len(holders) != 1:
+            raise UCPError(f"{reader.dir}: parameter {name!r} ({keys}) has its state in "
+                           f"{'no' if not holders else len(holders)} chained optimizers "
+                           f"{sorted(holders, key=str)} of the LayerWiseDistributedOptimizer (expected "
+                           "one); the checkpoint is incomplete or not understood")
+        c = holders.pop()
+        f = fam[c]
+        for key in keys:
+            want = {"fp32_param", *OPTIMIZER_STATES[f]}
+            if by_chain[c].get(key) != want:
+                have = sorted(by_chain[c].get(key) or [])
+                raise UCPError(f"{reader.dir}: tensor {key!r} has states {have} in chained "
+                               f"optimizer {c} ({f}), expected {sorted(want)}")
+        if f == "adam" and adam_steps.get(c) is None:
+            raise UCPError(f"{reader.dir}: chained optimizer {c} (Adam) records no step "
+                           "(`common_step`); the optimizer state was saved before the first step")
+        chain_of[name], families[name] = c, f
+        steps[name] = adam_steps[c] if f == "adam" else 0.0  # (as megatron-ucp's own saves)
+    adam = {s for n, s in steps.items() if families[n] == "adam"}
+    return groups, (adam.pop() if len(adam) == 1 else 0.0), chain_of, families, steps
+
+
 def expert_tp(args) -> int:
     return getattr(args, "expert_tensor_parallel_size", None) or args.tensor_model_parallel_size
 
 
-def _read_full(reader: DistReader, p: Param, state: str, sharding: str) -> torch.Tensor:
+def _read_full(reader: DistReader, p: Param, state: str, sharding: str,
+               chain: int | None = None) -> torch.Tensor:
     """One full fp32 universal tensor; master weights are verified against the stored bf16 model.
     A persistent buffer's only state is its stored value (as the live save and the legacy reader)."""
     if p.buffer_dtype is not None:
@@ -334,7 +422,9 @@ def _read_full(reader: DistReader, p: Param, state: str, sharding: str) -> torch
             raise UCPError(f"{reader.dir}: buffer {p.key!r} is {stored.dtype} but the model built "
                            f"from args keeps it in {p.buffer_dtype}")
         return stored.float().contiguous()
-    if sharding == "fully_reshardable":
+    if sharding == LAYER_WISE:
+        t = p.stored(lambda key: reader.tensor(layer_wise_key(chain, state, key))).clone()
+    elif sharding == "fully_reshardable":
         t = p.stored(lambda key: reader.tensor(state_key(state, key))).clone()
     elif sharding == FLATTENED:
         t = _read_flattened(reader, p, state)

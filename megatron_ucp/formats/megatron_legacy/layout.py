@@ -3,7 +3,9 @@
 A legacy save holds, per (TP, PP, EP) rank directory `mp_rank_TT[_PPP][_EEE]`, `model_optim_rng.pt`
 (model weights in the training dtype with local layer numbers, optimizer hyper-parameters and the
 Adam step, scheduler, args, rng state) and `distrib_optim.pt` (fp32 master weights and Adam moments
-as flat per-buffer tensors gathered from all DP ranks, one entry per chained optimizer). Neither
+as flat per-buffer tensors gathered from all DP ranks, one entry per chained optimizer; a run with
+megatron-core 0.19's LayerWiseDistributedOptimizer, `--optimizer muon|lion`, instead has one
+`layer_wise_optimizer_<dp>.pt` per DP rank, its own parameters' state by position). Neither
 file says where a parameter sits in the flat tensors: megatron-core's DDP buffers decide that at
 the saving layout, so both directions rebuild the rank's model (`megatron_rebuild`) and ask it.
 """
@@ -16,11 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from megatron_ucp.errors import UCPError
-from megatron_ucp.formats.megatron_common import RANK_DIR, rank_dir_name, torch_load
+from megatron_ucp.formats.megatron_common import RANK_DIR, rank_dir_name, torch_load, world
 from megatron_ucp.formats.megatron_rebuild import source_rank
 
 MODEL_FILE = "model_optim_rng.pt"
 OPTIM_FILE = "distrib_optim.pt"
+# megatron-core 0.19's LayerWiseDistributedOptimizer (`--optimizer muon|lion`): each data-parallel
+# rank saves its own parameters' state (a ChainedOptimizer state dict, by position) next to
+# model_optim_rng.pt instead of distrib_optim.pt
+LAYER_WISE_FILE = "layer_wise_optimizer_{dp}.pt"
 
 
 def load_file(path: Path, trust_pickle: bool = False) -> Any:
@@ -90,3 +96,18 @@ def flat_offsets(buffer) -> dict:
         starts.append(starts[-1] + bucket.numel_unpadded)
     return {p: start - buffer.buckets[b].offset + starts[b]
             for p, (start, _end, b) in buffer.param_index_map.items()}
+
+
+def layer_wise_ranks(args, name: str) -> Iterator[tuple[int, int]]:
+    """(data-parallel rank, global rank) of every rank whose state is saved in rank directory
+    `name` (a LayerWiseDistributedOptimizer run: each DP rank writes `LAYER_WISE_FILE`)."""
+    from megatron.core import parallel_state as ps
+
+    for rank in range(world(args)):
+        with source_rank(args, rank):
+            here = rank_dir_name(ps.get_tensor_model_parallel_rank(),
+                                 ps.get_pipeline_model_parallel_rank(),
+                                 ps.get_expert_model_parallel_rank(), args)
+            dp = ps.get_data_parallel_rank()
+        if here == name:
+            yield dp, rank

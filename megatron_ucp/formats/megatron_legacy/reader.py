@@ -32,28 +32,38 @@ from megatron_ucp.formats.megatron_common import (
     group_step,
     hybrid_layer_pattern,
     jsonable_tree,
+    layer_wise_family,
     layout,
     optimizer_json,
     resolve_iteration,
+    torch_load,
     world,
     writer_ranks,
 )
 from megatron_ucp.formats.megatron_legacy.layout import (
+    LAYER_WISE_FILE,
     MODEL_FILE,
     OPTIM_FILE,
     flat_offsets,
     is_iteration,
+    layer_wise_ranks,
     load_file,
     optimizer_buffers,
     rank_context,
     rank_dirs,
     read_args,
 )
-from megatron_ucp.formats.megatron_rebuild import build_chunks, model_config, wrap_ddp
+from megatron_ucp.formats.megatron_rebuild import (
+    build_chunks,
+    layer_wise_params,
+    model_config,
+    source_rank,
+    wrap_ddp,
+)
 from megatron_ucp.mcore_compat import mamba_state_key, missing_module_hint, saved_mamba_conv1d_form
 from megatron_ucp.param_spec import local_params
 from megatron_ucp.progress import Progress, bar
-from megatron_ucp.spec import STATES, ParamSpec, Piece
+from megatron_ucp.spec import OPTIMIZER_STATES, STATES, ParamSpec, Piece
 from megatron_ucp.storage import size_of
 
 log = logging.getLogger(__name__)
@@ -83,6 +93,9 @@ class _RankFiles:
     path: Path
     model: dict
     optim: list  # distrib_optim.pt entries, one per chained optimizer (None: not DP rank 0 there)
+    # LayerWiseDistributedOptimizer: dp rank -> its layer_wise_optimizer_<dp>.pt (one state dict
+    # per chained torch optimizer) and the (chunk, local name)s it owns per chain and group
+    layer_wise: dict | None = None
 
 
 class LegacySource(Source):
@@ -120,8 +133,9 @@ class LegacySource(Source):
         model_cfg: dict = {}
         head: dict = {}  # model_optim_rng.pt of the first writer (global rank 0): scheduler, groups
         done = bar(progress, len(writers), "rebuild source ranks", "rank")
+        self.layer_wise = bool(getattr(args, "use_layer_wise_distributed_optimizer", False))
         for name, rank in sorted(writers.items(), key=lambda kv: kv[1]):
-            files = _load_rank(iter_dir / name, iteration, trust_pickle)
+            files = _load_rank(iter_dir / name, iteration, trust_pickle, args if self.layer_wise else None)
             _check_same_run(files, args, found[0] / MODEL_FILE)
             head = head or files.model
             # a hybrid model's buffers follow the saving release's Mamba parameter order
@@ -147,8 +161,10 @@ class LegacySource(Source):
             ({"consumed_samples": int(args.consumed_train_samples)}
              if getattr(args, "consumed_train_samples", None) is not None else {}),
             int(getattr(args, "seed", 1234)))
-        self.bytes_read = sum(size_of(d / f) for d in found for f in (MODEL_FILE, OPTIM_FILE))
-        self.files_opened = 2 * len(found)
+        optim_files = [LAYER_WISE_FILE.format(dp=d) for d in range(layout(args).dp)] \
+            if self.layer_wise else [OPTIM_FILE]
+        self.bytes_read = sum(size_of(d / f) for d in found for f in (MODEL_FILE, *optim_files))
+        self.files_opened = (1 + len(optim_files)) * len(found)
         self._last: tuple[tuple[str, str], torch.Tensor] | None = None
         log.info("rebuilt Megatron-LM iteration %d (%s, %d rank dirs, %d parameters) in %.2fs",
                  iteration, layout(args), len(writers), len(self.steps), time.perf_counter() - t0)
@@ -189,7 +205,7 @@ def run_fields(load_dir: str | Path, trust_pickle: bool = False) -> RunFields:
                      num_floating_point_operations_so_far=flops)
 
 
-def _load_rank(rank_dir: Path, iteration: int, trust_pickle: bool) -> _RankFiles:
+def _load_rank(rank_dir: Path, iteration: int, trust_pickle: bool, layer_wise_args=None) -> _RankFiles:
     model = load_file(rank_dir / MODEL_FILE, trust_pickle)
     if not isinstance(model, dict) or "optimizer" not in model:
         raise UCPError(f"{rank_dir / MODEL_FILE} has no optimizer state; it was saved with "
@@ -201,6 +217,8 @@ def _load_rank(rank_dir: Path, iteration: int, trust_pickle: bool) -> _RankFiles
     if float(model.get("checkpoint_version", 0)) < 3.0:
         raise UCPError(f"{rank_dir / MODEL_FILE}: checkpoint_version {model.get('checkpoint_version')}"
                        " predates 3.0 (older QKV layout); load and re-save it with Megatron-LM first")
+    if layer_wise_args is not None:
+        return _RankFiles(rank_dir, model, [], _load_layer_wise(rank_dir, layer_wise_args, trust_pickle))
     optim = load_file(rank_dir / OPTIM_FILE, trust_pickle)
     optim = optim if isinstance(optim, list) else [optim]
     for entry in optim:
@@ -208,6 +226,57 @@ def _load_rank(rank_dir: Path, iteration: int, trust_pickle: bool) -> _RankFiles
             raise UCPError(f"{rank_dir / OPTIM_FILE} is not in the coalesced-bucket format of "
                            "megatron-core >= 0.7; load and re-save it with a newer Megatron-LM")
     return _RankFiles(rank_dir, model, optim)
+
+
+def _load_layer_wise(rank_dir: Path, args, trust_pickle: bool) -> dict:
+    """Every DP rank's `layer_wise_optimizer_<dp>.pt` of this rank directory, with the parameters
+    megatron-core assigns to that rank (`megatron_rebuild.layer_wise_params`, rebuilt at the
+    source rank), checked against the file's param groups."""
+    out = {}
+    for dp, rank in layer_wise_ranks(args, rank_dir.name):
+        path = rank_dir / LAYER_WISE_FILE.format(dp=dp)
+        if not path.exists():
+            raise UCPError(f"{path} is missing: a LayerWiseDistributedOptimizer run (--optimizer "
+                           f"{getattr(args, 'optimizer', '?')}) saves each data-parallel rank's "
+                           f"optimizer state there; {_RESTORE}")
+        saved = torch_load(path, _RESTORE, trust_pickle)
+        saved = saved if isinstance(saved, list) else [saved]
+        with source_rank(args, rank):
+            owned = layer_wise_params(build_chunks(args), args)
+        if len(saved) != len(owned):
+            raise UCPError(f"{path} holds {len(saved)} chained optimizers, the optimizer rebuilt from "
+                           f"args {len(owned)}; the args do not describe this checkpoint: {_RESTORE}")
+        for c, (entry, groups) in enumerate(zip(saved, owned)):
+            got = [len(g.get("params", [])) for g in (entry.get("optimizer") or {}).get("param_groups", [])]
+            masters = [len(g) for g in entry.get("fp32_from_fp16_params") or []]
+            if got != [len(g) for g in groups] or masters != got:
+                raise UCPError(f"{path}: chained optimizer {c} has param groups of {got} parameters "
+                               f"({masters} fp32 masters), but megatron-core assigns this rank "
+                               f"{[len(g) for g in groups]}; the args do not describe this "
+                               f"checkpoint (or a parameter is not bf16): {_RESTORE}")
+        out[dp] = (path, saved, owned)
+    return out
+
+
+def _layer_wise_where(files: _RankFiles, args) -> dict:
+    """(chunk, local name) -> (file, family, fp32 master, states, step) from the LayerWise files."""
+    where = {}
+    for path, saved, owned in files.layer_wise.values():
+        for c, (entry, groups) in enumerate(zip(saved, owned)):
+            opt = entry["optimizer"]
+            for g, (group, names) in enumerate(zip(opt["param_groups"], groups)):
+                for j, (pid, key) in enumerate(zip(group["params"], names)):
+                    state = opt["state"].get(pid)
+                    if not state:
+                        raise UCPError(f"{path}: chained optimizer {c} has no state for parameter "
+                                       f"{key[1]} (saved before the first step?)")
+                    fam = layer_wise_family(set(state), args, f"{path}: chained optimizer {c}")
+                    if key in where:
+                        raise UCPError(f"{path}: {key[1]} is also in {where[key][0]}")
+                    step = float(state["step"]) if fam == "adam" else 0.0
+                    where[key] = (path, fam, entry["fp32_from_fp16_params"][g][j],
+                                  {s: state[s] for s in OPTIMIZER_STATES[fam]}, step)
+    return where
 
 
 def _check_same_run(files: _RankFiles, args, first: Path) -> None:
@@ -255,6 +324,8 @@ def _collect(chunks: list, files: _RankFiles, args, copies: dict[str, list[_Copy
     """Every parameter of this rank: its spec, pieces, model weight and optimizer slices."""
     model_file, optim_file = files.path / MODEL_FILE, files.path / OPTIM_FILE
     keys, state_dicts = _saved_models(chunks, files, args)
+    if files.layer_wise is not None:
+        return _collect_layer_wise(chunks, files, args, keys, state_dicts, copies, specs)
 
     buffers = optimizer_buffers(chunks, args)
     if len(buffers) != len(files.optim):
@@ -310,6 +381,44 @@ def _collect(chunks: list, files: _RankFiles, args, copies: dict[str, list[_Copy
         prev.aliases = sorted(set(prev.aliases) | set(lp.spec.aliases))
         copies.setdefault(lp.spec.name, []).append(
             _Copy(files.path, lp.local_name, lp.pieces, lp.canonical, weight, states, step))
+
+
+def _collect_layer_wise(chunks, files: _RankFiles, args, keys, state_dicts, copies, specs) -> None:
+    """`_collect` for a LayerWiseDistributedOptimizer run: each parameter's whole state from the
+    DP rank that owns it (its family from the chained optimizer holding it)."""
+    model_file = files.path / MODEL_FILE
+    where = _layer_wise_where(files, args)
+    for lp in local_params(chunks):
+        weight = state_dicts[lp.chunk].get(lp.local_name)
+        if not torch.is_tensor(weight) or weight.shape != lp.param.shape:
+            raise UCPError(f"{model_file} [{keys[lp.chunk]}] {lp.local_name}: saved "
+                           f"{tuple(weight.shape) if torch.is_tensor(weight) else weight}, rebuilt "
+                           f"model has shape {tuple(lp.param.shape)}; the args do not describe this "
+                           f"checkpoint: {_RESTORE}")
+        spec = lp.spec
+        if lp.spec.buffer:
+            states, step = {"param": lp.region(weight).float()}, 0.0
+        else:
+            held = where.get((lp.chunk, lp.local_name))
+            if held is None:
+                raise UCPError(f"{files.path}: no layer_wise_optimizer_<dp>.pt holds {lp.local_name}; "
+                               f"the checkpoint is incomplete: {_RESTORE}")
+            path, fam, master, state, step = held
+            for what, t in (("fp32 master", master), *state.items()):
+                if not torch.is_tensor(t) or t.shape != lp.param.shape or t.dtype != torch.float32:
+                    raise UCPError(f"{path}: {what} of {lp.local_name} is "
+                                   f"{tuple(t.shape) if torch.is_tensor(t) else t}, expected fp32 "
+                                   f"{tuple(lp.param.shape)}; the args do not describe this "
+                                   f"checkpoint: {_RESTORE}")
+            states = {"param": lp.region(master), **{s: lp.region(t) for s, t in state.items()}}
+            spec = dataclasses.replace(lp.spec, optimizer=fam)
+        prev = specs.setdefault(spec.name, dataclasses.replace(spec, aliases=[]))
+        if dataclasses.replace(prev, aliases=[]) != dataclasses.replace(spec, aliases=[]):
+            raise UCPError(f"{model_file}: parameter {spec.name} ({lp.local_name}) has spec "
+                           f"{spec} here but {prev} on another rank")
+        prev.aliases = sorted(set(prev.aliases) | set(spec.aliases))
+        copies.setdefault(spec.name, []).append(
+            _Copy(files.path, lp.local_name, lp.pieces, lp.canonical, lp.region(weight), states, step))
 
 
 def _step(name: str, copies: list[_Copy]) -> float:
