@@ -95,7 +95,9 @@ class _Unit:
 
     wrapper: object  # the MegatronOptimizer (or, inside LayerWise, a bare torch optimizer)
     torch_optimizer: torch.optim.Optimizer
-    main: dict  # model param -> (its main param in torch_optimizer, group index)
+    # model param -> (its main param in torch_optimizer, group index); a DistributedOptimizer's
+    # main params are its shards, reached through its accessors (None here)
+    main: dict
 
     def save_range(self, param) -> tuple[int, int] | None:
         raise NotImplementedError
@@ -363,10 +365,9 @@ class OptimizerIndex:
         """Each unit's classes and family, as the manifest records them (`inspect` shows them)."""
         out = []
         for u in self.units:
-            fams = sorted({u.family(p) for p in u.main}) or [
-                family(u.torch_optimizer, g) for g in u.torch_optimizer.param_groups[:1]] or ["adam"]
+            # (rank 0's view: "-" where rank 0 holds none of the unit's parameters)
             entry = {"class": f"{_qualname(u.wrapper)}({_qualname(u.torch_optimizer)})",
-                     "family": "+".join(fams)}
+                     "family": "+".join(sorted({u.family(p) for p in u.main})) or "-"}
             hyper = hyperparameters(u.torch_optimizer)
             if hyper:
                 entry["hyperparameters"] = hyper

@@ -302,6 +302,10 @@ both("manifest-dtype", "LN's dtype edited to 'float64'",
      lambda ck: edit_manifest(ck, lambda m: m["params"][LN].update(dtype="float64")), open_it,
      (f"<manifest>: params['{LN}'].dtype: 'float64' is not float32, bfloat16 or float16",
       DAMAGED_MANIFEST))
+both("manifest-optimizer-family", "LN's optimizer family edited to 'adagrad' (no such family)",
+     lambda ck: edit_manifest(ck, lambda m: m["params"][LN].update(optimizer="adagrad")), open_it,
+     (f"<manifest>: params['{LN}'].optimizer: 'adagrad' is not adam, lion, sgd, plain_sgd or muon",
+      DAMAGED_MANIFEST))
 both("manifest-name-differs", "LN's `name` edited (its key kept)",
      lambda ck: edit_manifest(ck, lambda m: m["params"][LN].update(name="decoder.final_layernorm.scale")),
      open_it, (f"<manifest>: params['{LN}'].name: 'decoder.final_layernorm.scale' differs from its key",

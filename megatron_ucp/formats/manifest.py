@@ -73,7 +73,7 @@ class _Check:
 
     def choice(self, v, path: str, choices: tuple[str, ...]) -> str:
         if not isinstance(v, str) or v not in choices:
-            raise self.fail(path, f"{v!r} is not one of {list(choices)}")
+            raise self.fail(path, f"{v!r} is not {', '.join(choices[:-1])} or {choices[-1]}")
         return v
 
     def name(self, v, path: str) -> str:
