@@ -232,7 +232,10 @@ def _layer_wise_units(opt) -> list[_Unit]:
 
 
 def _units(optimizer) -> list[_Unit]:
-    opts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    # (LayerWise is a ChainedOptimizer itself: alone on its legacy path, else chained with a
+    # DistributedOptimizer)
+    layer_wise = type(optimizer).__name__ == "LayerWiseDistributedOptimizer"
+    opts = [optimizer] if layer_wise else getattr(optimizer, "chained_optimizers", None) or [optimizer]
     units: list[_Unit] = []
     for o in opts:
         if type(o).__name__ == "LayerWiseDistributedOptimizer":

@@ -69,9 +69,17 @@ CASES = [
     ("muon-layerwise", "dp2", "dp1", _muon(), BF16, [NEEDS_EMERGING]),
     ("muon-layerwise", "tp2", "dp2", _muon(), MUON_TP, [NEEDS_EMERGING]),
     ("muon-layerwise", "tp2pp2", "dp2", _muon(), MUON_TP, [NEEDS_EMERGING]),
-    # (the legacy LayerWise path without megatron-core's param layout, layer_wise_param_layout=
-    # False, all-gathers uneven sizes: NCCL does, gloo refuses "invalid tensor size", so it
-    # cannot train on CPU)
+    # the legacy LayerWise path (no shard-aligned param layout; what stock Megatron-LM
+    # core_v0.19.0's pretrain_gpt.py builds): every parameter in LayerWise, Adam's too; its
+    # uneven all-gather runs on gloo through testing/gloo_all_gather
+    ("muon-legacy-pingpong", "dp2", "dp1", _muon(layer_wise_param_layout=False), BF16,
+     [NEEDS_EMERGING]),
+    ("muon-legacy-pingpong", "tp2", "dp2", _muon(layer_wise_param_layout=False), MUON_TP,
+     [NEEDS_EMERGING]),
+    # blockwise: each TP shard orthogonalised on its own, so at another TP the state continues
+    # exactly (checked bitwise) but the update rule is another one: the loss is held to the
+    # first resumed step (before any update) and to a bound, not to the uninterrupted run
+    ("muon-blockwise", "tp2", "dp2", _muon("blockwise"), (1e-3, 5e-2), [NEEDS_EMERGING]),
     ("muon-lion-scalar", "tp2", "tp1",
      _muon(optimizer_extra={**MUON["optimizer_extra"], "muon_scalar_optimizer": "lion"}), MUON_TP,
      [NEEDS_EMERGING]),

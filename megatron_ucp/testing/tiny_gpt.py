@@ -324,6 +324,10 @@ def _finish(cfg: TinyGPTConfig, layout: Layout, tf_config: TransformerConfig, ch
         use_distributed_optimizer=cfg.use_distributed_optimizer and not layer_wise,
         **cfg.optimizer_extra,
     )
+    if layer_wise and not cfg.layer_wise_param_layout and not REAL_CUDA:
+        from megatron_ucp.testing import gloo_all_gather
+
+        gloo_all_gather.install()
     if cfg.optimizer_extra.get("optimizer_cpu_offload") and not REAL_CUDA:
         from megatron_ucp.testing import hybrid_offload_cpu
 
