@@ -95,6 +95,7 @@ class _Unit:
 
     wrapper: object  # the MegatronOptimizer (or, inside LayerWise, a bare torch optimizer)
     torch_optimizer: torch.optim.Optimizer
+    outer = ""  # the optimizer that chains it ("LayerWiseDistributedOptimizer/"), as inspect shows
     # model param -> (its main param in torch_optimizer, group index); a DistributedOptimizer's
     # main params are its shards, reached through its accessors (None here)
     main: dict
@@ -227,8 +228,11 @@ def _layer_wise_units(opt) -> list[_Unit]:
                 for rank_params in lists for p in rank_params]
     # (a Float16 wrapper's groups hold the fp32 copies: a model param is mine by its main_param)
     others = tuple(p for p in everyone if id(getattr(p, "main_param", p)) not in mine)
-    return [_ReplicatedUnit(inner, torch_opt, owned_by_rank=True, others=others if i == 0 else ())
-            for i, (inner, torch_opt) in enumerate(inners)]
+    units = [_ReplicatedUnit(inner, torch_opt, owned_by_rank=True, others=others if i == 0 else ())
+             for i, (inner, torch_opt) in enumerate(inners)]
+    for u in units:
+        u.outer = "LayerWiseDistributedOptimizer/"
+    return units
 
 
 def _units(optimizer) -> list[_Unit]:
@@ -369,7 +373,7 @@ class OptimizerIndex:
         out = []
         for u in self.units:
             # (rank 0's view: "-" where rank 0 holds none of the unit's parameters)
-            entry = {"class": f"{_qualname(u.wrapper)}({_qualname(u.torch_optimizer)})",
+            entry = {"class": f"{u.outer}{_qualname(u.wrapper)}({_qualname(u.torch_optimizer)})",
                      "family": "+".join(sorted({u.family(p) for p in u.main})) or "-"}
             hyper = hyperparameters(u.torch_optimizer)
             if hyper:
