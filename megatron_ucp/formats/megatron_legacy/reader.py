@@ -352,12 +352,7 @@ def _collect(chunks: list, files: _RankFiles, args, copies: dict[str, list[_Copy
                                                  f"{model_file}: optimizer {i}")
              for i, opt in enumerate(as_list(files.model["optimizer"]))]
     for lp in local_params(chunks):
-        weight = state_dicts[lp.chunk].get(lp.local_name)
-        if not torch.is_tensor(weight) or weight.shape != lp.param.shape:
-            raise UCPError(f"{model_file} [{keys[lp.chunk]}] {lp.local_name}: saved "
-                           f"{tuple(weight.shape) if torch.is_tensor(weight) else weight}, rebuilt "
-                           f"model has shape {tuple(lp.param.shape)}; the args do not describe this "
-                           f"checkpoint: {_RESTORE}")
+        weight = _saved_weight(state_dicts, lp, model_file, keys)
         weight = lp.region(weight)
         states, step = None, None
         if lp.spec.buffer:  # a persistent buffer (MoE expert_bias): its value, no optimizer state
@@ -383,18 +378,24 @@ def _collect(chunks: list, files: _RankFiles, args, copies: dict[str, list[_Copy
             _Copy(files.path, lp.local_name, lp.pieces, lp.canonical, weight, states, step))
 
 
+def _saved_weight(state_dicts, lp, model_file: Path, keys) -> torch.Tensor:
+    """The rank file's saved weight of `lp`, which must have the rebuilt model's shape."""
+    weight = state_dicts[lp.chunk].get(lp.local_name)
+    if not torch.is_tensor(weight) or weight.shape != lp.param.shape:
+        raise UCPError(f"{model_file} [{keys[lp.chunk]}] {lp.local_name}: saved "
+                       f"{tuple(weight.shape) if torch.is_tensor(weight) else weight}, rebuilt "
+                       f"model has shape {tuple(lp.param.shape)}; the args do not describe this "
+                       f"checkpoint: {_RESTORE}")
+    return weight
+
+
 def _collect_layer_wise(chunks, files: _RankFiles, args, keys, state_dicts, copies, specs) -> None:
     """`_collect` for a LayerWiseDistributedOptimizer run: each parameter's whole state from the
     DP rank that owns it (its family from the chained optimizer holding it)."""
     model_file = files.path / MODEL_FILE
     where = _layer_wise_where(files, args)
     for lp in local_params(chunks):
-        weight = state_dicts[lp.chunk].get(lp.local_name)
-        if not torch.is_tensor(weight) or weight.shape != lp.param.shape:
-            raise UCPError(f"{model_file} [{keys[lp.chunk]}] {lp.local_name}: saved "
-                           f"{tuple(weight.shape) if torch.is_tensor(weight) else weight}, rebuilt "
-                           f"model has shape {tuple(lp.param.shape)}; the args do not describe this "
-                           f"checkpoint: {_RESTORE}")
+        weight = _saved_weight(state_dicts, lp, model_file, keys)
         spec = lp.spec
         if lp.spec.buffer:
             states, step = {"param": lp.region(weight).float()}, 0.0
