@@ -166,14 +166,15 @@ def test_live_load_at_dp1_restores_the_state(converted, name, cfg, tmp_path):
     assert all(x == x and x < 10 for x in res[0]["losses"])  # it trains on
 
 
-@pytest.mark.parametrize("target_format", ["torch", "torch_dist"])
-def test_megatron_lm_target_is_refused_by_family(tmp_path, target_format):
-    """megatron-ucp writes Megatron-LM optimizer files for Adam only: a Muon source is refused by
-    name (before: a step mismatch, Adam's 6 against Muon's 0)."""
+def test_megatron_lm_torch_target_is_refused_by_family(tmp_path):
+    """megatron-ucp writes Megatron-LM `--ckpt-format torch` optimizer files for Adam only: a Muon
+    source is refused by name, pointing to torch_dist (before: a step mismatch, Adam's 6 against
+    Muon's 0). The torch_dist target: tests/test_megatron_lm_layer_wise_out.py."""
     from megatron_ucp.conversion import reshard
     from megatron_ucp.errors import UCPError
     from megatron_ucp.layout import Layout
 
-    with pytest.raises(UCPError, match=r"holds muon optimizer state.*Adam only"):
+    with pytest.raises(UCPError, match=r"holds muon optimizer state.*torch optimizer state for adam "
+                                       r"only.*write --target-format torch_dist"):
         reshard(FIXTURES / "torch_dist_muon_dp2" / "ckpt", tmp_path / "out", Layout(tp=2),
-                target_format=target_format, progress=False)
+                target_format="torch", progress=False)

@@ -1,0 +1,142 @@
+"""Megatron-LM torch_dist targets of stock core_v0.19.0 Muon and Lion runs (megatron-core 0.19.2's
+LayerWiseDistributedOptimizer: Muon or Lion for the weight matrices, Adam for the rest; fixtures
+tests/fixtures/megatron_lm_v019/torch_dist_muon_dp2, torch_muon_dp2, torch_dist_lion_dp2, DP2).
+
+Each is resharded (`conversion.reshard`, target_format="torch_dist") to another layout, then loaded
+at that layout by megatron-core's OWN `dist_checkpointing.load`, strict (StrictHandling.RETURN_ALL:
+no requested key missing from the files, no optimizer key of the files left unrequested), into a
+LayerWise optimizer built there (the tiny GPT of the fixtures, bf16, `--optimizer muon|lion`),
+then `load_state_dict` as Megatron-LM's load_checkpoint does. Every weight, fp32 master and state
+the optimizer then holds equals, bitwise, the fixture's universal conversion (TP shards put
+together by the hand rule of tests/oracles.py); Adam's step is 6 and the run trains on.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import READS_CORE_V019_FILES, RELEASE_SKIP
+from helpers import FIXTURE_MODEL
+from oracles import full_tensor, load, local_to_universal, universal_tensors
+
+from megatron_ucp.conversion import convert, reshard
+from megatron_ucp.layout import Layout
+from megatron_ucp.testing.launch import launch
+
+pytestmark = [READS_CORE_V019_FILES, pytest.mark.skipif(
+    importlib.util.find_spec("emerging_optimizers") is None,
+    reason=f"{RELEASE_SKIP}Muon and Lion come with emerging-optimizers (Python >= 3.12, the "
+           "megatron-core 0.19 venv)")]
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "tests" / "fixtures" / "megatron_lm_v019"
+RANK_PATH = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+FAMILY_STATES = {"adam": ("exp_avg", "exp_avg_sq"), "muon": ("momentum_buffer",), "lion": ("exp_avg",)}
+# the fixtures' run (README "Common settings"): Megatron-LM's min_lr 0; LayerWise on its legacy
+# path as stock pretrain_gpt.py builds it (no param layout: every parameter in the one LayerWise
+# optimizer, Adam's too; with a layout megatron-core gives Adam's to a DistributedOptimizer)
+LAYER_WISE = {"min_lr": 0.0, "layer_wise_param_layout": False,
+              "optimizer_extra": {"use_layer_wise_distributed_optimizer": True}}
+CFG = {f: {**FIXTURE_MODEL, "optimizer": f, **LAYER_WISE} for f in ("muon", "lion")}
+# (fixture, its matrix family, target layout, first-stage layers)
+CASES = [("torch_dist_muon_dp2", "muon", "tp1dp1", None),
+         ("torch_muon_dp2", "muon", "tp1pp2dp1", 2),
+         ("torch_dist_lion_dp2", "lion", "tp2dp1", None)]
+
+
+def load_layer_wise_rank(layout: str, cfg: dict, load_dir: str, dump_dir: str) -> dict:
+    """Rank function: the tiny GPT with megatron-core's LayerWise optimizer at `layout`, the
+    torch_dist checkpoint loaded as Megatron-LM's load_checkpoint does (model and optimizer
+    sharded_state_dict with the checkpoint's content_metadata, dist_checkpointing.load, strict,
+    load_state_dict), the local state dumped, one step trained. Returns the keys the strict load
+    found missing (in the files, not requested) or unexpected (requested, not in the files)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+    from megatron.core.utils import unwrap_model
+
+    from megatron_ucp.testing import tiny_gpt as tg
+
+    lay = Layout.parse(layout)
+    tg.init_distributed(lay)
+    st = tg.build(tg.TinyGPTConfig(**cfg), lay)
+    root = Path(load_dir)
+    ckpt = root / f"iter_{int((root / 'latest_checkpointed_iteration.txt').read_text()):07d}"
+    common = torch.load(ckpt / "common.pt", map_location="cpu", weights_only=False)
+    metadata = common["content_metadata"]
+    module = unwrap_model(st.model[0])
+    model_sd = module.sharded_state_dict(metadata=metadata)
+    sd = {"model": model_sd,
+          "optimizer": st.optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=metadata)}
+    loaded, missing, unexpected = dist_checkpointing.load(sd, str(ckpt), strict=StrictHandling.RETURN_ALL)
+    module.load_state_dict(loaded["model"], strict=True)
+    st.optimizer.load_state_dict(loaded["optimizer"])
+    from helpers import dump_step_and_finish
+
+    out = dump_step_and_finish(st, dump_dir, loaded["iteration"])
+    return {**out, "missing": sorted(missing), "unexpected": sorted(unexpected)}
+
+
+@pytest.fixture(scope="module")
+def universal(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("lw_universal")
+    return {c[0]: convert(FIXTURES / c[0] / "ckpt", root / c[0], progress=False) for c in CASES}
+
+
+def assert_loaded_is_universal(dump_dir: Path, ranks: int, manifest: dict, tensors: dict,
+                               first: int | None) -> None:
+    """Every parameter's model weight (bf16 of the master), fp32 master and states, as the
+    LayerWise optimizer of the loading ranks holds them, put together over TP, equal the universal
+    ones bitwise; each exactly once over the ranks' DP owners; Adam's step 6, Muon/Lion none."""
+    copies: dict[tuple[str, str], list] = {}
+    for rank in range(ranks):
+        dump = load(dump_dir / f"rank{rank}.pt")
+        tp, pp = dump["coords"]["tp"], dump["coords"]["pp"]
+        for e in dump["params"]:
+            name = local_to_universal(e["name"], pp, first)
+            if e["name"] == "output_layer.weight":
+                continue  # the tied copy on the last stage
+            copies.setdefault((name, "model"), []).append((tp, e["model"]))
+            if e["range"] is None:
+                continue
+            fam = manifest["params"][name].get("optimizer", "adam")
+            assert e["states"] == ["param", *sorted(FAMILY_STATES[fam])], (name, e["states"])
+            assert e["step"] == (6.0 if fam == "adam" else 0.0), name
+            for s in e["states"]:
+                copies.setdefault((name, s), []).append((tp, e[s].view(e["model"].shape)))
+    for name, p in manifest["params"].items():
+        states = ("param", *FAMILY_STATES[p.get("optimizer", "adam")])
+        model = full_tensor(name, copies[(name, "model")], False)
+        assert torch.equal(model, tensors[f"{name}/param"].to(torch.bfloat16)), name
+        for s in states:
+            tps = [tp for tp, _ in copies[(name, s)]]
+            assert len(tps) == len(set(tps)), (name, s, "held by two DP ranks")
+            assert torch.equal(full_tensor(name, copies[(name, s)], False), tensors[f"{name}/{s}"]), (name, s)
+
+
+@pytest.mark.parametrize("fixture,family,target,first", CASES)
+def test_torch_dist_target_loads_strictly_in_megatron_core(universal, tmp_path, fixture, family,
+                                                           target, first):
+    """The fixture (DP2) -> torch_dist at `target` -> megatron-core's strict dist_checkpointing
+    load of a LayerWise optimizer at `target`: every key there, none left over, every value the
+    source's."""
+    lay = Layout.parse(target)
+    out = tmp_path / "out"
+    reshard(FIXTURES / fixture / "ckpt", out, lay, "torch_dist", progress=False,
+            first_stage_layers=first)
+    cfg = {**CFG[family], **({"extra": {"num_layers_in_first_pipeline_stage": first}} if first else {})}
+    res = launch(lay.world_size, "test_megatron_lm_layer_wise_out:load_layer_wise_rank",
+                 {"layout": target, "cfg": cfg, "load_dir": str(out), "dump_dir": str(tmp_path / "dump")},
+                 env={"PYTHONPATH": RANK_PATH})
+    for r in res:
+        assert r["unexpected"] == [], r["unexpected"]
+        # in the files, asked for by no rank: the rng and rerun-state objects only (the tiny GPT
+        # run keeps none), never a tensor
+        assert set(r["missing"]) <= {"rng_state", "rerun_state_machine_state"}, r["missing"]
+        assert r["iteration"] == 6 and math.isfinite(r["loss"]) and r["loss"] < 6.0, r
+    manifest, tensors = universal_tensors(universal[fixture])
+    assert_loaded_is_universal(tmp_path / "dump", lay.world_size, manifest, tensors, first)
