@@ -125,9 +125,10 @@ def _adam_source(universal_dir: str | Path, target_format: str) -> Source:
 
 
 # the optimizer families whose state megatron-ucp writes into each Megatron-LM target format:
-# Adam's (DistributedOptimizer); torch_dist also a LayerWiseDistributedOptimizer run's (Muon or
-# Lion for the matrices, Adam for the rest: megatron-core 0.19, `--optimizer muon|lion`)
-WRITTEN_FAMILIES = {"torch": ("adam",), "torch_dist": ("adam", "muon", "lion")}
+# Adam's (DistributedOptimizer) and a LayerWiseDistributedOptimizer run's (Muon or Lion for the
+# matrices, Adam for the rest: megatron-core 0.19, `--optimizer muon|lion`); not SGD's
+# (megatron-core's DistributedOptimizer takes no SGD, a plain-DDP run has no such files)
+WRITTEN_FAMILIES = {"torch": ("adam", "muon", "lion"), "torch_dist": ("adam", "muon", "lion")}
 
 
 def _refuse_unwritable(source: Source, target_format: str) -> Source:
@@ -140,9 +141,7 @@ def _refuse_unwritable(source: Source, target_format: str) -> Source:
         raise UCPError(f"{source.dir}: holds {', '.join(other)} optimizer state; megatron-ucp writes "
                        f"Megatron-LM --ckpt-format {target_format} optimizer state for "
                        f"{' / '.join(written)} only. Resume from the megatron-ucp checkpoint "
-                       "(megatron_ucp.load / install()), or export the weights (export-hf)"
-                       + (" (a Muon/Lion run: write --target-format torch_dist)"
-                          if target_format == "torch" and set(other) <= {"muon", "lion"} else ""))
+                       "(megatron_ucp.load / install()), or export the weights (export-hf)")
     return source
 
 
@@ -156,11 +155,12 @@ def reshard(load: str | Path, save: str | Path, target: Layout | None = None,
 
     target_format "torch": a stock Megatron-LM `--ckpt-format torch` checkpoint at `target`;
     "torch_dist": a Megatron-LM `--ckpt-format torch_dist` checkpoint with the optimizer in the
-    `fully_reshardable` form (resume with --dist-ckpt-optim-fully-reshardable); a Megatron-LM
-    Muon/Lion run's (LayerWiseDistributedOptimizer: Muon or Lion state for the matrices, Adam for
-    the rest) in its own model-space form, resumable at any layout (torch_dist only; the torch
-    target refuses it by name). Both need a Megatron-LM source (its args describe the run). first/last_stage_layers set an uneven pipeline
-    split at the target (default: the source's when PP is unchanged, else an even split).
+    `fully_reshardable` form (resume with --dist-ckpt-optim-fully-reshardable). A Megatron-LM
+    Muon/Lion run (LayerWiseDistributedOptimizer: Muon or Lion state for the matrices, Adam for
+    the rest) is written in that optimizer's own forms: torch_dist model-space chained states,
+    torch `layer_wise_optimizer_<dp>.pt` per DP rank. Both need a Megatron-LM source (its args
+    describe the run). first/last_stage_layers set an uneven pipeline split at the target
+    (default: the source's when PP is unchanged, else an even split).
     optim_sharding: torch_dist only, "fully_reshardable" (default) or "dp_reshardable".
     expert_tensor_parallel: torch_dist only, the target's expert TP size (MoE). A legacy torch
     checkpoint cannot hold ETP != TP: only expert-DP rank 0 writes it, so with ETP < TP the TP

@@ -1,14 +1,21 @@
-"""Megatron-LM torch_dist targets of stock core_v0.19.0 Muon and Lion runs (megatron-core 0.19.2's
-LayerWiseDistributedOptimizer: Muon or Lion for the weight matrices, Adam for the rest; fixtures
-tests/fixtures/megatron_lm_v019/torch_dist_muon_dp2, torch_muon_dp2, torch_dist_lion_dp2, DP2).
+"""Megatron-LM torch_dist and torch targets of stock core_v0.19.0 Muon and Lion runs (megatron-core
+0.19.2's LayerWiseDistributedOptimizer: Muon or Lion for the weight matrices, Adam for the rest;
+fixtures tests/fixtures/megatron_lm_v019/torch_dist_muon_dp2, torch_muon_dp2, torch_dist_lion_dp2,
+DP2).
 
-Each is resharded (`conversion.reshard`, target_format="torch_dist") to another layout, then loaded
-at that layout by megatron-core's OWN `dist_checkpointing.load`, strict (StrictHandling.RETURN_ALL:
-no requested key missing from the files, no optimizer key of the files left unrequested), into a
-LayerWise optimizer built there (the tiny GPT of the fixtures, bf16, `--optimizer muon|lion`),
-then `load_state_dict` as Megatron-LM's load_checkpoint does. Every weight, fp32 master and state
-the optimizer then holds equals, bitwise, the fixture's universal conversion (TP shards put
-together by the hand rule of tests/oracles.py); Adam's step is 6 and the run trains on.
+(1) torch_dist: each is resharded (`conversion.reshard`) to another layout, then loaded at that
+    layout by megatron-core's OWN `dist_checkpointing.load`, strict (StrictHandling.RETURN_ALL: no
+    requested key missing from the files, no optimizer key of the files left unrequested), into a
+    LayerWise optimizer built there (the tiny GPT of the fixtures, bf16, `--optimizer muon|lion`),
+    then `load_state_dict` as Megatron-LM's load_checkpoint does.
+(2) torch: at the saved layout (DP2) the written `layer_wise_optimizer_<dp>.pt` files and the model
+    file's `optimizer` equal stock's, bitwise (from the torch and from the torch_dist Muon run: one
+    training); at other layouts megatron-core's own `load_state_dict_from_file` (what Megatron-LM's
+    load_checkpoint calls for this optimizer) loads each DP rank's file.
+Every weight, fp32 master and state the optimizer then holds equals, bitwise, the fixture's
+universal conversion (TP shards put together by the hand rule of tests/oracles.py), each held by
+one DP rank; Adam's step is 6 and the run trains on.
+(3) Args of another optimizer than the state's are refused by name, nothing written.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import READS_CORE_V019_FILES, RELEASE_SKIP
-from helpers import FIXTURE_MODEL
+from helpers import FIXTURE_MODEL, assert_same
 from oracles import full_tensor, load, local_to_universal, universal_tensors
 
 from megatron_ucp.conversion import convert, reshard
@@ -79,6 +86,32 @@ def load_layer_wise_rank(layout: str, cfg: dict, load_dir: str, dump_dir: str) -
 
     out = dump_step_and_finish(st, dump_dir, loaded["iteration"])
     return {**out, "missing": sorted(missing), "unexpected": sorted(unexpected)}
+
+
+def load_layer_wise_torch_rank(layout: str, cfg: dict, load_dir: str, dump_dir: str) -> dict:
+    """Rank function: the tiny GPT with megatron-core's LayerWise optimizer at `layout`, a
+    `--ckpt-format torch` checkpoint loaded as Megatron-LM's load_checkpoint does for it (the rank
+    directory's model_optim_rng.pt model, this DP rank's layer_wise_optimizer_<dp>.pt through
+    `load_state_dict_from_file`), the local state dumped, one step trained."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import unwrap_model
+
+    from megatron_ucp.testing import tiny_gpt as tg
+
+    lay = Layout.parse(layout)
+    tg.init_distributed(lay)
+    st = tg.build(tg.TinyGPTConfig(**cfg), lay)
+    root = Path(load_dir)
+    ckpt = root / f"iter_{int((root / 'latest_checkpointed_iteration.txt').read_text()):07d}"
+    tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    rank_dir = ckpt / (f"mp_rank_{tp:02d}" if lay.pp == 1 else f"mp_rank_{tp:02d}_{pp:03d}")
+    saved = torch.load(rank_dir / "model_optim_rng.pt", map_location="cpu", weights_only=False)
+    unwrap_model(st.model[0]).load_state_dict(saved["model"], strict=True)
+    st.optimizer.load_state_dict_from_file(
+        str(rank_dir / f"layer_wise_optimizer_{ps.get_data_parallel_rank()}.pt"))
+    from helpers import dump_step_and_finish
+
+    return dump_step_and_finish(st, dump_dir, saved["iteration"])
 
 
 @pytest.fixture(scope="module")
@@ -140,3 +173,66 @@ def test_torch_dist_target_loads_strictly_in_megatron_core(universal, tmp_path, 
         assert r["iteration"] == 6 and math.isfinite(r["loss"]) and r["loss"] < 6.0, r
     manifest, tensors = universal_tensors(universal[fixture])
     assert_loaded_is_universal(tmp_path / "dump", lay.world_size, manifest, tensors, first)
+
+
+@pytest.mark.parametrize("fixture", ["torch_muon_dp2", "torch_dist_muon_dp2"])
+def test_torch_target_at_the_saved_layout_is_stock_bitwise(tmp_path, fixture):
+    """torch / torch_dist Muon run -> torch at DP2 (the saved layout): each DP rank's
+    layer_wise_optimizer_<dp>.pt, and the model file's optimizer (DP rank 0's), equal stock
+    core_v0.19.0's files bitwise: megatron-core's own parameter ownership, group order, states,
+    steps and hyper-parameters."""
+    out = tmp_path / "out"
+    reshard(FIXTURES / fixture / "ckpt", out, Layout(dp=2), "torch", progress=False)
+    stock = FIXTURES / "torch_muon_dp2" / "ckpt" / "iter_0000006" / "mp_rank_00"
+    ours = out / "iter_0000006" / "mp_rank_00"
+    assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in stock.iterdir())
+    for dp in (0, 1):
+        name = f"layer_wise_optimizer_{dp}.pt"
+        assert_same(load(ours / name), load(stock / name), name)
+    assert_same(load(ours / "model_optim_rng.pt")["optimizer"],
+                load(stock / "model_optim_rng.pt")["optimizer"], "optimizer")
+
+
+@pytest.mark.parametrize("fixture,family,target,first", [
+    ("torch_dist_muon_dp2", "muon", "tp1dp1", None), ("torch_muon_dp2", "muon", "tp1pp2dp1", 2),
+    ("torch_dist_lion_dp2", "lion", "tp2dp1", None)])
+def test_torch_target_loads_in_megatron_core(universal, tmp_path, fixture, family, target, first):
+    """The fixture (DP2) -> torch at `target` -> megatron-core's LayerWise
+    load_state_dict_from_file at `target`: every value the source's."""
+    lay = Layout.parse(target)
+    out = tmp_path / "out"
+    reshard(FIXTURES / fixture / "ckpt", out, lay, "torch", progress=False, first_stage_layers=first)
+    cfg = {**CFG[family], **({"extra": {"num_layers_in_first_pipeline_stage": first}} if first else {})}
+    res = launch(lay.world_size, "test_megatron_lm_layer_wise_out:load_layer_wise_torch_rank",
+                 {"layout": target, "cfg": cfg, "load_dir": str(out), "dump_dir": str(tmp_path / "dump")},
+                 env={"PYTHONPATH": RANK_PATH})
+    assert all(r["iteration"] == 6 and math.isfinite(r["loss"]) and r["loss"] < 6.0 for r in res), res
+    manifest, tensors = universal_tensors(universal[fixture])
+    assert_loaded_is_universal(tmp_path / "dump", lay.world_size, manifest, tensors, first)
+
+
+@pytest.mark.parametrize("target_format", ["torch", "torch_dist"])
+def test_args_of_another_optimizer_are_refused_by_name(universal, tmp_path, target_format):
+    """Muon state with the args of an Adam (DistributedOptimizer) run, Adam state with the args of
+    a Muon run, and an optimizer form that a LayerWise run has not: refused, naming what differs,
+    before anything is written."""
+    from megatron_ucp.conversion import write_legacy, write_torch_dist
+    from megatron_ucp.errors import UCPError
+    from megatron_ucp.formats.megatron_dist import run_fields
+
+    write = write_torch_dist if target_format == "torch_dist" else write_legacy
+    adam_args = run_fields(FIXTURES / "torch_dist_tp2_dp2" / "ckpt").args
+    muon_args = run_fields(FIXTURES / "torch_dist_muon_dp2" / "ckpt").args
+    with pytest.raises(UCPError, match=r"holds muon optimizer state, but the args describe a "
+                                       r"DistributedOptimizer run \(--optimizer adam\)"):
+        write(universal["torch_dist_muon_dp2"], tmp_path / "a", Layout(dp=1), adam_args, progress=False)
+    adam_universal = convert(FIXTURES / "torch_dist_tp2_dp2" / "ckpt", tmp_path / "adam", progress=False)
+    with pytest.raises(UCPError, match=r"chained optimizer 0 of the LayerWiseDistributedOptimizer "
+                                       r"rebuilt from the args is muon, its parameters .* have adam state"):
+        write(adam_universal, tmp_path / "b", Layout(dp=1), muon_args, progress=False)
+    if target_format == "torch_dist":
+        with pytest.raises(UCPError, match=r"sharding 'dp_reshardable': the args describe a "
+                                           r"LayerWiseDistributedOptimizer run"):
+            write(universal["torch_dist_muon_dp2"], tmp_path / "c", Layout(dp=1), muon_args,
+                  sharding="dp_reshardable", progress=False)
+    assert not any((tmp_path / d).exists() for d in "abc")

@@ -70,8 +70,10 @@ def plan(source, args) -> LayerWisePlan:
     with source_rank(one, 0):
         chunks = build_chunks(one)
         names = {id(lp.param): lp.spec.name for lp in local_params(chunks) if lp.canonical}
+        opts = layer_wise_optimizers(chunks, one)
         members = [[names[id(p)] for g in o.param_groups for p in g["params"] if id(p) in names]
-                   for o in layer_wise_optimizers(chunks, one)]
+                   for o in opts]
+        fams = [chain_family(o) for o in opts]
     with source_rank(args, 0):  # the target's rank 0, which writes the common state
         groups = [[{k: v for k, v in g.items() if k != "params"} for g in o.param_groups]
                   for o in layer_wise_optimizers(build_chunks(args), args)]
@@ -87,16 +89,11 @@ def plan(source, args) -> LayerWisePlan:
     family = {n: params[n].spec.optimizer for n in chain}
     optimizer = {}
     for c, held in enumerate(members):
-        fams = sorted({family[n] for n in held})
-        if len(fams) != 1 or fams[0] not in FAMILIES:
-            raise UCPError(f"{source.dir}: chained optimizer {c} of the LayerWiseDistributedOptimizer "
-                           f"rebuilt from the args holds parameters of families {fams} (e.g. "
-                           f"{held[:2]}); the args do not describe the run that trained this state "
-                           f"(megatron-ucp writes one family of {list(FAMILIES)} per chained optimizer)")
-        entry = {"param_groups": [_group(g, source.manifest.optimizer.get("param_groups", []), source.dir)
-                                  for g in groups[c]]}
+        check_chain_family(source, c, fams[c], held)
+        saved = source.manifest.optimizer.get("param_groups", [])
+        entry = {"param_groups": [group_from_source(g, saved, source.dir) for g in groups[c]]}
         steps = {float(source.step(n)) for n in held}
-        if fams[0] == "adam":
+        if fams[c] == "adam":
             if len(steps) != 1:
                 raise UCPError(f"{source.dir}: the Adam parameters of chained optimizer {c} are at "
                                f"steps {sorted(steps)}; megatron-core keeps one (common_step)")
@@ -105,7 +102,26 @@ def plan(source, args) -> LayerWisePlan:
     return LayerWisePlan(chain, family, optimizer if multi else optimizer[0])
 
 
-def _group(target: dict, saved: list[dict], where) -> dict:
+def chain_family(torch_optimizer) -> str:
+    """The family of one torch optimizer chained in the LayerWise optimizer (its class)."""
+    from megatron_ucp.optimizer_state import family
+
+    groups = torch_optimizer.param_groups
+    return family(torch_optimizer, groups[0] if groups else {})
+
+
+def check_chain_family(source, c: int, fam: str, names: list[str]) -> None:
+    """Every parameter chained optimizer `c` (of family `fam`) holds has state of that family in
+    the source; a family megatron-ucp does not write is refused by name."""
+    have = sorted({source.manifest.params[n].spec.optimizer for n in names})
+    if fam not in FAMILIES or have not in ([], [fam]):
+        raise UCPError(f"{source.dir}: chained optimizer {c} of the LayerWiseDistributedOptimizer "
+                       f"rebuilt from the args is {fam}, its parameters (e.g. {names[:2]}) have "
+                       f"{'/'.join(have)} state in the checkpoint; the args do not describe the run "
+                       f"that trained this state (megatron-ucp writes {list(FAMILIES)} state)")
+
+
+def group_from_source(target: dict, saved: list[dict], where) -> dict:
     """A rebuilt param group with the hyper-parameters of the source's group of its identity."""
     want = identity(target)
     found = {json.dumps(g, sort_keys=True): g for g in saved if identity(g) == want}
