@@ -8,6 +8,7 @@ DP2).
     requested key missing from the files, no optimizer key of the files left unrequested), into a
     LayerWise optimizer built there (the tiny GPT of the fixtures, bf16, `--optimizer muon|lion`),
     then `load_state_dict` as Megatron-LM's load_checkpoint does.
+    At the saved layout (DP2) every tensor and the common state equal stock's save, bitwise.
 (2) torch: at the saved layout (DP2) the written `layer_wise_optimizer_<dp>.pt` files and the model
     file's `optimizer` equal stock's, bitwise (from the torch and from the torch_dist Muon run: one
     training); at other layouts megatron-core's own `load_state_dict_from_file` (what Megatron-LM's
@@ -29,7 +30,15 @@ import pytest
 import torch
 from conftest import READS_CORE_V019_FILES, RELEASE_SKIP
 from helpers import FIXTURE_MODEL, assert_same
-from oracles import full_tensor, load, local_to_universal, universal_tensors
+from oracles import (
+    dist_common,
+    full_tensor,
+    load,
+    load_keys,
+    local_to_universal,
+    tensor_keys,
+    universal_tensors,
+)
 
 from megatron_ucp.conversion import convert, reshard
 from megatron_ucp.layout import Layout
@@ -173,6 +182,26 @@ def test_torch_dist_target_loads_strictly_in_megatron_core(universal, tmp_path, 
         assert r["iteration"] == 6 and math.isfinite(r["loss"]) and r["loss"] < 6.0, r
     manifest, tensors = universal_tensors(universal[fixture])
     assert_loaded_is_universal(tmp_path / "dump", lay.world_size, manifest, tensors, first)
+
+
+@pytest.mark.parametrize("fixture", ["torch_dist_muon_dp2", "torch_dist_lion_dp2"])
+def test_torch_dist_target_at_the_saved_layout_is_stock_bitwise(tmp_path, fixture):
+    """torch_dist Muon / Lion run -> torch_dist at DP2 (the saved layout): the same tensor keys
+    and shapes as stock core_v0.19.0's save, every value bitwise (dtype included), and the same
+    common state optimizer (chains, param groups, Adam's common_step), content_metadata,
+    scheduler and iteration (stock keeps them in the `common_state` object, megatron-ucp in
+    common.pt; megatron-core reads either)."""
+    out = tmp_path / "out"
+    reshard(FIXTURES / fixture / "ckpt", out, Layout(dp=2), "torch_dist", progress=False)
+    stock = FIXTURES / fixture / "ckpt"
+    keys = tensor_keys(stock)
+    assert tensor_keys(out) == keys
+    want, got = load_keys(stock, sorted(keys)), load_keys(out, sorted(keys))
+    for k in keys:
+        assert want[k].dtype == got[k].dtype and torch.equal(want[k], got[k]), k
+    common = dist_common(stock), dist_common(out)
+    for k in ("optimizer", "content_metadata", "opt_param_scheduler", "iteration"):
+        assert_same(common[1][k], common[0][k], k)
 
 
 @pytest.mark.parametrize("fixture", ["torch_muon_dp2", "torch_dist_muon_dp2"])

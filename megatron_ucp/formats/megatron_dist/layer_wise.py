@@ -32,8 +32,8 @@ from megatron_ucp.param_spec import local_params
 from megatron_ucp.spec import OPTIMIZER_STATES
 
 # what the LayerWise save's common state says (it keeps no flat buffers, whatever it says)
-LAYER_WISE_CONTENT = {"chained_optim_avoid_prefix": True, "distrib_optim_sharding_type": "dp_reshardable",
-                      "singleton_local_shards": False}
+LAYER_WISE_CONTENT = {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False,
+                      "chained_optim_avoid_prefix": True}
 FAMILIES = ("adam", "muon", "lion")  # the families of the torch optimizers LayerWise chains here
 
 
@@ -91,13 +91,14 @@ def plan(source, args) -> LayerWisePlan:
     for c, held in enumerate(members):
         check_chain_family(source, c, fams[c], held)
         saved = source.manifest.optimizer.get("param_groups", [])
-        entry = {"param_groups": [group_from_source(g, saved, source.dir) for g in groups[c]]}
+        entry = {}  # (in the order megatron-core's save has it)
         steps = {float(source.step(n)) for n in held}
         if fams[c] == "adam":
             if len(steps) != 1:
                 raise UCPError(f"{source.dir}: the Adam parameters of chained optimizer {c} are at "
                                f"steps {sorted(steps)}; megatron-core keeps one (common_step)")
             entry["state"] = {"common_step": torch.tensor(steps.pop())}
+        entry["param_groups"] = [group_from_source(g, saved, source.dir) for g in groups[c]]
         optimizer[c] = {"optimizer": entry}
     return LayerWisePlan(chain, family, optimizer if multi else optimizer[0])
 
