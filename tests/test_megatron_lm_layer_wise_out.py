@@ -265,3 +265,35 @@ def test_args_of_another_optimizer_are_refused_by_name(universal, tmp_path, targ
             write(universal["torch_dist_muon_dp2"], tmp_path / "c", Layout(dp=1), muon_args,
                   sharding="dp_reshardable", progress=False)
     assert not any((tmp_path / d).exists() for d in "abc")
+
+
+@pytest.mark.parametrize("target_format", ["torch_dist", "torch"])
+def test_universal_source_writes_the_same_target(universal, tmp_path, target_format):
+    """The megatron-ucp universal checkpoint of the Muon run, written with the run's args
+    (`write_torch_dist` / `write_legacy`), gives the same target as the direct reshard of the
+    Megatron-LM save: every tensor (torch_dist) / every rank file (torch) equal."""
+    from megatron_ucp.conversion import write_legacy, write_torch_dist
+    from megatron_ucp.formats.megatron_dist import run_fields
+
+    fixture = FIXTURES / "torch_dist_muon_dp2" / "ckpt"
+    f = run_fields(fixture)
+    lay, rng = Layout(dp=1), next(iter(f.rng_state.values()))
+    direct = tmp_path / "direct"
+    reshard(fixture, direct, lay, target_format, progress=False)
+    write = write_torch_dist if target_format == "torch_dist" else write_legacy
+    via = write(universal["torch_dist_muon_dp2"], tmp_path / "via", lay, f.args, rng_state=rng,
+                num_floating_point_operations_so_far=f.num_floating_point_operations_so_far,
+                progress=False)
+    if target_format == "torch_dist":
+        keys = tensor_keys(direct)
+        assert tensor_keys(via) == keys
+        a, b = load_keys(direct, sorted(keys)), load_keys(via, sorted(keys))
+        assert all(torch.equal(a[k], b[k]) for k in keys)
+        assert_same(dist_common(via)["optimizer"], dist_common(direct)["optimizer"], "optimizer")
+    else:
+        rank_dir = Path("iter_0000006") / "mp_rank_00"
+        for name in ("layer_wise_optimizer_0.pt", "model_optim_rng.pt"):
+            a, b = load(direct / rank_dir / name), load(via / rank_dir / name)
+            if name == "model_optim_rng.pt":
+                a, b = {k: a[k] for k in ("model", "optimizer")}, {k: b[k] for k in ("model", "optimizer")}
+            assert_same(b, a, name)
