@@ -62,7 +62,10 @@ CFG = {f: {**FIXTURE_MODEL, "optimizer": f, **LAYER_WISE} for f in ("muon", "lio
 # (fixture, its matrix family, target layout, first-stage layers)
 CASES = [("torch_dist_muon_dp2", "muon", "tp1dp1", None),
          ("torch_muon_dp2", "muon", "tp1pp2dp1", 2),
-         ("torch_dist_lion_dp2", "lion", "tp2dp1", None)]
+         ("torch_dist_lion_dp2", "lion", "tp2dp1", None),
+         # another DP size: megatron-core assigns whole parameters to DP ranks by size
+         ("torch_dist_muon_dp2", "muon", "tp1dp4", None),
+         ("torch_dist_lion_dp2", "lion", "tp2dp2", None)]
 
 
 def load_layer_wise_rank(layout: str, cfg: dict, load_dir: str, dump_dir: str) -> dict:
@@ -75,8 +78,10 @@ def load_layer_wise_rank(layout: str, cfg: dict, load_dir: str, dump_dir: str) -
     from megatron.core.dist_checkpointing.validation import StrictHandling
     from megatron.core.utils import unwrap_model
 
+    from megatron_ucp.testing import gloo_uneven_all_gather
     from megatron_ucp.testing import tiny_gpt as tg
 
+    gloo_uneven_all_gather.install()  # LayerWise's step at DP > 1 on gloo (the fixtures' harness)
     lay = Layout.parse(layout)
     tg.init_distributed(lay)
     st = tg.build(tg.TinyGPTConfig(**cfg), lay)
@@ -105,8 +110,10 @@ def load_layer_wise_torch_rank(layout: str, cfg: dict, load_dir: str, dump_dir: 
     from megatron.core import parallel_state as ps
     from megatron.core.utils import unwrap_model
 
+    from megatron_ucp.testing import gloo_uneven_all_gather
     from megatron_ucp.testing import tiny_gpt as tg
 
+    gloo_uneven_all_gather.install()  # LayerWise's step at DP > 1 on gloo (the fixtures' harness)
     lay = Layout.parse(layout)
     tg.init_distributed(lay)
     st = tg.build(tg.TinyGPTConfig(**cfg), lay)
@@ -126,7 +133,8 @@ def load_layer_wise_torch_rank(layout: str, cfg: dict, load_dir: str, dump_dir: 
 @pytest.fixture(scope="module")
 def universal(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("lw_universal")
-    return {c[0]: convert(FIXTURES / c[0] / "ckpt", root / c[0], progress=False) for c in CASES}
+    return {f: convert(FIXTURES / f / "ckpt", root / f, progress=False)
+            for f in dict.fromkeys(c[0] for c in CASES)}
 
 
 def assert_loaded_is_universal(dump_dir: Path, ranks: int, manifest: dict, tensors: dict,
@@ -170,7 +178,8 @@ def test_torch_dist_target_loads_strictly_in_megatron_core(universal, tmp_path, 
     out = tmp_path / "out"
     reshard(FIXTURES / fixture / "ckpt", out, lay, "torch_dist", progress=False,
             first_stage_layers=first)
-    cfg = {**CFG[family], **({"extra": {"num_layers_in_first_pipeline_stage": first}} if first else {})}
+    cfg = {**CFG[family], "micro_batch_size": min(2, 4 // lay.dp),  # global batch 4
+           **({"extra": {"num_layers_in_first_pipeline_stage": first}} if first else {})}
     res = launch(lay.world_size, "test_megatron_lm_layer_wise_out:load_layer_wise_rank",
                  {"layout": target, "cfg": cfg, "load_dir": str(out), "dump_dir": str(tmp_path / "dump")},
                  env={"PYTHONPATH": RANK_PATH})
@@ -222,16 +231,15 @@ def test_torch_target_at_the_saved_layout_is_stock_bitwise(tmp_path, fixture):
                 load(stock / "model_optim_rng.pt")["optimizer"], "optimizer")
 
 
-@pytest.mark.parametrize("fixture,family,target,first", [
-    ("torch_dist_muon_dp2", "muon", "tp1dp1", None), ("torch_muon_dp2", "muon", "tp1pp2dp1", 2),
-    ("torch_dist_lion_dp2", "lion", "tp2dp1", None)])
+@pytest.mark.parametrize("fixture,family,target,first", CASES)
 def test_torch_target_loads_in_megatron_core(universal, tmp_path, fixture, family, target, first):
     """The fixture (DP2) -> torch at `target` -> megatron-core's LayerWise
     load_state_dict_from_file at `target`: every value the source's."""
     lay = Layout.parse(target)
     out = tmp_path / "out"
     reshard(FIXTURES / fixture / "ckpt", out, lay, "torch", progress=False, first_stage_layers=first)
-    cfg = {**CFG[family], **({"extra": {"num_layers_in_first_pipeline_stage": first}} if first else {})}
+    cfg = {**CFG[family], "micro_batch_size": min(2, 4 // lay.dp),  # global batch 4
+           **({"extra": {"num_layers_in_first_pipeline_stage": first}} if first else {})}
     res = launch(lay.world_size, "test_megatron_lm_layer_wise_out:load_layer_wise_torch_rank",
                  {"layout": target, "cfg": cfg, "load_dir": str(out), "dump_dir": str(tmp_path / "dump")},
                  env={"PYTHONPATH": RANK_PATH})
