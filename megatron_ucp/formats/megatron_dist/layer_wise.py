@@ -125,15 +125,20 @@ def check_chain_family(source, c: int, fam: str, names: list[str]) -> None:
 def group_from_source(target: dict, saved: list[dict], where) -> dict:
     """A rebuilt param group with the hyper-parameters of the source's group of its identity."""
     want = identity(target)
-    found = {json.dumps(g, sort_keys=True): g for g in saved if identity(g) == want}
+    found = {json.dumps(_hyper(g), sort_keys=True): g for g in saved if identity(g) == want}
     if len(found) != 1:
         raise UCPError(f"{where}: {'no' if not found else len(found)} param groups of the checkpoint "
                        f"match the target's group {want} (megatron-core pairs saved and current "
                        "groups by these keys); the args do not describe this checkpoint's optimizer"
                        f"; the checkpoint has {[identity(g) for g in saved]}")
     out = dict(target)
-    for k, v in next(iter(found.values())).items():
-        if k == "step" or (k == "optimizer" and not isinstance(v, str)):
-            continue
+    for k, v in _hyper(next(iter(found.values()))).items():
         out[k] = tuple(v) if isinstance(v, list) and (isinstance(out.get(k), tuple) or k == "betas") else v
     return out
+
+
+def _hyper(group: dict) -> dict:
+    """A manifest param group's hyper-parameters: without the step (per parameter) and the chain
+    index (an integer `optimizer`; megatron-core's own `optimizer` key is a string)."""
+    return {k: v for k, v in group.items()
+            if k != "step" and not (k == "optimizer" and not isinstance(v, str))}
