@@ -238,6 +238,12 @@ CASES = [
     ("torch_dist_muon_dp2", "torch", dict(tp=1, pp=2, dp=1, first=2), None, []),
     ("torch_muon_dp2", "torch", dict(tp=1, pp=1, dp=1), None, ["--no-load-optim"]),
     ("torch_dist_lion_dp2", "torch", dict(tp=2, pp=1, dp=1), None, []),
+    # another DP size (megatron-core assigns whole parameters to DP ranks by size): DP4 with one
+    # sample per micro-batch (global batch 4), Lion at TP2 DP2
+    ("torch_muon_dp2", "torch", dict(tp=1, pp=1, dp=4), None, ["--micro-batch-size", "1"]),
+    ("torch_dist_muon_dp2", "torch_dist", dict(tp=1, pp=1, dp=4), None, ["--micro-batch-size", "1"]),
+    ("torch_dist_lion_dp2", "torch", dict(tp=2, pp=1, dp=2), None, []),
+    ("torch_dist_lion_dp2", "torch_dist", dict(tp=2, pp=1, dp=2), None, []),
 ]
 # Across releases: the resuming release (--release) -> cases whose fixture another release wrote:
 # (fixture's release, fixture, target format, target layout, optimizer sharding, extra flags). The
