@@ -106,7 +106,8 @@ def _add_reshard(sub) -> None:
     p.add_argument("--target-optim-sharding", choices=["fully_reshardable", "dp_reshardable"],
                    default=None, help="torch_dist target: the optimizer state's form (default "
                    "fully_reshardable, loads at any layout; dp_reshardable, Megatron-LM's default, "
-                   "loads at the target TP/PP only)")
+                   "loads at the target TP/PP only; a Muon/Lion run's LayerWise optimizer has one "
+                   "form, any layout: leave it unset)")
     p.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
     p.add_argument("--trust-pickle", action="store_true", help=TRUST_HELP)
 

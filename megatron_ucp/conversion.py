@@ -119,21 +119,29 @@ def write_torch_dist(universal_dir: str | Path, save_dir: str | Path, target: La
 
 
 def _adam_source(universal_dir: str | Path, target_format: str) -> Source:
-    """The megatron-ucp checkpoint as a source of a Megatron-LM target, whose optimizer files
-    megatron-ucp writes for Adam's state only: other optimizers' state is refused by name."""
-    return _refuse_non_adam(formats.open_megatron_ucp(universal_dir), target_format)
+    """The megatron-ucp checkpoint as a source of a Megatron-LM target whose optimizer state
+    megatron-ucp writes (`_refuse_unwritable`)."""
+    return _refuse_unwritable(formats.open_megatron_ucp(universal_dir), target_format)
 
 
-def _refuse_non_adam(source: Source, target_format: str) -> Source:
-    """`source` unless it holds state of an optimizer other than Adam (a Megatron-LM Muon/Lion run
-    too), which megatron-ucp does not write into Megatron-LM's optimizer files."""
+# the optimizer families whose state megatron-ucp writes into each Megatron-LM target format:
+# Adam's (DistributedOptimizer) and a LayerWiseDistributedOptimizer run's (Muon or Lion for the
+# matrices, Adam for the rest: megatron-core 0.19, `--optimizer muon|lion`); not SGD's
+# (megatron-core's DistributedOptimizer takes no SGD, a plain-DDP run has no such files)
+WRITTEN_FAMILIES = {"torch": ("adam", "muon", "lion"), "torch_dist": ("adam", "muon", "lion")}
+
+
+def _refuse_unwritable(source: Source, target_format: str) -> Source:
+    """`source` unless it holds state of an optimizer family that megatron-ucp does not write
+    into Megatron-LM `target_format` optimizer files (refused by name)."""
+    written = WRITTEN_FAMILIES[target_format]
     other = sorted({p.spec.optimizer for p in source.manifest.params.values()
-                    if not p.spec.buffer and p.spec.optimizer != "adam"})
+                    if not p.spec.buffer and p.spec.optimizer not in written})
     if other:
         raise UCPError(f"{source.dir}: holds {', '.join(other)} optimizer state; megatron-ucp writes "
-                       f"Megatron-LM --ckpt-format {target_format} optimizer state for Adam only. "
-                       "Resume from the megatron-ucp checkpoint (megatron_ucp.load / install()), "
-                       "or export the weights (export-hf)")
+                       f"Megatron-LM --ckpt-format {target_format} optimizer state for "
+                       f"{' / '.join(written)} only. Resume from the megatron-ucp checkpoint "
+                       "(megatron_ucp.load / install()), or export the weights (export-hf)")
     return source
 
 
@@ -147,9 +155,12 @@ def reshard(load: str | Path, save: str | Path, target: Layout | None = None,
 
     target_format "torch": a stock Megatron-LM `--ckpt-format torch` checkpoint at `target`;
     "torch_dist": a Megatron-LM `--ckpt-format torch_dist` checkpoint with the optimizer in the
-    `fully_reshardable` form (resume with --dist-ckpt-optim-fully-reshardable). Both need a
-    Megatron-LM source (its args describe the run). first/last_stage_layers set an uneven pipeline
-    split at the target (default: the source's when PP is unchanged, else an even split).
+    `fully_reshardable` form (resume with --dist-ckpt-optim-fully-reshardable). A Megatron-LM
+    Muon/Lion run (LayerWiseDistributedOptimizer: Muon or Lion state for the matrices, Adam for
+    the rest) is written in that optimizer's own forms: torch_dist model-space chained states,
+    torch `layer_wise_optimizer_<dp>.pt` per DP rank. Both need a Megatron-LM source (its args
+    describe the run). first/last_stage_layers set an uneven pipeline split at the target
+    (default: the source's when PP is unchanged, else an even split).
     optim_sharding: torch_dist only, "fully_reshardable" (default) or "dp_reshardable".
     expert_tensor_parallel: torch_dist only, the target's expert TP size (MoE). A legacy torch
     checkpoint cannot hold ETP != TP: only expert-DP rank 0 writes it, so with ETP < TP the TP
@@ -229,7 +240,7 @@ def _reshard_to_megatron(load, out: Location, target: Layout | None, kind: str, 
     rng = src.rng_by_position
     if rng and src.layout != target:  # per-rank states belong to the source ranks: rank 0's
         rng = rng.get((0, 0), next(iter(rng.values())))
-    source = UniversalView(_refuse_non_adam(_open(load, kind, progress, trust_pickle), target_format))
+    source = UniversalView(_refuse_unwritable(_open(load, kind, progress, trust_pickle), target_format))
     formats.get(TARGET_FORMATS[target_format]).write(
         source, out, target, src.args, rng_state=rng,
         num_floating_point_operations_so_far=src.num_floating_point_operations_so_far,

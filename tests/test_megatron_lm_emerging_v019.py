@@ -166,14 +166,29 @@ def test_live_load_at_dp1_restores_the_state(converted, name, cfg, tmp_path):
     assert all(x == x and x < 10 for x in res[0]["losses"])  # it trains on
 
 
-@pytest.mark.parametrize("target_format", ["torch", "torch_dist"])
-def test_megatron_lm_target_is_refused_by_family(tmp_path, target_format):
-    """megatron-ucp writes Megatron-LM optimizer files for Adam only: a Muon source is refused by
-    name (before: a step mismatch, Adam's 6 against Muon's 0)."""
-    from megatron_ucp.conversion import reshard
+def test_sgd_state_into_a_megatron_lm_target_is_refused_by_name(converted, tmp_path):
+    """megatron-ucp writes Megatron-LM optimizer files for Adam, Muon and Lion state (Muon/Lion:
+    tests/test_megatron_lm_layer_wise_out.py), not SGD's: a source whose momentum_buffer state is
+    SGD's (the Muon universal form relabelled) is refused by name for both formats."""
+    import json
+    import shutil
+
+    from megatron_ucp.conversion import write_legacy, write_torch_dist
     from megatron_ucp.errors import UCPError
+    from megatron_ucp.formats.megatron_dist import run_fields
     from megatron_ucp.layout import Layout
 
-    with pytest.raises(UCPError, match=r"holds muon optimizer state.*Adam only"):
-        reshard(FIXTURES / "torch_dist_muon_dp2" / "ckpt", tmp_path / "out", Layout(tp=2),
-                target_format=target_format, progress=False)
+    sgd = tmp_path / "sgd"
+    shutil.copytree(converted["torch_dist_muon_dp2"], sgd)
+    manifest = json.loads((sgd / "manifest.json").read_text())
+    for p in manifest["params"].values():
+        if p.get("optimizer") == "muon":
+            p["optimizer"] = "sgd"
+    (sgd / "manifest.json").write_text(json.dumps(manifest, sort_keys=True, separators=(",", ":")))
+    args = run_fields(FIXTURES / "torch_dist_muon_dp2" / "ckpt").args
+    for fmt, write in (("torch_dist", write_torch_dist), ("torch", write_legacy)):
+        with pytest.raises(UCPError, match=rf"holds sgd optimizer state; megatron-ucp writes "
+                                           rf"Megatron-LM --ckpt-format {fmt} optimizer state for "
+                                           r"adam / muon / lion only"):
+            write(sgd, tmp_path / fmt, Layout(dp=1), args, progress=False)
+        assert not (tmp_path / fmt).exists()

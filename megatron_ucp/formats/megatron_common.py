@@ -342,16 +342,18 @@ def check_export(out: Path, source, open_written: Callable[[Path], Any]) -> None
     written = open_written(out)
     have, want = written.manifest.params, source.manifest.params
     check_same_params(out, have, want)
-    step = single_step(source)
     for name, p in want.items():
         got = have[name].shape
         padded = p.spec.vocab_rows and got[1:] == p.shape[1:] and got[0] >= p.shape[0]
         if got != p.shape and not padded:
             raise not_committed(out, f"has {name!r} at shape {list(got)}, the source at "
                                 f"{list(p.shape)}")
-        if not p.spec.buffer and written.step(name) != step:
+        if not p.spec.buffer and written.step(name) != source.step(name):
             raise not_committed(out, f"has {name!r} at Adam step {written.step(name)}, the source "
-                                f"at {step}")
+                                f"at {source.step(name)}")
+        if have[name].spec.optimizer != p.spec.optimizer:
+            raise not_committed(out, f"has {name!r} with {have[name].spec.optimizer} optimizer "
+                                f"state, the source with {p.spec.optimizer}")
 
 
 # ------------------------------------------------------ optimizer param groups and scheduler

@@ -415,7 +415,18 @@ def layer_wise_params(chunks: list, args) -> list[list[list[tuple[int, str]]]]:
     per chained torch optimizer, per param group, the (chunk index, local name) of the parameters
     this data-parallel rank owns, in the group's order: the order of that rank's
     `layer_wise_optimizer_<dp>.pt` state and `fp32_from_fp16_params`. `chunks`: the bare model
-    chunks rebuilt from the args.
+    chunks rebuilt from the args (`layer_wise_optimizers`)."""
+    from megatron.core.utils import unwrap_model
+
+    names = {id(p): (i, n) for i, c in enumerate(chunks) for n, p in unwrap_model(c).named_parameters()}
+    return [[[names[id(p)] for p in g["params"]] for g in o.param_groups]
+            for o in layer_wise_optimizers(chunks, args)]
+
+
+def layer_wise_optimizers(chunks: list, args) -> list:
+    """The torch optimizers chained in the LayerWiseDistributedOptimizer stock Megatron-LM builds
+    for `args` at the current (fake) rank, in chain order; their param groups hold the parameters
+    of `chunks` this data-parallel rank owns.
 
     megatron-core itself assigns the parameters (`get_megatron_optimizer`: the Muon/Adam param
     groups and the ping-pong assignment by numel, `_shard_params_ping_pong`). Megatron-LM's model
@@ -456,6 +467,4 @@ def layer_wise_params(chunks: list, args) -> list[list[list[tuple[int, str]]]]:
                        f"{[type(o).__name__ for o in getattr(opt, 'chained_optimizers', [])]}, "
                        "not one LayerWiseDistributedOptimizer as stock Megatron-LM builds it for "
                        "--optimizer muon|lion --use-distributed-optimizer; not mapped")
-    names = {id(p): (i, n) for i, c in enumerate(chunks) for n, p in unwrap_model(c).named_parameters()}
-    return [[[names[id(p)] for p in g["params"]] for g in getattr(o, "optimizer", o).param_groups]
-            for o in opt.chained_optimizers]
+    return [getattr(o, "optimizer", o) for o in opt.chained_optimizers]

@@ -123,6 +123,11 @@ MODEL_FLAGS.update(torch_dist_llama_tp2=LLAMA, torch_dist_moe_ep2_fully=MOE,
                    torch_dist_gptoss_dense_tp2=GPT_OSS, torch_gptoss_dense_dp2=GPT_OSS,
                    torch_dist_qwen3_tp2=QWEN3)
 REFERENCE_FLAGS["torch_dist_gptoss_ep2_fully"] = FULLY
+# core_v0.19.0's Muon and Lion runs (megatron-core 0.19.2's LayerWiseDistributedOptimizer; the
+# later --optimizer wins over COMMON's adam); run_pretrain_resume.py installs the gloo stand-in for
+# LayerWise's uneven all-gather, as the fixtures' harness did
+MODEL_FLAGS.update(torch_dist_muon_dp2=["--optimizer", "muon"], torch_muon_dp2=["--optimizer", "muon"],
+                   torch_dist_lion_dp2=["--optimizer", "lion"])
 # fixture -> its layout at save (Megatron flags)
 SOURCE_LAYOUT = {
     "torch_dp2": dict(fmt="torch", tp=1, pp=1, dp=2),
@@ -145,6 +150,9 @@ SOURCE_LAYOUT = {
     "torch_dist_gptoss_dense_tp2": dict(fmt="torch_dist", tp=2, pp=1, dp=1),
     "torch_gptoss_dense_dp2": dict(fmt="torch", tp=1, pp=1, dp=2),
     "torch_dist_qwen3_tp2": dict(fmt="torch_dist", tp=2, pp=1, dp=1),
+    "torch_dist_muon_dp2": dict(fmt="torch_dist", tp=1, pp=1, dp=2),
+    "torch_muon_dp2": dict(fmt="torch", tp=1, pp=1, dp=2),
+    "torch_dist_lion_dp2": dict(fmt="torch_dist", tp=1, pp=1, dp=2),
 }
 # (fixture, target format, target layout, optimizer sharding for torch_dist, extra Megatron flags)
 CASES = [
@@ -214,6 +222,28 @@ CASES = [
     ("torch_gptoss_dense_dp2", "torch", dict(tp=2, pp=1, dp=1), None, []),
     ("torch_dist_qwen3_tp2", "torch", dict(tp=1, pp=1, dp=2), None, []),
     ("torch_dist_qwen3_tp2", "torch_dist", dict(tp=1, pp=2, dp=1, first=2), "dp_reshardable", []),
+    # Muon / Lion (LayerWise: the matrices' Muon or Lion state and the rest's Adam state, one
+    # torch_dist form); Muon not at another TP (blockwise Muon orthogonalises each TP shard: the
+    # update itself changes), Lion (elementwise) at TP2
+    ("torch_dist_muon_dp2", "torch_dist", dict(tp=1, pp=1, dp=1), None, []),
+    ("torch_dist_muon_dp2", "torch_dist", dict(tp=1, pp=2, dp=1, first=2), None, []),
+    ("torch_dist_muon_dp2", "torch_dist", dict(tp=1, pp=1, dp=1), None, ["--no-load-optim"]),
+    ("torch_muon_dp2", "torch_dist", dict(tp=1, pp=2, dp=1, first=2), None, []),
+    ("torch_dist_lion_dp2", "torch_dist", dict(tp=2, pp=1, dp=1), None, []),
+    ("torch_dist_lion_dp2", "torch_dist", dict(tp=1, pp=1, dp=1), None, []),
+    ("torch_dist_lion_dp2", "torch_dist", dict(tp=2, pp=1, dp=1), None, ["--no-load-optim"]),
+    # the torch form: each DP rank's layer_wise_optimizer_<dp>.pt (at DP2 the files are stock's)
+    ("torch_muon_dp2", "torch", dict(tp=1, pp=1, dp=2), None, []),
+    ("torch_muon_dp2", "torch", dict(tp=1, pp=1, dp=1), None, []),
+    ("torch_dist_muon_dp2", "torch", dict(tp=1, pp=2, dp=1, first=2), None, []),
+    ("torch_muon_dp2", "torch", dict(tp=1, pp=1, dp=1), None, ["--no-load-optim"]),
+    ("torch_dist_lion_dp2", "torch", dict(tp=2, pp=1, dp=1), None, []),
+    # another DP size (megatron-core assigns whole parameters to DP ranks by size): DP4 with one
+    # sample per micro-batch (global batch 4), Lion at TP2 DP2
+    ("torch_muon_dp2", "torch", dict(tp=1, pp=1, dp=4), None, ["--micro-batch-size", "1"]),
+    ("torch_dist_muon_dp2", "torch_dist", dict(tp=1, pp=1, dp=4), None, ["--micro-batch-size", "1"]),
+    ("torch_dist_lion_dp2", "torch", dict(tp=2, pp=1, dp=2), None, []),
+    ("torch_dist_lion_dp2", "torch_dist", dict(tp=2, pp=1, dp=2), None, []),
 ]
 # Across releases: the resuming release (--release) -> cases whose fixture another release wrote:
 # (fixture's release, fixture, target format, target layout, optimizer sharding, extra flags). The
@@ -299,8 +329,9 @@ def run_megatron(runner: dict, load: Path, save: Path, lay: dict, fmt: str, extr
     if rc == 0:
         try:
             src = open_source(save)
-            # a buffer (the router's expert_bias) has no Adam step
-            steps = {src.step(n) for n, p in src.manifest.params.items() if not p.spec.buffer}
+            # a buffer (the router's expert_bias) has no Adam step, nor do Muon/Lion state
+            steps = {src.step(n) for n, p in src.manifest.params.items()
+                     if not p.spec.buffer and p.spec.optimizer == "adam"}
             step = steps.pop() if len(steps) == 1 else sorted(steps)
         except UCPError as e:  # report, and go on with the other cases
             step = f"unreadable: {e}"

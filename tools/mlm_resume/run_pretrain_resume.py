@@ -25,6 +25,10 @@ load_state_dict has just restored from the saved param groups, so every dp_resha
 of Megatron-LM's own checkpoints too, restarts Adam's bias correction at step 0. The fix drops
 that template `step`; the legacy step fix then keeps the restored one.
 
+`--optimizer muon|lion` in argv: megatron_ucp.testing.gloo_all_gather, the gloo stand-in
+for the uneven all-gather of megatron-core 0.19's LayerWiseDistributedOptimizer (the Muon/Lion
+fixtures' harness installs the same; tests/fixtures/megatron_lm_v019/README.md).
+
 `--multi-latent-attention` in argv: megatron_ucp.testing.mla_attention.install_local_spec(), the
 core attention that local-spec MLA needs on CPU without Transformer Engine (the DeepSeek-V3-shape
 fixtures' harness installs the same; tests/fixtures/megatron_lm_v019/README.md). No parameter.
@@ -192,6 +196,12 @@ if os.environ.get("MLM_UCP_INSTALL") == "1":  # --ckpt-format universal without 
 
     megatron_ucp.finalize = finalize_logged
     print("> [resume] megatron_ucp.megatron_lm.install() in effect")
+if any(sys.argv[i] == "--optimizer" and sys.argv[i + 1] in ("muon", "lion")
+       for i in range(len(sys.argv) - 1)):  # LayerWise's uneven all-gather on gloo (the harness's)
+    import megatron_ucp.testing.gloo_all_gather as gloo_all_gather
+
+    gloo_all_gather.install()
+    print("> [resume] megatron_ucp.testing.gloo_all_gather for LayerWise on gloo")
 if "--multi-latent-attention" in sys.argv:  # local MLA's core attention (the fixture harness's)
     import megatron_ucp.testing.mla_attention as mla_attention
 

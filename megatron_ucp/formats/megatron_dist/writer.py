@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -37,10 +38,12 @@ from megatron_ucp.formats.megatron_common import (
     single_step,
     torch_group,
 )
+from megatron_ucp.formats.megatron_dist import layer_wise
 from megatron_ucp.formats.megatron_dist.layout import (
     COMMON_FILE,
     EXPERT,
     FULLY_RESHARDABLE_CONTENT,
+    LAYER_WISE,
     METADATA_JSON,
     SHARDINGS,
     UCP_COMMON_KEY,
@@ -70,16 +73,18 @@ def write(source, save_dir: str | Path, target: Layout, args_template, *,
           rng_state: dict | list | None = None,
           num_floating_point_operations_so_far: float | None = None,
           first_stage_layers: int | None = None, last_stage_layers: int | None = None,
-          sharding: str = "fully_reshardable", expert_tensor_parallel: int | None = None,
+          sharding: str | None = None, expert_tensor_parallel: int | None = None,
           progress: Progress = True) -> Path:
     """Write a Megatron-LM `--ckpt-format torch_dist` checkpoint at `target` from any source of
     universal tensors. Returns `save_dir` (the save root).
 
-    sharding: the optimizer state's form, "fully_reshardable" (resume with
+    sharding: the optimizer state's form, "fully_reshardable" (the default; resume with
     `--dist-ckpt-optim-fully-reshardable`, at any layout) or "dp_reshardable" (Megatron-LM's
     default; resume at the target's TP and PP, any DP; a MoE model: the ChainedOptimizer's dense
-    and expert buckets). expert_tensor_parallel: the target's expert TP size (MoE; default: the
-    source's rule).
+    and expert buckets). A LayerWiseDistributedOptimizer run (`--optimizer muon|lion`, args with
+    use_layer_wise_distributed_optimizer: Muon/Lion and Adam state) has one form, its model-space
+    chained states (`layer_wise`, resumable at any layout; sharding None). expert_tensor_parallel:
+    the target's expert TP size (MoE; default: the source's rule).
 
     args_template: Megatron-LM args of the same model (e.g. the source checkpoint's); parallel
     sizes become the target's (`megatron_common.target_args`). rng_state: one rng list (Megatron's
@@ -90,8 +95,7 @@ def write(source, save_dir: str | Path, target: Layout, args_template, *,
     args, out = prepare_export("torch_dist", source, save_dir, target, args_template,
                                first_stage_layers, last_stage_layers, expert_tensor_parallel)
     manifest = source.manifest
-    if sharding not in SHARDINGS:
-        raise UCPError(f"torch_dist optimizer sharding {sharding!r}: choose one of {list(SHARDINGS)}")
+    sharding = _sharding(source, args, sharding)
     # a second (expert) DistributedOptimizer only where megatron-core gives the experts their own
     # buffers (expert parallelism; 0.19 also an expert TP other than the TP); at EP1 they share
     # the dense buffers and optimizer
@@ -107,13 +111,16 @@ def write(source, save_dir: str | Path, target: Layout, args_template, *,
     iteration = int(manifest.iteration)
 
     plan, objects = _plan(source, args)
-    step = single_step(source)  # (a source it cannot hold is refused before anything is read)
-    state_dict = _model_state(source, plan, args, sharding, progress)
+    # (a source it cannot hold is refused before anything is read)
+    lw = layer_wise.plan(source, args) if sharding == LAYER_WISE else None
+    step = single_step(source) if lw is None else None
+    state_dict = _model_state(source, plan, args, _optimizer_keys(sharding, lw), progress)
     for k, v in objects.items():
         state_dict[k] = object_value(v)
     if rng_state is not None:
         state_dict.update(_rng_shards(rng_state, target))
-    optimizer, content = _optimizer_state(source, args, moe, sharding, step, state_dict, progress)
+    optimizer, content = ((lw.optimizer, dict(layer_wise.LAYER_WISE_CONTENT)) if lw else
+                          _optimizer_state(source, args, moe, sharding, step, state_dict, progress))
     common = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
               "optimizer": optimizer,
               "opt_param_scheduler": scheduler_state(manifest.scheduler),
@@ -159,9 +166,44 @@ def _plan(source, args) -> tuple[dict, dict]:
     return plan, objects
 
 
-def _model_state(source, plan: dict, args, sharding: str, progress: Progress) -> dict:
-    """The model tensors at their global shape (layers stacked), in the training dtype, and (the
-    fully_reshardable form) every optimizer state next to them in fp32."""
+def _sharding(source, args, sharding: str | None) -> str:
+    """The optimizer form to write: the LayerWise one for a LayerWise run, else `sharding`
+    (default fully_reshardable); the state of another optimizer than Adam's is refused by name."""
+    if getattr(args, "use_layer_wise_distributed_optimizer", False):
+        if sharding not in (None, LAYER_WISE):
+            raise UCPError(f"torch_dist optimizer sharding {sharding!r}: the args describe a "
+                           "LayerWiseDistributedOptimizer run (--optimizer "
+                           f"{getattr(args, 'optimizer', '?')}), whose state has one form, model-space "
+                           "per chained optimizer; pass no sharding")
+        return LAYER_WISE
+    sharding = sharding or "fully_reshardable"
+    if sharding not in SHARDINGS:
+        raise UCPError(f"torch_dist optimizer sharding {sharding!r}: choose one of {list(SHARDINGS)}")
+    other = sorted({p.spec.optimizer for p in source.manifest.params.values()
+                    if not p.spec.buffer and p.spec.optimizer != "adam"})
+    if other:
+        raise UCPError(f"{source.dir}: holds {', '.join(other)} optimizer state, but the args "
+                       f"describe a DistributedOptimizer run (--optimizer {getattr(args, 'optimizer', '?')}),"
+                       " whose torch_dist files megatron-ucp writes for Adam only; Muon and Lion state "
+                       "goes into a LayerWiseDistributedOptimizer run's (args of an --optimizer "
+                       "muon|lion --use-distributed-optimizer run)")
+    return sharding
+
+
+def _optimizer_keys(sharding: str, lw) -> Callable[[str, str], dict[str, str]] | None:
+    """(universal name, stored part key) -> {state: torch_dist key} of the optimizer tensors kept
+    next to the model tensors (fully_reshardable, layer_wise); None: the master weight only
+    (dp_reshardable keeps the rest in its buckets)."""
+    if lw is not None:
+        return lw.keys
+    if sharding == "fully_reshardable":
+        return lambda _name, part_key: {s: state_key(s, part_key) for s in STATES}
+    return None
+
+
+def _model_state(source, plan: dict, args, opt_keys, progress: Progress) -> dict:
+    """The model tensors at their global shape (layers stacked), in the training dtype, and the
+    optimizer states `opt_keys` names (`_optimizer_keys`) next to them in fp32."""
     saved = source.manifest.params
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
@@ -189,8 +231,11 @@ def _model_state(source, plan: dict, args, sharding: str, progress: Progress) ->
             raise UCPError(f"internal: {key!r} has stacked entries {sorted(index)}")
         shape = tuple(plan[names[0]].spec["shape"])
         buffer = saved[names[0]].spec.buffer
-        # dp_reshardable keeps moments in the buckets (read there, per rank): the master only here
-        states = ("param",) if buffer or sharding == "dp_reshardable" else STATES
+        keyed = {} if buffer or opt_keys is None else {n: opt_keys(n, key) for n in names}
+        states = tuple(keyed[names[0]]) if keyed else ("param",)
+        if any(tuple(k) != states for k in keyed.values()):
+            raise UCPError(f"{key!r}: its stacked parameters {names[:2]}... have different optimizer "
+                           "states; one tensor per state cannot hold them")
         tensors = {s: torch.empty((*stacked, *shape), dtype=torch.float32) for s in states}
         for n in names:
             for s in states:
@@ -200,9 +245,8 @@ def _model_state(source, plan: dict, args, sharding: str, progress: Progress) ->
         for part_key, box, _ in plan[names[0]].parts():
             at = (slice(None),) * len(stacked) + box
             state_dict[part_key] = tensors["param"][at].to(plan[names[0]].buffer_dtype or dtype)
-            if not buffer and sharding == "fully_reshardable":
-                for s in STATES:
-                    state_dict[state_key(s, part_key)] = tensors[s][at].contiguous()
+            for s, k in (opt_keys(names[0], part_key) if keyed else {}).items():
+                state_dict[k] = tensors[s][at].contiguous()
     done.close()
     return state_dict
 

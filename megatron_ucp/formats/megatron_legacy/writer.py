@@ -31,7 +31,9 @@ from megatron_ucp.formats.megatron_common import (
     torch_group,
     writer_ranks,
 )
+from megatron_ucp.formats.megatron_legacy import layer_wise as lw_files
 from megatron_ucp.formats.megatron_legacy.layout import (
+    LAYER_WISE_FILE,
     MODEL_FILE,
     OPTIM_FILE,
     flat_offsets,
@@ -55,8 +57,10 @@ def write(source, save_dir: str | Path, target: Layout, args_template,
           num_floating_point_operations_so_far: float | None = None,
           first_stage_layers: int | None = None, last_stage_layers: int | None = None,
           progress: Progress = True) -> Path:
-    """Write a stock Megatron-LM `--ckpt-format torch` checkpoint (distributed optimizer) at
-    `target` from any source of universal tensors. Returns `save_dir` (the save root).
+    """Write a stock Megatron-LM `--ckpt-format torch` checkpoint (distributed optimizer:
+    `distrib_optim.pt`; a LayerWiseDistributedOptimizer run, args of `--optimizer muon|lion`:
+    `layer_wise_optimizer_<dp>.pt`, `megatron_legacy.layer_wise`) at `target` from any source of
+    universal tensors. Returns `save_dir` (the save root).
 
     args_template: a Megatron-LM args Namespace of the same model (e.g. the source legacy
     checkpoint's `args`); its parallel sizes are replaced by the target's (`target_args`).
@@ -71,6 +75,7 @@ def write(source, save_dir: str | Path, target: Layout, args_template,
     args.ckpt_format = "torch"  # the template may be a torch_dist run's args (its common.pt)
     args.use_dist_ckpt = False
     manifest = source.manifest
+    layer_wise = _layer_wise(source, args)
     iteration = int(manifest.iteration)
     writers = writer_ranks(args)
     done = bar(progress, len(writers), "export-legacy", "rank")
@@ -94,11 +99,15 @@ def write(source, save_dir: str | Path, target: Layout, args_template,
                     t = _inspect_target(chunks, args, name)
                     position = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank())
                 model_keys = ["model"] if len(t.keys) == 1 else [f"model{i}" for i in range(len(t.keys))]
+                if layer_wise:  # no flat buffer: its state goes to layer_wise_optimizer_<dp>.pt
+                    t.flat = [None] * len(t.flat)
                 models, optim = _target_files(t, source, model_keys)
+                # LayerWise: each DP rank's layer_wise_optimizer_<dp>.pt, DP rank 0's in the model file
+                per_dp = lw_files.rank_dir_files(source, args, name) if layer_wise else None
                 rank_args = argparse.Namespace(**{**vars(args), "rank": rank, "local_rank": rank})
                 state: dict = {"args": rank_args, "checkpoint_version": 3.0, "iteration": iteration}
                 state.update(zip(model_keys, models))
-                state["optimizer"] = _param_groups(source, len(t.flat))
+                state["optimizer"] = per_dp[0] if layer_wise else _param_groups(source, len(t.flat))
                 state["opt_param_scheduler"] = scheduler_state(manifest.scheduler)
                 if rng_state is not None:
                     state["rng_state"] = rng_for(rng_state, name, position)
@@ -107,7 +116,11 @@ def write(source, save_dir: str | Path, target: Layout, args_template,
                 rank_dir = iter_dir / name
                 rank_dir.mkdir()
                 torch.save(state, rank_dir / MODEL_FILE)
-                torch.save(optim, rank_dir / OPTIM_FILE)
+                if layer_wise:
+                    for dp, saved in per_dp.items():
+                        torch.save(saved, rank_dir / LAYER_WISE_FILE.format(dp=dp))
+                else:
+                    torch.save(optim, rank_dir / OPTIM_FILE)
                 done.update(1)
         finally:
             done.close()
@@ -149,6 +162,22 @@ def _inspect_target(chunks: list, args, name: str) -> _TargetRank:
             for p, start in flat_offsets(buf).items():
                 where[id(p)] = (i, b, start)
     return _TargetRank(name, keys, local_params(chunks), flat, where)
+
+
+def _layer_wise(source, args) -> bool:
+    """Whether the target is a LayerWiseDistributedOptimizer run (its own optimizer files); the
+    state of another optimizer than Adam's for a DistributedOptimizer target is refused by name."""
+    if getattr(args, "use_layer_wise_distributed_optimizer", False):
+        return True
+    other = sorted({p.spec.optimizer for p in source.manifest.params.values()
+                    if not p.spec.buffer and p.spec.optimizer != "adam"})
+    if other:
+        raise UCPError(f"{source.dir}: holds {', '.join(other)} optimizer state, but the args "
+                       f"describe a DistributedOptimizer run (--optimizer {getattr(args, 'optimizer', '?')}),"
+                       f" whose {OPTIM_FILE} megatron-ucp writes for Adam only; Muon and Lion state "
+                       "goes into a LayerWiseDistributedOptimizer run's files (args of an "
+                       "--optimizer muon|lion --use-distributed-optimizer run)")
+    return False
 
 
 def _target_files(t: _TargetRank, source, model_keys: list[str]) -> tuple[list[dict], Any]:
