@@ -385,12 +385,14 @@ class OptimizerIndex:
         return out
 
     def load_param_groups(self, saved: list[dict]) -> None:
-        """Restore hyper-parameters into groups with the same identity keys (wd_mult, lr_mult...)."""
+        """Restore hyper-parameters into groups with the same identity keys (wd_mult, lr_mult...,
+        and megatron-core's own per-group optimizer name where it keeps one: a Muon run's Adam
+        groups share the rest with its Muon groups)."""
         for i, u in enumerate(self.units):
             for g in u.torch_optimizer.param_groups:
-                ident = tuple(g.get(k) for k in GROUP_KEYS)
+                ident = _identity(g)
                 # by identity, not position: the number of chained optimizers depends on the layout
-                match = [s for s in saved if tuple(s.get(k) for k in GROUP_KEYS) == ident]
+                match = [s for s in saved if _identity(s) == ident]
                 if not match:
                     raise UCPError(f"optimizer {i} has a param group {dict(zip(GROUP_KEYS, ident))}"
                                    " that the checkpoint does not have; the optimizer config differs")
@@ -422,6 +424,13 @@ class OptimizerIndex:
         if any(isinstance(u, _DistributedUnit) for u in self.units):
             for chunk in model_chunks:
                 chunk.start_param_sync(force_sync=True)
+
+
+def _identity(group: dict) -> tuple:
+    """A param group's identity: GROUP_KEYS and megatron-core's `optimizer` name ("adam" for a
+    Muon run's scalar groups; a manifest's integer `optimizer` is the chain index, no name)."""
+    name = group.get("optimizer")
+    return (*(group.get(k) for k in GROUP_KEYS), name if isinstance(name, str) else None)
 
 
 def _jsonable(v):

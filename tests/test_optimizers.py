@@ -10,6 +10,8 @@ tensors, and the loss continues the uninterrupted run's.
 from __future__ import annotations
 
 import importlib.util
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -164,3 +166,37 @@ def test_unsupported_optimizer_is_refused_by_name(tmp_path):
         launch(2, f"{SCENARIOS}:train_and_save", {"layout": "dp2", "cfg": cfg, "steps": 1,
                                                    "save_dir": str(tmp_path / "ckpt")})
     assert not (tmp_path / "ckpt" / "latest").exists()
+
+
+def rank_load_param_groups(cfg: dict) -> list[dict]:
+    """Build `cfg`'s optimizer, give load_param_groups saved groups whose Muon group has its own
+    weight decay, and return the live groups' weight decays and megatron-core names."""
+    from megatron_ucp.optimizer_state import OptimizerIndex
+    from megatron_ucp.testing import scenarios, tiny_gpt
+
+    st = scenarios.setup("dp1", cfg)
+    index = OptimizerIndex(st.optimizer)
+    saved = index.param_groups()
+    for g in saved:
+        if not isinstance(g.get("optimizer"), str):  # Muon's (its group has no name): distinct
+            g["weight_decay"] = 0.5
+    index.load_param_groups(saved)
+    out = [{"name": g.get("optimizer"), "weight_decay": g["weight_decay"], "wd_mult": g["wd_mult"]}
+           for o in (u.torch_optimizer for u in index.units) for g in o.param_groups]
+    tiny_gpt.destroy()
+    return out
+
+
+@NEEDS_EMERGING
+def test_muon_and_adam_groups_keep_their_own_hyperparameters():
+    """A Muon run's Adam group for the embedding has the wd_mult / lr_mult / decoupled-LR identity
+    of its Muon group: matched on those alone (before the fix), it took the Muon group's
+    hyper-parameters (weight decay 0.5 here), silently."""
+    here = str(Path(__file__).resolve().parent)
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
+    groups = launch(1, "test_optimizers:rank_load_param_groups", {"cfg": _muon()}, env=env)[0]
+    muon = [g for g in groups if g["name"] is None]
+    adam = [g for g in groups if g["name"] == "adam"]
+    assert muon and adam and any(g["wd_mult"] == muon[0]["wd_mult"] for g in adam)
+    assert {g["weight_decay"] for g in muon} == {0.5}
+    assert 0.5 not in {g["weight_decay"] for g in adam}, groups
