@@ -147,7 +147,7 @@ def _check_families(source, params: list[LocalParam], index: OptimizerIndex,
         problems = [""] * dist.get_world_size()
         dist.all_gather_object(problems, mismatch)
         raise UCPError(next(p for p in problems if p) + "; a conversion between optimizers drops "
-                       "the state: pass reset_optimizer=True (megatron-ucp: --reset-optimizer) to "
+                       "the state: pass reset_optimizer=True (Megatron-LM: --no-load-optim) to "
                        "keep the weights and start the optimizer fresh")
     return ()
 

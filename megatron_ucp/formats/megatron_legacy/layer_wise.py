@@ -9,14 +9,14 @@ Adam `step` [a tensor], `exp_avg`, `exp_avg_sq`), `optimizer.param_groups` (hype
 `optimizer` is DP rank 0's. Which parameters a rank owns, and in which group order, is
 megatron-core's own assignment, read off the optimizer it builds at that target rank
 (`megatron_rebuild.layer_wise_optimizers`, as the reader does); each group takes the source's
-hyper-parameters of the group of its identity (`megatron_dist.layer_wise.group_from_source`).
+hyper-parameters of the group of its identity (`formats.megatron_layer_wise.group_from_source`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from megatron_ucp.formats.megatron_dist.layer_wise import (
+from megatron_ucp.formats.megatron_layer_wise import (
     chain_family,
     check_chain_family,
     group_from_source,
