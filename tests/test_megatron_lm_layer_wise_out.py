@@ -68,6 +68,20 @@ CASES = [("torch_dist_muon_dp2", "muon", "tp1dp1", None),
          ("torch_dist_lion_dp2", "lion", "tp2dp2", None)]
 
 
+def _layer_wise_run(layout: str, cfg: dict, load_dir: str):
+    """(train state, layout, checkpoint iteration directory): the tiny GPT with megatron-core's
+    LayerWise optimizer at `layout`, on gloo, and the Megatron-LM checkpoint to load into it."""
+    from megatron_ucp.testing import gloo_all_gather
+    from megatron_ucp.testing import tiny_gpt as tg
+
+    gloo_all_gather.install()  # LayerWise's step at DP > 1 on gloo (the fixtures' harness)
+    lay = Layout.parse(layout)
+    tg.init_distributed(lay)
+    st = tg.build(tg.TinyGPTConfig(**cfg), lay)
+    root = Path(load_dir)
+    return st, lay, root / f"iter_{int((root / 'latest_checkpointed_iteration.txt').read_text()):07d}"
+
+
 def load_layer_wise_rank(layout: str, cfg: dict, load_dir: str, dump_dir: str) -> dict:
     """Rank function: the tiny GPT with megatron-core's LayerWise optimizer at `layout`, the
     torch_dist checkpoint loaded as Megatron-LM's load_checkpoint does (model and optimizer
@@ -78,15 +92,7 @@ def load_layer_wise_rank(layout: str, cfg: dict, load_dir: str, dump_dir: str) -
     from megatron.core.dist_checkpointing.validation import StrictHandling
     from megatron.core.utils import unwrap_model
 
-    from megatron_ucp.testing import gloo_all_gather
-    from megatron_ucp.testing import tiny_gpt as tg
-
-    gloo_all_gather.install()  # LayerWise's step at DP > 1 on gloo (the fixtures' harness)
-    lay = Layout.parse(layout)
-    tg.init_distributed(lay)
-    st = tg.build(tg.TinyGPTConfig(**cfg), lay)
-    root = Path(load_dir)
-    ckpt = root / f"iter_{int((root / 'latest_checkpointed_iteration.txt').read_text()):07d}"
+    st, lay, ckpt = _layer_wise_run(layout, cfg, load_dir)
     common = torch.load(ckpt / "common.pt", map_location="cpu", weights_only=False)
     metadata = common["content_metadata"]
     module = unwrap_model(st.model[0])
@@ -110,15 +116,7 @@ def load_layer_wise_torch_rank(layout: str, cfg: dict, load_dir: str, dump_dir: 
     from megatron.core import parallel_state as ps
     from megatron.core.utils import unwrap_model
 
-    from megatron_ucp.testing import gloo_all_gather
-    from megatron_ucp.testing import tiny_gpt as tg
-
-    gloo_all_gather.install()  # LayerWise's step at DP > 1 on gloo (the fixtures' harness)
-    lay = Layout.parse(layout)
-    tg.init_distributed(lay)
-    st = tg.build(tg.TinyGPTConfig(**cfg), lay)
-    root = Path(load_dir)
-    ckpt = root / f"iter_{int((root / 'latest_checkpointed_iteration.txt').read_text()):07d}"
+    st, lay, ckpt = _layer_wise_run(layout, cfg, load_dir)
     tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     rank_dir = ckpt / (f"mp_rank_{tp:02d}" if lay.pp == 1 else f"mp_rank_{tp:02d}_{pp:03d}")
     saved = torch.load(rank_dir / "model_optim_rng.pt", map_location="cpu", weights_only=False)
