@@ -305,14 +305,8 @@ class OptimizerIndex:
         """This rank's shard of the fp32 master weight and optimizer states (on the optimizer's
         device, not copied), plus the Adam step as the optimizer holds it (0 for an optimizer
         without one; `staging.steps_to_floats` converts many at once)."""
-        u = self.owner[param]
-        fam = u.family(param)
-        tensors = u.tensors(param)
-        missing = [k for k in OPTIMIZER_STATES[fam] if k not in tensors]
-        if missing:
-            raise UCPError(f"the optimizer has no {fam} state {missing} yet (no step taken); "
-                           "nothing to save")
-        return {k: tensors[k].detach() for k in ("param", *OPTIMIZER_STATES[fam])}, self._step(param)
+        tensors = self.states(param, missing="yet (no step taken); nothing to save")
+        return {k: t.detach() for k, t in tensors.items()}, self._step(param)
 
     def _step(self, param):
         u = self.owner[param]
@@ -326,18 +320,20 @@ class OptimizerIndex:
         for u in self.units:
             u.ensure_state()
 
-    def states(self, param: torch.nn.Parameter, weights_only: bool = False) -> dict[str, torch.Tensor]:
+    def states(self, param: torch.nn.Parameter, weights_only: bool = False,
+               missing: str = "for a parameter; call ensure_state()") -> dict[str, torch.Tensor]:
         """This rank's range of `param`'s master weight and optimizer states: the optimizer's own
         tensors (flat, on its device), which a load fills in place (`set_step` then sets the step).
-        weights_only: the master weight alone (the state may not exist yet)."""
+        weights_only: the master weight alone (the state may not exist yet); missing: what the
+        error says after the missing states' names."""
         u = self.owner[param]
         tensors = u.tensors(param)
         if weights_only:
             return {"param": tensors["param"]}
         fam = u.family(param)
-        missing = [k for k in OPTIMIZER_STATES[fam] if k not in tensors]
-        if missing:
-            raise UCPError(f"the optimizer has no {missing} state for a parameter; call ensure_state()")
+        absent = [k for k in OPTIMIZER_STATES[fam] if k not in tensors]
+        if absent:
+            raise UCPError(f"the optimizer has no {fam} state {absent} {missing}")
         return {k: tensors[k] for k in ("param", *OPTIMIZER_STATES[fam])}
 
     @torch.no_grad()
