@@ -34,8 +34,15 @@ export MEGATRON_UCP_AZURITE := $(AZURITE)
 # save/load (every transition kind incl. MoE), every on-disk format, the Megatron-LM hooks, the
 # CLI and the release checks: the 0.19 release's `tests` in configs/mcore_releases.json.
 TESTS_MCORE19 ?= $(call RELEASE,0.19,tests)
+# Transformer Engine 2.20.2 in a venv of its own over .venv312 (tools/te/install_te_venv.sh): TE-spec
+# models, FP8 state, TE <-> local. Its torch extension is built once into TE_CACHE (outside the clone).
+VENVTE := .venvte
+BINTE := $(VENVTE)/bin
+STAMPTE := $(VENVTE)/.installed
+TE_CACHE ?= $(HOME)/.cache/megatron-ucp
+TESTS_TE ?= tests/test_transformer_engine.py
 
-.PHONY: demo test test-mcore16 test-mcore19 test-full test-gpu lint bench install install-mcore19
+.PHONY: demo test test-mcore16 test-mcore19 test-te test-full test-gpu lint bench install install-mcore19 install-te
 
 $(STAMP): setup.py
 	$(call need_free,$(VENV),3,Python 3.11 with CPU torch and megatron-core 0.16)
@@ -56,6 +63,10 @@ $(STAMP312): setup.py
 	$(BIN312)/pip install -q -e ".[dev]"
 	touch $(STAMP312)
 
+$(STAMPTE): $(STAMP312) tools/te/install_te_venv.sh
+	tools/te/install_te_venv.sh $(VENVTE) $(VENV312) $(TE_CACHE)
+	touch $(STAMPTE)
+
 $(AZURITE):
 	@command -v npm >/dev/null || { echo "make: the Azure store tests need Azurite, installed with npm:" \
 	"install Node.js (>= 20) and npm, then rerun"; exit 1; }
@@ -68,19 +79,25 @@ install: $(STAMP) $(AZURITE)
 
 install-mcore19: $(STAMP312) $(AZURITE)
 
+install-te: $(STAMPTE)
+
 demo: $(STAMP)
 	$(BIN)/python tools/demo.py --out out/demo
 
 # both venvs first: the 0.16 run includes the cross-release migration tests, which use .venv312
-test: $(STAMP) $(STAMP312) $(AZURITE)
+test: $(STAMP) $(STAMP312) $(STAMPTE) $(AZURITE)
 	UCP_EXPECTED_SKIPS_ONLY=1 $(BIN)/python -m pytest -q -rs tests
 	UCP_EXPECTED_SKIPS_ONLY=1 UCP_REDUCED=1 $(BIN312)/python -m pytest -q -rs $(TESTS_MCORE19)
+	UCP_EXPECTED_SKIPS_ONLY=1 $(BINTE)/python -m pytest -q -rs $(TESTS_TE)
 
 test-mcore16: $(STAMP) $(AZURITE)
 	UCP_EXPECTED_SKIPS_ONLY=1 $(BIN)/python -m pytest -q -rs tests
 
 test-mcore19: $(STAMP312) $(AZURITE)
 	UCP_EXPECTED_SKIPS_ONLY=1 UCP_REDUCED=1 $(BIN312)/python -m pytest -q -rs $(TESTS_MCORE19)
+
+test-te: $(STAMPTE)
+	UCP_EXPECTED_SKIPS_ONLY=1 $(BINTE)/python -m pytest -q -rs $(TESTS_TE)
 
 test-full: $(STAMP) $(AZURITE)
 	UCP_FULL_MATRIX=1 $(BIN)/python -m pytest -q tests

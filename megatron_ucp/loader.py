@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from megatron_ucp import rng, storage
+from megatron_ucp import rng, storage, te_state
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats import manifest as mf
 from megatron_ucp.formats import open_megatron_ucp
@@ -25,7 +25,7 @@ from megatron_ucp.formats.manifest import RUN_HYPERPARAMETERS
 from megatron_ucp.layout import Layout
 from megatron_ucp.local_slice import read_local
 from megatron_ucp.optimizer_state import OptimizerIndex
-from megatron_ucp.param_spec import LocalParam, local_params
+from megatron_ucp.param_spec import LocalParam, legacy_moe_norm_name, local_params
 from megatron_ucp.staging import collective_device, fill
 from megatron_ucp.storage import Location, location, plan_reads
 from megatron_ucp.validation import check_load_layout, check_model_config, model_config
@@ -52,6 +52,16 @@ class LoadResult:
     param_sync_seconds: float = 0.0
     # reset_optimizer=True: the saved optimizer families whose state was dropped (weights kept)
     optimizer_reset: tuple[str, ...] = ()
+
+
+def _legacy_names(source, params: list[LocalParam]) -> None:
+    """Parameters a checkpoint of an earlier megatron-ucp holds under their earlier name (a
+    local-spec MoE layer's pre-MLP norm, `param_spec.legacy_moe_norm_name`) read from that name."""
+    saved = source.manifest.params
+    for lp in params:
+        old = legacy_moe_norm_name(lp.spec.name, saved)
+        if old is not None:
+            lp.spec = replace(lp.spec, name=old)
 
 
 def _check_params(source, params: list[LocalParam], strict: bool) -> None:
@@ -86,6 +96,23 @@ def _check_params(source, params: list[LocalParam], strict: bool) -> None:
         raise UCPError(f"{where}: the checkpoint has parameters the model lacks: {extra[:5]}"
                        f"{' ...' if len(extra) > 5 else ''} ({len(extra)} in all); build the same "
                        "architecture or pass strict=False to drop them")
+
+
+def _load_te_state(source, model_chunks: list, verify_checksums: bool) -> None:
+    """The saved FP8 state (Transformer Engine `_extra_state`) into this rank's TE modules. A model
+    without TE modules (a local-spec load of a TE run) cannot hold it: said, not silently dropped."""
+    field = source.manifest.te_state
+    if not field:
+        return
+    names = [e.name for e in te_state._entries(model_chunks)] if te_state.model_has_te() else []
+    saved = te_state.read(storage.Reader(), source.dir, field, names, verify_checksums)
+    te_state.restore(model_chunks, saved, str(source.dir))
+    held = torch.tensor([len(names)], dtype=torch.int64).to(collective_device())
+    dist.all_reduce(held, op=dist.ReduceOp.MAX)
+    if dist.get_rank() == 0 and not int(held.item()):
+        log.warning("%s: the FP8 state of %d Transformer Engine modules (%s) is not loaded: the model "
+                    "has no Transformer Engine modules", source.dir, len(field["modules"]),
+                    ", ".join(te_state.summary(field)))
 
 
 def _check_files(source) -> None:
@@ -235,6 +262,7 @@ def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: 
     check_load_layout(manifest.model, current, layout, str(source.dir))
     check_model_config(manifest.model, current, str(source.dir))
     params = local_params(model_chunks)
+    _legacy_names(source, params)
     _check_files(source)
     _check_params(source, params, strict)
 
@@ -246,6 +274,7 @@ def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: 
     t_read = time.perf_counter()
     index.copy_main_to_model(model_chunks)
     t_sync = time.perf_counter()
+    _load_te_state(source, model_chunks, verify_checksums)
     if not manifest.extra.get(RUN_HYPERPARAMETERS) and not reset_optimizer:  # (imports keep the run's)
         index.load_param_groups(manifest.optimizer["param_groups"])
     index.load_grad_scaler(manifest.optimizer.get("grad_scaler"))

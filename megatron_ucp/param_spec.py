@@ -131,11 +131,18 @@ TE_FUSED_NORMS = (
     ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_", "mlp.linear_fc1.weight"),
 )
 MLA_SIBLING = "self_attention.linear_kv_down_proj.weight"
+# The other way: megatron-core's local GPT spec maps `pre_mlp_layernorm.` to
+# `mlp.linear_fc1.layer_norm_` in every layer, MoE layers included (0.16.1 and 0.19.2,
+# `get_gpt_layer_local_spec`'s keys map), where Transformer Engine's MoE layer keeps a norm module of
+# its own (`pre_mlp_layernorm`): a MoE layer has no dense `mlp.linear_fc1.weight` to fuse it into.
+FUSED_MLP_NORM, MOE_NORM = "mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm."
+DENSE_FC1 = "mlp.linear_fc1.weight"
 
 
 def te_fused_names(names: list[str]) -> dict[str, str]:
-    """Local-spec MLA layer names -> the names Transformer Engine's spec declares for the same
-    tensors (see TE_FUSED_NORMS), for one model's universal names; other names are left alone."""
+    """Local-spec layer names -> the names Transformer Engine's spec declares for the same tensors,
+    for one model's universal names: MLA's fused norms (TE_FUSED_NORMS) and a MoE layer's pre-MLP
+    norm (MOE_NORM); other names are left alone."""
     present = set(names)
     out = {}
     for name in names:
@@ -145,7 +152,21 @@ def te_fused_names(names: list[str]) -> dict[str, str]:
                 continue
             if f"{head}.{MLA_SIBLING}" in present and f"{head}.{sibling}" in present:
                 out[name] = f"{head}.{te}{tail}"
+        head, sep, tail = name.rpartition("." + FUSED_MLP_NORM)
+        if sep and tail in ("weight", "bias") and f"{head}.{DENSE_FC1}" not in present:
+            out[name] = f"{head}.{MOE_NORM}{tail}"
     return out
+
+
+def legacy_moe_norm_name(name: str, saved: set[str] | dict) -> str | None:
+    """The name megatron-ucp before 2026-12 gave a local-spec MoE layer's pre-MLP norm
+    (`...mlp.linear_fc1.layer_norm_weight`, see MOE_NORM) when `saved` holds it under that name and
+    not the current one, else None: such checkpoints load into either spec."""
+    head, sep, tail = name.rpartition("." + MOE_NORM)
+    if not sep or tail not in ("weight", "bias") or name in saved:
+        return None
+    old = f"{head}.{FUSED_MLP_NORM}{tail}"
+    return old if old in saved and f"{head}.{DENSE_FC1}" not in saved else None
 
 
 def carries_extra_state(data) -> bool:
@@ -347,13 +368,21 @@ def _vocab_params(model) -> set[int]:
     return vocab
 
 
-def _check_object(local_key: str, entry: ShardedObject) -> None:
-    """A ShardedObject is not carried: refused where it holds state a resume would need."""
+def _check_object(model, local_key: str, entry: ShardedObject) -> None:
+    """A ShardedObject is refused where it holds state a resume would need, except a Transformer
+    Engine module's `_extra_state` (FP8 metadata), which `te_state` carries."""
+    head, sep, _ = local_key.rpartition("._extra_state")
+    if sep:
+        try:
+            if hasattr(model.get_submodule(head), "fp8_meta"):
+                return
+        except AttributeError:
+            pass
     if carries_extra_state(entry.data):
         raise UCPError(f"{local_key!r} holds extra state ({type(entry.data).__name__}, "
                        "e.g. Transformer Engine FP8 scaling factors and amax history); "
-                       "megatron-ucp carries parameters, optimizer state and buffers "
-                       "only: save from a run without FP8 metadata")
+                       "megatron-ucp carries parameters, optimizer state, buffers and "
+                       "Transformer Engine modules' FP8 state only")
 
 
 def _te_fused_names(chunk_params: list[LocalParam]) -> None:
@@ -376,7 +405,7 @@ def local_params(model_chunks: list) -> list[LocalParam]:
         seen: set[int] = set()
         for local_key, entry in declared_state_dict(model).items():
             if isinstance(entry, ShardedObject):
-                _check_object(local_key, entry)
+                _check_object(model, local_key, entry)
                 continue
             if not isinstance(entry, (ShardedTensor, ShardedTensorFactory)):
                 raise UCPError(f"{local_key!r}: unsupported sharded entry {type(entry).__name__}")

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_ucp import rng, storage
+from megatron_ucp import rng, storage, te_state
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats import manifest as mf
 from megatron_ucp.formats.fragments import (
@@ -125,6 +125,7 @@ def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: 
     params, specs = _model_specs(model_chunks)
     fragments, mine = _capture(params, specs, index, async_save)
     rng_tensors, rng_meta = rng.capture()
+    fp8_states = _gather_te_state(model_chunks)
     from megatron.core import parallel_state as ps
 
     coords = {"tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
@@ -145,6 +146,8 @@ def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: 
     dist.broadcast_object_list(outcome, src=0)
     if outcome[0]:
         raise UCPError(outcome[0])
+    if fp8_states:  # rank 0: a small file (scales and amax histories), written before the commit
+        manifest.te_state = te_state.write(target.partial, fp8_states)
     global _PENDING
     _PENDING = PendingSave(iteration, root, target, manifest, mine, fragments, t0,
                            time.perf_counter() - t0)
@@ -160,6 +163,17 @@ def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: 
         _PENDING.write(*job)
         finalize(blocking=True)
     return final
+
+
+def _gather_te_state(model_chunks: list) -> dict:
+    """Every module's FP8 state (Transformer Engine `_extra_state`), checked and gathered on rank 0
+    (empty elsewhere, and where TE is not installed)."""
+    if not te_state.model_has_te():
+        return {}
+    mine = te_state.capture(model_chunks)
+    everyone: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, everyone, dst=0)
+    return {name: st for states in everyone or [] for name, st in states.items()}
 
 
 def _prepare_root(root: Location, target: storage.Staged, iteration: int) -> str | None:

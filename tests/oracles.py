@@ -150,13 +150,15 @@ def layer_offset(args, pp: int, chunk: int) -> int:
 # --------------------------------------------------------------- Megatron-LM --ckpt-format torch
 
 
-def universal_name(local: str, layer_offset: int, expert_offset: int) -> str:
+def universal_name(local: str, layer_offset: int, expert_offset: int, moe: bool = False) -> str:
+    """moe: the layer is a MoE layer, whose pre-MLP norm keeps its name (Transformer Engine's)."""
     m = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", local)
     if not m:
         return local
     layer, rest = int(m.group(1)) + layer_offset, m.group(2)
     rest = re.sub(r"^input_layernorm\.(weight|bias)$", r"self_attention.linear_qkv.layer_norm_\1", rest)
-    rest = re.sub(r"^pre_mlp_layernorm\.(weight|bias)$", r"mlp.linear_fc1.layer_norm_\1", rest)
+    if not moe:
+        rest = re.sub(r"^pre_mlp_layernorm\.(weight|bias)$", r"mlp.linear_fc1.layer_norm_\1", rest)
     e = re.fullmatch(r"mlp\.experts\.local_experts\.(\d+)\.(.+)", rest)
     if e:
         rest = f"mlp.experts.experts.{int(e.group(1)) + expert_offset}.{e.group(2)}"
@@ -235,7 +237,9 @@ def legacy_reference(ckpt: Path) -> dict[str, dict]:
                 if local == "output_layer.weight" and tied:
                     name = WORD  # the same tensor (full_tensor checks the copies agree)
                 else:
-                    name = universal_name(local, layer_offset(args, pp, c), ep * experts_per_rank)
+                    head = local.split("pre_mlp_layernorm.")[0]
+                    name = universal_name(local, layer_offset(args, pp, c), ep * experts_per_rank,
+                                          moe=f"{head}mlp.linear_fc1.weight" not in sd)
                 d = out.setdefault(name, {"weight": [], "step": set()})
                 d["weight"].append((tp, weight))
                 d["step"] |= steps
@@ -881,7 +885,10 @@ def hf_expected(master: dict[str, torch.Tensor], arch: str, heads: int, groups: 
         for i in layers:
             m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
             out[h + "input_layernorm.weight"] = master[m + "self_attention.linear_qkv.layer_norm_weight"]
-            out[h + "post_attention_layernorm.weight"] = master[m + "mlp.linear_fc1.layer_norm_weight"]
+            # a MoE layer keeps its own pre-MLP norm; a dense MLP's is fused into fc1
+            norm = ("mlp.linear_fc1.layer_norm_weight" if have(m + "mlp.linear_fc1.weight")
+                    else "pre_mlp_layernorm.weight")
+            out[h + "post_attention_layernorm.weight"] = master[m + norm]
             for kind in ("weight", "bias"):
                 if have(m + f"self_attention.linear_qkv.{kind}"):
                     q, k, v = qkv(master[m + f"self_attention.linear_qkv.{kind}"])
@@ -1045,7 +1052,7 @@ def _gpt_oss_expected(master: dict[str, torch.Tensor], heads: int, groups: int, 
     for i in layers:
         m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
         out[h + "input_layernorm.weight"] = master[m + "self_attention.linear_qkv.layer_norm_weight"]
-        out[h + "post_attention_layernorm.weight"] = master[m + "mlp.linear_fc1.layer_norm_weight"]
+        out[h + "post_attention_layernorm.weight"] = master[m + "pre_mlp_layernorm.weight"]  # MoE layers
         for kind in ("weight", "bias"):
             q, k, v = split_qkv(master[m + f"self_attention.linear_qkv.{kind}"], heads, groups)
             out.update({h + f"self_attn.q_proj.{kind}": q, h + f"self_attn.k_proj.{kind}": k,

@@ -150,7 +150,8 @@ def test_grouped_gemm_checkpoint_resumes_as_sequential_and_grouped_mlp(converted
         assert any(n.endswith("experts.weight1") for n in local) is grouped
         checked = 0
         for name, weight in split_grouped(local, 4).items():
-            assert torch.equal(weight, tensors[f"{universal_name(name, 0, 0)}/param"].to(weight.dtype)), name
+            moe_norm = universal_name(name, 0, 0, moe=True)  # every layer a MoE layer
+            assert torch.equal(weight, tensors[f"{moe_norm}/param"].to(weight.dtype)), name
             checked += "local_experts" in name
         assert checked == 3 * 4 * 2  # layers x experts x (fc1, fc2)
     assert losses[False] == losses[True]

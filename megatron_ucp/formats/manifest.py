@@ -18,7 +18,7 @@ from itertools import chain
 from pathlib import Path
 from typing import NamedTuple
 
-from megatron_ucp import storage
+from megatron_ucp import storage, te_state
 from megatron_ucp.errors import UCPError
 from megatron_ucp.gc_pause import paused_gc
 from megatron_ucp.layout import Layout
@@ -323,7 +323,7 @@ def _nonneg_ints(values) -> bool:
 
 _REQUIRED = ("format", "version", "kind", "iteration", "layout", "layout_world_size", "model",
              "params", "optimizer", "scheduler", "extra", "seed")
-_OPTIONAL = {"fragments": ("files", "bytes"), "universal": ("converted_from",)}
+_OPTIONAL = {"fragments": ("files", "bytes", "te_state"), "universal": ("converted_from", "te_state")}
 
 
 @dataclass
@@ -342,6 +342,8 @@ class Manifest:
     bytes: int | None = None  # fragments: bytes of all rank files
     converted_from: dict | None = None  # universal: {"kind": ..., "path": ..., ...}
     version: int = VERSION
+    # Transformer Engine FP8 state: {"file": "te_state.safetensors", "modules": {...}} (te_state.write)
+    te_state: dict | None = None
 
     @classmethod
     def fragments(cls, *, iteration: int, layout: Layout, world_size: int, model: dict,
@@ -356,7 +358,7 @@ class Manifest:
         """A universal manifest with the run state of `header` (any source's manifest)."""
         return cls("universal", header.iteration, header.layout, header.layout_world_size,
                    header.model, params, header.optimizer, header.scheduler, header.extra,
-                   header.seed, converted_from=converted_from)
+                   header.seed, converted_from=converted_from, te_state=header.te_state)
 
     @property
     def true_vocab(self) -> int | None:
@@ -427,7 +429,8 @@ class Manifest:
                    check.typed(d["scheduler"], "scheduler", dict, none=True),
                    check.typed(d["extra"], "extra", dict), check.typed(d["seed"], "seed", int),
                    files, check.typed(d.get("bytes"), "bytes", int, none=True),
-                   check.typed(d.get("converted_from"), "converted_from", dict, none=True), version)
+                   check.typed(d.get("converted_from"), "converted_from", dict, none=True), version,
+                   None if d.get("te_state") is None else te_state.check_field(d["te_state"], check))
 
 
 def iteration_dir_name(iteration: int) -> str:

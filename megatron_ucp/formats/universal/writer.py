@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_ucp import te_state
 from megatron_ucp.formats import group_job
 from megatron_ucp.formats import manifest as mf
 from megatron_ucp.formats.manifest import Manifest, ParamEntry, TensorEntry
@@ -167,6 +168,7 @@ def _write_distributed(source, out: Path, specs: dict[str, ParamSpec], max_file_
         params = {n: ParamEntry(specs[n], source.step(n), tensors=entries[n])
                   for n in source.manifest.params}
         manifest = Manifest.universal(source.manifest, params, source.origin)
+        manifest.te_state = te_state.copy(source, staged.partial)
         check_written(staged.partial, specs, source, manifest)
         mf.write(staged.partial, manifest)
         staged.commit(fsync_files=False)
@@ -254,7 +256,9 @@ def write(source, out: str | Path, *, progress: Progress = True, max_file_bytes:
         if ranks:
             write_rng(partial, {r: source.rng(r) for r in ranks})
         params = {n: ParamEntry(specs[n], source.step(n), tensors=entries[n]) for n in header.params}
-        mf.write(partial, Manifest.universal(header, params, source.origin))
+        manifest = Manifest.universal(header, params, source.origin)
+        manifest.te_state = te_state.copy(source, partial)
+        mf.write(partial, manifest)
     log.info("%d parameters, %.1f MiB read, written to %s in %.2fs", len(params),
              source.bytes_read / 2**20, out, time.perf_counter() - t0)
     return out

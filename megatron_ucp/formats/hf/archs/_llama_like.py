@@ -38,11 +38,15 @@ ATTENTION: list[Entry] = [
      ("model.layers.{i}.self_attn.o_proj.weight",), ""),
     ("decoder.layers.{i}.self_attention.linear_proj.bias", "copy",
      ("model.layers.{i}.self_attn.o_proj.bias",), "linear_bias"),
-    # megatron names the pre-MLP norm after the fc1 it feeds, also in MoE layers (FORMAT.md)
-    ("decoder.layers.{i}.mlp.linear_fc1.layer_norm_weight", "copy",
+    # the pre-MLP norm: fused into a dense MLP's fc1 (DENSE_MLP), its own module in a MoE layer
+]
+MOE_NORM: list[Entry] = [
+    ("decoder.layers.{i}.pre_mlp_layernorm.weight", "copy",
      ("model.layers.{i}.post_attention_layernorm.weight",), ""),
 ]
 DENSE_MLP: list[Entry] = [
+    ("decoder.layers.{i}.mlp.linear_fc1.layer_norm_weight", "copy",
+     ("model.layers.{i}.post_attention_layernorm.weight",), ""),
     ("decoder.layers.{i}.mlp.linear_fc1.weight", "gate_up",
      ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"), ""),
     ("decoder.layers.{i}.mlp.linear_fc1.bias", "gate_up",

@@ -45,7 +45,7 @@ LAYER: list[Entry] = [
     ("{m}self_attention.core_attention.softmax_offset", "copy", ("{h}self_attn.sinks",), ""),
     ("{m}self_attention.linear_proj.weight", "copy", ("{h}self_attn.o_proj.weight",), ""),
     ("{m}self_attention.linear_proj.bias", "copy", ("{h}self_attn.o_proj.bias",), ""),
-    ("{m}mlp.linear_fc1.layer_norm_weight", "copy", ("{h}post_attention_layernorm.weight",), ""),
+    ("{m}pre_mlp_layernorm.weight", "copy", ("{h}post_attention_layernorm.weight",), ""),
     ("{m}mlp.router.weight", "copy", ("{h}mlp.router.weight",), ""),
     ("{m}mlp.router.bias", "copy", ("{h}mlp.router.bias",), ""),
 ]

@@ -5,7 +5,7 @@ checkpoint on the Hub (and transformers' save_pretrained): w1 = gate, w3 = up, w
 from __future__ import annotations
 
 from megatron_ucp.formats.hf.archs._base import ROTARY_INV_FREQ, Entry, Refuse, fail
-from megatron_ucp.formats.hf.archs._llama_like import ATTENTION, LlamaLike, check_softmax_moe
+from megatron_ucp.formats.hf.archs._llama_like import ATTENTION, MOE_NORM, LlamaLike, check_softmax_moe
 
 ROUTER: list[Entry] = [
     ("decoder.layers.{i}.mlp.router.weight", "copy", ("model.layers.{i}.block_sparse_moe.gate.weight",), ""),
@@ -26,7 +26,7 @@ class Mixtral(LlamaLike):
                    "tie_word_embeddings": False, "rope_theta": 1e6, "hidden_act": "silu",
                    "num_experts_per_tok": 2}
     ignored_hf = (ROTARY_INV_FREQ,)
-    layer = ATTENTION + ROUTER
+    layer = ATTENTION + MOE_NORM + ROUTER
     expert = EXPERT
     window_without_flag = True
 

@@ -5,7 +5,7 @@ routing. Experts in the Hub layout (transformers 5 fuses them when it loads them
 from __future__ import annotations
 
 from megatron_ucp.formats.hf.archs._base import ROTARY_INV_FREQ, Entry, Refuse
-from megatron_ucp.formats.hf.archs._llama_like import ATTENTION, check_softmax_moe
+from megatron_ucp.formats.hf.archs._llama_like import ATTENTION, MOE_NORM, check_softmax_moe
 from megatron_ucp.formats.hf.archs.qwen3 import QK_NORM, Qwen3
 
 ROUTER: list[Entry] = [
@@ -27,7 +27,7 @@ class Qwen3Moe(Qwen3):
                    "rope_theta": 10000.0, "hidden_act": "silu", "num_experts_per_tok": 8,
                    "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": []}
     ignored_hf = (ROTARY_INV_FREQ,)
-    layer = ATTENTION + QK_NORM + ROUTER
+    layer = ATTENTION + QK_NORM + MOE_NORM + ROUTER
     expert = EXPERT
     without_qk_norm = "llama or mixtral"
 
