@@ -88,7 +88,7 @@ demo: $(STAMP)
 test: $(STAMP) $(STAMP312) $(STAMPTE) $(AZURITE)
 	UCP_EXPECTED_SKIPS_ONLY=1 $(BIN)/python -m pytest -q -rs tests
 	UCP_EXPECTED_SKIPS_ONLY=1 UCP_REDUCED=1 $(BIN312)/python -m pytest -q -rs $(TESTS_MCORE19)
-	UCP_EXPECTED_SKIPS_ONLY=1 $(BINTE)/python -m pytest -q -rs $(TESTS_TE)
+	UCP_EXPECTED_SKIPS_ONLY=1 UCP_REQUIRE_TE=1 $(BINTE)/python -m pytest -q -rs $(TESTS_TE)
 
 test-mcore16: $(STAMP) $(AZURITE)
 	UCP_EXPECTED_SKIPS_ONLY=1 $(BIN)/python -m pytest -q -rs tests
@@ -97,7 +97,7 @@ test-mcore19: $(STAMP312) $(AZURITE)
 	UCP_EXPECTED_SKIPS_ONLY=1 UCP_REDUCED=1 $(BIN312)/python -m pytest -q -rs $(TESTS_MCORE19)
 
 test-te: $(STAMPTE)
-	UCP_EXPECTED_SKIPS_ONLY=1 $(BINTE)/python -m pytest -q -rs $(TESTS_TE)
+	UCP_EXPECTED_SKIPS_ONLY=1 UCP_REQUIRE_TE=1 $(BINTE)/python -m pytest -q -rs $(TESTS_TE)
 
 test-full: $(STAMP) $(AZURITE)
 	UCP_FULL_MATRIX=1 $(BIN)/python -m pytest -q tests

@@ -52,6 +52,9 @@ class LoadResult:
     param_sync_seconds: float = 0.0
     # reset_optimizer=True: the saved optimizer families whose state was dropped (weights kept)
     optimizer_reset: tuple[str, ...] = ()
+    # Transformer Engine modules of this rank whose FP8 state (scales, amax histories, recipe) was
+    # set from the checkpoint
+    fp8_modules: int = 0
 
 
 def _legacy_names(source, params: list[LocalParam]) -> None:
@@ -98,21 +101,22 @@ def _check_params(source, params: list[LocalParam], strict: bool) -> None:
                        "architecture or pass strict=False to drop them")
 
 
-def _load_te_state(source, model_chunks: list, verify_checksums: bool) -> None:
+def _load_te_state(source, model_chunks: list, verify_checksums: bool) -> int:
     """The saved FP8 state (Transformer Engine `_extra_state`) into this rank's TE modules. A model
     without TE modules (a local-spec load of a TE run) cannot hold it: said, not silently dropped."""
     field = source.manifest.te_state
     if not field:
-        return
+        return 0
     names = [e.name for e in te_state._entries(model_chunks)] if te_state.model_has_te() else []
     saved = te_state.read(storage.Reader(), source.dir, field, names, verify_checksums)
-    te_state.restore(model_chunks, saved, str(source.dir))
+    restored = te_state.restore(model_chunks, saved, str(source.dir))
     held = torch.tensor([len(names)], dtype=torch.int64).to(collective_device())
     dist.all_reduce(held, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0 and not int(held.item()):
         log.warning("%s: the FP8 state of %d Transformer Engine modules (%s) is not loaded: the model "
                     "has no Transformer Engine modules", source.dir, len(field["modules"]),
                     ", ".join(te_state.summary(field)))
+    return restored
 
 
 def _check_files(source) -> None:
@@ -274,7 +278,7 @@ def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: 
     t_read = time.perf_counter()
     index.copy_main_to_model(model_chunks)
     t_sync = time.perf_counter()
-    _load_te_state(source, model_chunks, verify_checksums)
+    fp8_modules = _load_te_state(source, model_chunks, verify_checksums)
     if not manifest.extra.get(RUN_HYPERPARAMETERS) and not reset_optimizer:  # (imports keep the run's)
         index.load_param_groups(manifest.optimizer["param_groups"])
     index.load_grad_scaler(manifest.optimizer.get("grad_scaler"))
@@ -300,4 +304,4 @@ def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: 
                  time.perf_counter() - t0, t_read - t0, t_sync - t_read)
     return LoadResult(manifest.iteration, manifest.extra, source.dir, source_layout,
                       restored, source.bytes_read, source.files_opened, source.requests,
-                      t_read - t0, t_sync - t_read, reset)
+                      t_read - t0, t_sync - t_read, reset, fp8_modules)

@@ -23,6 +23,8 @@ MCORE_RELEASES = json.loads((Path(__file__).resolve().parent.parent / "configs" 
                             .read_text())
 # Skips of tests that only one megatron-core release can run (make test runs every tested release)
 RELEASE_SKIP = "release: "
+# Skips of the Transformer Engine tests outside the TE venv (make test runs them in .venvte)
+TE_SKIP = "transformer engine: "
 
 
 def _legacy_grouped_mlp_mark():
@@ -83,7 +85,7 @@ def source_runs(tmp_path_factory) -> SourceRuns:
 # The skips `make test` expects on a CPU host (UCP_EXPECTED_SKIPS_ONLY=1 fails the run on any other,
 # so a test that silently stops running is noticed): the full transition matrix, the GPU tests, the
 # tests of the other megatron-core release, and the store cases an emulator cannot serve (named).
-EXPECTED_SKIPS = ("UCP_FULL_MATRIX=1", "needs a CUDA GPU", RELEASE_SKIP, STORE_SKIP)
+EXPECTED_SKIPS = ("UCP_FULL_MATRIX=1", "needs a CUDA GPU", RELEASE_SKIP, STORE_SKIP, TE_SKIP)
 SKIPPED: dict[str, str] = {}
 
 

@@ -70,6 +70,9 @@ def global_key(name: str, coords: dict, chunk: int) -> str:
         return name + PIPELINE_COPY
     if GROUPED.match(name):  # one fused tensor per EP rank: keep them apart
         name = f"{name}@ep{coords['ep']}"
+    # Transformer Engine's grouped linear (TEGroupedMLP) holds local expert k as `weight<k>`
+    name = re.sub(r"(.*\.mlp\.experts\.)(linear_fc[12])\.(weight|bias)(\d+)$",
+                  r"\1local_experts.\4.\2.\3", name)
     m = re.match(r"(.*\.local_experts\.)(\d+)(\..*)", name)
     if m:  # experts are numbered per EP rank
         per_rank = coords["num_experts"] // coords["ep_size"]

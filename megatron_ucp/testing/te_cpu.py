@@ -70,7 +70,7 @@ def fill_fp8_meta(model_chunks: list, recipe) -> int:
 
     entries = te_state._entries(model_chunks)
     modules = {id(e.module): e.module for e in entries}
-    with te.fp8_autocast(enabled=True, fp8_recipe=recipe):
+    with te.autocast(enabled=True, recipe=recipe):
         for m in modules.values():
             m.init_fp8_metadata(num_gemms=getattr(m, "num_gemms", 1) if te_state._is_grouped(m) else 1)
     if not recipe.delayed():
@@ -101,4 +101,6 @@ def module_fp8_states(model_chunks: list) -> dict:
             d = pickle.loads(e.data.numpy().tobytes())  # the test's own payloads (trusted)
             out[e.name] = {"recipe": repr(d["recipe"]),
                            **{k: d[k].clone() for k in te_state.DELAYED_TENSORS if k in d}}
+        elif e.module.fp8_meta.get("fp8_checkpoint") and e.module.fp8_meta.get("recipe") is not None:
+            out[e.name] = {"recipe": repr(e.module.fp8_meta["recipe"])}  # a stateless recipe
     return out

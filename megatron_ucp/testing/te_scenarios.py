@@ -14,8 +14,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_ucp as ucp
-from megatron_ucp.testing import scenarios
-from megatron_ucp.testing import te_cpu
+from megatron_ucp.testing import scenarios, te_cpu
 from megatron_ucp.testing import tiny_gpt as tg
 
 te_cpu.use_cpu_kernels()
@@ -83,4 +82,4 @@ def load(layout: str, cfg: dict, load_dir: str, dump_dir: str | None = None,
                  seed=st.config.seed, vocab_size=st.config.unpadded_vocab_size)
     te_cpu.synthetic_step(st)
     tg.destroy()
-    return {"iteration": r.iteration}
+    return {"iteration": r.iteration, "fp8_modules": r.fp8_modules}
