@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_ucp import formats, storage
+from megatron_ucp import formats, storage, te_state
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats import manifest as mf
 from megatron_ucp.storage import location
@@ -34,8 +34,10 @@ def verify(path: str | Path) -> str:
     source = formats.open_megatron_ucp(path, verify_checksums=True)
     n = source.verify()
     m = source.manifest
+    fp8 = te_state.source_states(source, verify_checksums=True)  # (each tensor's crc32 checked)
+    fp8_note = f", FP8 state of {len(fp8)} modules verified" if fp8 else ""
     report = (f"OK {source.dir}: {m.kind}, iteration {m.iteration}, {len(m.params)} "
-              f"parameters, {n} tensors verified, {source.bytes_read / 2**20:.2f} MiB read")
+              f"parameters, {n} tensors verified{fp8_note}, {source.bytes_read / 2**20:.2f} MiB read")
     root = location(path)
     stale = storage.interrupted_saves(root, mf.MANIFEST) if root != source.dir else []
     if stale:
@@ -108,6 +110,27 @@ def diff(a: str | Path, b: str | Path, trust_pickle: bool = False) -> list[Diffe
             ta = sa.read(name, state, (0,) * len(shape), shape)
             tb = sb.read(name, state, (0,) * len(shape), shape)
             out.append(_row(name, state, ta, tb, note))
+    return out + _fp8_rows(sa, sb)
+
+
+def _fp8_rows(sa, sb) -> list[Difference]:
+    """Transformer Engine FP8 state: per module its recipe (a differing recipe is an infinite row)
+    and each scale / amax history tensor."""
+    fa, fb = te_state.source_states(sa), te_state.source_states(sb)
+    out = [_missing(n, "fp8", n in fa) for n in sorted(set(fa) ^ set(fb))]
+    for name in sorted(set(fa) & set(fb)):
+        a, b = fa[name], fb[name]
+        if a.recipe != b.recipe:
+            out.append(Difference(name, "recipe", math.inf, math.inf,
+                                  f"FP8 recipe {a.recipe} vs {b.recipe}"))
+            continue
+        out += [_missing(name, k, k in a.tensors) for k in sorted(set(a.tensors) ^ set(b.tensors))]
+        for k in sorted(set(a.tensors) & set(b.tensors)):
+            if a.tensors[k].shape != b.tensors[k].shape:
+                out.append(Difference(name, k, math.inf, math.inf,
+                                      f"shape {list(a.tensors[k].shape)} vs {list(b.tensors[k].shape)}"))
+            else:
+                out.append(_row(name, k, a.tensors[k], b.tensors[k]))
     return out
 
 

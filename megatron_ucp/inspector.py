@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from megatron_ucp import formats
+from megatron_ucp import formats, te_state
 from megatron_ucp.formats import manifest as mf
 from megatron_ucp.storage import list_files, location
 
@@ -41,6 +41,7 @@ def inspect(path: str | Path, trust_pickle: bool = False) -> str:
         f"files        {len(files)} data files, {size / 2**20:.2f} MiB",
         f"extra        {m.extra}",
         *optimizer_lines(m),
+        *fp8_lines(m),
         "",
     ]
     width = max([64, *map(len, params)])  # MTP and expert names run past 64
@@ -67,6 +68,24 @@ def optimizer_lines(m: mf.Manifest) -> list[str]:
         out.append(f"             {o['family']}: {o['class']}" + (f" {hyper}" if hyper else ""))
         if o.get("note"):
             out.append(f"             note: {o['note']}")
+    return out
+
+
+def fp8_lines(m: mf.Manifest) -> list[str]:
+    """The FP8 recipes of the run's Transformer Engine modules and which modules carry FP8 state."""
+    if not m.te_state:
+        return []
+    modules = m.te_state["modules"]
+    out = [f"fp8          {', '.join(f'{r}: {n} modules' for r, n in te_state.summary(m.te_state).items())}"
+           f" ({m.te_state['file']})"]
+    layers = sorted({int(n.split(".")[2]) for n in modules if n.startswith("decoder.layers.")})
+    kinds = sorted({n.split(".", 3)[3].replace("._extra_state", "") for n in modules
+                    if n.startswith("decoder.layers.")})
+    if layers:
+        out.append(f"             layers {layers[0]}-{layers[-1]}: {', '.join(kinds)}")
+    others = sorted(n for n in modules if not n.startswith("decoder.layers."))
+    if others:
+        out.append(f"             also {', '.join(others)}")
     return out
 
 

@@ -79,6 +79,11 @@ def _check_params(source, params: list[LocalParam], strict: bool) -> None:
                            "saved run did not have: build the checkpoint's architecture")
         for k in ("shape", "tp_axis", "tp_blocks", "tp_sections"):
             theirs, mine = getattr(entry.spec, k), getattr(lp.spec, k)
+            if (k == "tp_axis" and None in (theirs, mine) and entry.spec.tp_blocks == lp.spec.tp_blocks == 1
+                    and not (entry.spec.tp_sections or lp.spec.tp_sections)):
+                # the same full tensor, split by one spec and not by the other (Transformer Engine's
+                # MLA down projections are TP-duplicated, the local spec's column-parallel)
+                continue
             if (k == "shape" and lp.spec.vocab_rows and true_vocab and theirs[1:] == mine[1:]
                     and mine[0] >= true_vocab):
                 continue  # only the vocab padding differs; read_local re-pads

@@ -245,8 +245,18 @@ def _universal_object_name(local_key: str, entry, grouped: bool) -> str:
     head, _, gemm = local_key.rpartition("._extra_state")
     key_head = entry.key.rpartition("._extra_state")[0]
     weight = f"{head}.weight{gemm or 0}" if grouped else f"{head}.weight"
-    name = universal_name(weight, f"{key_head}.weight", tuple(entry.global_offset))
-    return name[:-len("weight")] + "_extra_state"
+    offsets = tuple(entry.global_offset)
+    # A key that spells its layer index (hybrid and MTP layers, heterogeneous blocks) still gets a
+    # ShardedObject axis for it: an axis no index of the name is left for is that one, dropped.
+    for drop in range(len(offsets) + 1):
+        try:
+            name = universal_name(weight, f"{key_head}.weight", offsets[drop:])
+        except UCPError:
+            if drop == len(offsets):
+                raise
+            continue
+        return name[:-len("weight")] + "_extra_state"
+    raise AssertionError("unreachable")
 
 
 def _is_grouped(module) -> bool:
@@ -277,6 +287,11 @@ def _entries(model_chunks: list) -> list[_Entry]:
             canonical = all(r == 0 for r in (rid if isinstance(rid, tuple) else (rid,)))
             out.append(_Entry(_universal_object_name(local_key, entry, grouped), module,
                               int(gemm or 0), canonical, entry.data))
+    seen: dict[str, tuple[int, int]] = {}
+    for e in out:
+        if seen.setdefault(e.name, (id(e.module), e.gemm)) != (id(e.module), e.gemm):
+            raise UCPError(f"two Transformer Engine modules' extra states get the universal name {e.name}; "
+                           "no rule tells them apart")
     return out
 
 
@@ -430,14 +445,20 @@ def summary(field: dict | None) -> dict:
     return recipes
 
 
-def copy(source, out_dir) -> dict | None:
-    """The source checkpoint's FP8 state written under `out_dir` (a conversion); its manifest field."""
+def source_states(source, verify_checksums: bool = False) -> dict[str, ModuleState]:
+    """Every FP8 module state a source checkpoint holds (megatron-ucp's own: `te_state.safetensors`)."""
     field = source.manifest.te_state
     if not field:
-        return None
+        return {}
     from megatron_ucp.storage import Reader
 
-    return write(out_dir, read(Reader(), source.dir, field, list(field["modules"])))
+    return read(Reader(), source.dir, field, list(field["modules"]), verify_checksums)
+
+
+def copy(source, out_dir) -> dict | None:
+    """The source checkpoint's FP8 state written under `out_dir` (a conversion); its manifest field."""
+    states = source_states(source)
+    return write(out_dir, states) if states else None
 
 
 def model_has_te() -> bool:

@@ -342,8 +342,7 @@ class Manifest:
     bytes: int | None = None  # fragments: bytes of all rank files
     converted_from: dict | None = None  # universal: {"kind": ..., "path": ..., ...}
     version: int = VERSION
-    # Transformer Engine FP8 state: {"file": "te_state.safetensors", "modules": {...}} (te_state.write)
-    te_state: dict | None = None
+    te_state: dict | None = None  # Transformer Engine FP8 state (`te_state.write`), if any
 
     @classmethod
     def fragments(cls, *, iteration: int, layout: Layout, world_size: int, model: dict,
@@ -479,8 +478,7 @@ def read(ckpt_dir: Location) -> Manifest:
 
 def read_checkpoint(path: str | Path) -> tuple[Location, Manifest]:
     """(checkpoint directory, its manifest) for a checkpoint directory or a save root."""
-    ckpt = resolve(path)
-    return ckpt, read(ckpt)
+    return (ckpt := resolve(path)), read(ckpt)
 
 
 def encode(manifest: Manifest) -> str:
@@ -497,6 +495,6 @@ def write(ckpt_dir: Location, manifest: Manifest) -> None:
     storage.publish(location(ckpt_dir) / MANIFEST, encode(manifest).encode())
 
 
-__all__ = ["FORMAT", "VERSION", "MANIFEST", "STATES", "Manifest", "ParamEntry",
-           "SliceEntry", "FragmentEntry", "TensorEntry", "read", "write",
-           "resolve", "is_checkpoint", "NotACheckpoint", "encode", "iteration_dir_name"]
+__all__ = ["FORMAT", "VERSION", "MANIFEST", "STATES", "Manifest", "ParamEntry", "SliceEntry", "FragmentEntry",
+           "TensorEntry", "read", "write", "resolve", "is_checkpoint", "NotACheckpoint", "encode",
+           "iteration_dir_name"]

@@ -32,8 +32,8 @@ def _recipe(fp8: dict | None):
                                         amax_compute_algo="max")
     if kind == "tensorwise":
         return te_recipe.Float8CurrentScaling(fp8_format=te_recipe.Format.HYBRID)
-    if kind == "mxfp8":
-        return te_recipe.MXFP8BlockScaling()
+    if kind == "blockwise":
+        return te_recipe.Float8BlockScaling(fp8_format=te_recipe.Format.E4M3)
     raise ValueError(kind)
 
 

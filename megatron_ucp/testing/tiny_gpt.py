@@ -199,7 +199,7 @@ def build(cfg: TinyGPTConfig, layout: Layout) -> TrainState:
     if cfg.transformer_impl == "transformer_engine":
         layer_spec = get_gpt_layer_with_transformer_engine_spec(
             num_experts=cfg.num_experts, moe_grouped_gemm=cfg.moe_grouped_gemm,
-            qk_layernorm=cfg.qk_layernorm,
+            qk_layernorm=cfg.qk_layernorm, multi_latent_attention=tf_config.multi_latent_attention,
         )
     else:
         layer_spec = get_gpt_layer_local_spec(
