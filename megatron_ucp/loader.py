@@ -112,7 +112,7 @@ def _load_te_state(source, model_chunks: list, verify_checksums: bool) -> int:
     field = source.manifest.te_state
     if not field:
         return 0
-    names = [e.name for e in te_state._entries(model_chunks)] if te_state.model_has_te() else []
+    names = [e.name for e in te_state.module_entries(model_chunks)] if te_state.model_has_te() else []
     saved = te_state.read(storage.Reader(), source.dir, field, names, verify_checksums)
     restored = te_state.restore(model_chunks, saved, str(source.dir))
     held = torch.tensor([len(names)], dtype=torch.int64).to(collective_device())

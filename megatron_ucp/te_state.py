@@ -259,11 +259,12 @@ def _universal_object_name(local_key: str, entry, grouped: bool) -> str:
     raise AssertionError("unreachable")
 
 
-def _is_grouped(module) -> bool:
+def is_grouped(module) -> bool:
     return any(c.__name__ == "GroupedLinear" for c in type(module).__mro__)
 
 
-def _entries(model_chunks: list) -> list[_Entry]:
+def module_entries(model_chunks: list) -> list[_Entry]:
+    """Every TE module's `_extra_state` object of the chunks (one per gemm of a grouped linear)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.utils import unwrap_model
 
@@ -282,7 +283,7 @@ def _entries(model_chunks: list) -> list[_Entry]:
                 continue
             if not hasattr(module, "fp8_meta"):  # not a TE module (local layers declare None)
                 continue
-            grouped = _is_grouped(module)
+            grouped = is_grouped(module)
             rid = entry.replica_id
             canonical = all(r == 0 for r in (rid if isinstance(rid, tuple) else (rid,)))
             out.append(_Entry(_universal_object_name(local_key, entry, grouped), module,
@@ -301,9 +302,13 @@ def _module_state(e: _Entry) -> ModuleState | None:
         return state
     meta = e.module.fp8_meta
     recipe = meta.get("recipe")
-    if recipe is not None and meta.get("fp8_checkpoint") and type(recipe).__name__ in STATELESS_RECIPES:
-        return ModuleState(recipe_json(recipe, e.name), {}, "stateless")
-    return None
+    if recipe is None or not meta.get("fp8_checkpoint"):
+        return None
+    if type(recipe).__name__ not in STATELESS_RECIPES:
+        raise UCPError(f"{e.name}: its FP8 recipe {type(recipe).__name__} keeps state that Transformer "
+                       f"Engine did not write into the module's extra state; megatron-ucp carries "
+                       f"TE's built-in recipes {RECIPES}")
+    return ModuleState(recipe_json(recipe, e.name), {}, "stateless")
 
 
 def capture(model_chunks: list) -> dict[str, ModuleState]:
@@ -311,15 +316,21 @@ def capture(model_chunks: list) -> dict[str, ModuleState]:
     of each module's state (its TP / DP / expert-DP replicas, on whichever rank) is equal.
     Collective."""
     mine, digests = {}, {}
-    for e in _entries(model_chunks):
+    for e in module_entries(model_chunks):
         state = _module_state(e)
         digests[e.name] = None if state is None else state.digest()
         if state is not None and e.canonical:
             mine[e.name] = state
     everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, digests)
+    dist.all_gather_object(everyone, (digests, sorted(mine)))
+    written = {name for _, names in everyone for name in names}
+    unwritten = sorted(n for ds, _ in everyone for n, d in ds.items() if d is not None and n not in written)
+    if unwritten:  # (every rank sees the same: all raise)
+        raise UCPError(f"{unwritten[0]}: no rank holds the canonical copy (replica_id all 0) of this "
+                       f"module's FP8 state ({len(unwritten)} such modules); megatron-ucp cannot tell "
+                       "which copy to write")
     seen: dict[str, tuple[str | None, int]] = {}
-    for rank, ds in enumerate(everyone):
+    for rank, (ds, _) in enumerate(everyone):
         for name, d in ds.items():
             if name in seen and seen[name][0] != d:
                 raise UCPError(f"{name}: the Transformer Engine FP8 state of this module differs between "
@@ -335,11 +346,11 @@ def restore(model_chunks: list, saved: dict[str, ModuleState], where: str) -> in
     """Put the saved FP8 state into every TE module of this rank's chunks; returns the number of
     modules set. A module the checkpoint has no state for keeps its own (a save without FP8)."""
     by_module: dict[int, tuple[torch.nn.Module, dict[int, ModuleState]]] = {}
-    for e in _entries(model_chunks):
+    for e in module_entries(model_chunks):
         if e.name in saved:
             by_module.setdefault(id(e.module), (e.module, {}))[1][e.gemm] = saved[e.name]
     for module, gemms in by_module.values():
-        n = getattr(module, "num_gemms", 1) if _is_grouped(module) else 1
+        n = getattr(module, "num_gemms", 1) if is_grouped(module) else 1
         if sorted(gemms) != list(range(n)):
             raise UCPError(f"{where}: the checkpoint holds FP8 state for gemms {sorted(gemms)} of a "
                            f"module with {n}; it is damaged")
@@ -392,8 +403,10 @@ def write(out_dir, states: dict[str, ModuleState]) -> dict:
                         for name, st in sorted(states.items())}}
 
 
-def check_field(d, check) -> dict:
+def check_field(d, check, version: int) -> dict:
     """The manifest's `te_state` field, validated (`check` is the manifest's `_Check`)."""
+    if version < 4:
+        raise check.fail("te_state", f"is a field of format version 4, the manifest says {version}")
     check.obj(d, "te_state", ("file", "modules"))
     check.name(d["file"], "te_state.file")
     for name, m in check.typed(d["modules"], "te_state.modules", dict).items():

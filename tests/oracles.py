@@ -319,6 +319,14 @@ def model_key(name: str, stacked_layers: bool = True) -> tuple[str, tuple[int, .
     return f"decoder.layers.{rest}", index
 
 
+def megatron_key(keyed: tuple[str, tuple[int, ...]], stored) -> tuple[str, tuple[int, ...]]:
+    """The key Megatron-LM stored: the local GPT spec declares a MoE layer's pre-MLP norm under
+    the fused name `mlp.linear_fc1.layer_norm_*`, which megatron-ucp calls `pre_mlp_layernorm.*`."""
+    key, index = keyed
+    alt = key.replace("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_")
+    return (alt, index) if key not in stored and alt in stored else keyed
+
+
 def fully_reshardable_full(ckpt: Path, names: list[str], buffers: tuple[str, ...] = (),
                            stacked_layers: bool = True) -> dict[str, dict]:
     """Universal name -> {"model", state...} from a fully_reshardable torch_dist checkpoint
@@ -326,12 +334,12 @@ def fully_reshardable_full(ckpt: Path, names: list[str], buffers: tuple[str, ...
     Also asserts that the checkpoint holds no tensor these names do not account for and that the
     names fill every stacked index. `buffers` (e.g. the MoE router's expert_bias) have no optimizer
     state: their "param" is the stored value in fp32. stacked_layers: see model_key."""
-    keyed = {n: model_key(n, stacked_layers) for n in names}
+    stored = tensor_keys(ckpt)
+    keyed = {n: megatron_key(model_key(n, stacked_layers), stored) for n in names}
     model_keys = sorted({k for k, _ in keyed.values()})
     buffer_keys = {keyed[n][0] for n in buffers}
     wanted = model_keys + [f"optimizer.state.{s}.{k}" for k in model_keys if k not in buffer_keys
                            for s in STATES]
-    stored = tensor_keys(ckpt)
     assert set(stored) == set(wanted), sorted(set(stored) ^ set(wanted))
     for k in model_keys:
         indices = {i for key, i in keyed.values() if key == k}
@@ -378,11 +386,11 @@ def flattened_full(ckpt: Path, names: list[str]) -> dict[str, dict]:
     (`raw_chunks`), must tile each chunk exactly, and are put at the chunk's TP place."""
     args = load(dist_iteration(ckpt) / "common.pt")["args"]
     tp = args.tensor_model_parallel_size
-    keyed = {n: model_key(n) for n in names}
+    stored = tensor_keys(ckpt)
+    keyed = {n: megatron_key(model_key(n), stored) for n in names}
     model_keys = sorted({k for k, _ in keyed.values()})
     opt_keys = {(s, k): f"optimizer.state.{'fp32_param' if s == 'param' else s}.{k}"
                 for k in model_keys for s in STATES}
-    stored = tensor_keys(ckpt)
     assert set(stored) == set(model_keys) | set(opt_keys.values()), \
         sorted(set(stored) ^ (set(model_keys) | set(opt_keys.values())))
     chunks = raw_chunks(ckpt)

@@ -163,3 +163,29 @@ def test_te_fused_names_leave_other_models_alone():
     assert te_fused_names(mla) == {
         "mtp.layers.0.transformer_layer.self_attention.kv_layernorm.bias":
             "mtp.layers.0.transformer_layer.self_attention.linear_kv_up_proj.layer_norm_bias"}
+
+
+def test_a_moe_layers_pre_mlp_norm_takes_transformer_engines_name():
+    """megatron-core's local GPT spec declares a MoE layer's pre-MLP norm as
+    `mlp.linear_fc1.layer_norm_weight` (its keys map renames `pre_mlp_layernorm.` in every layer);
+    Transformer Engine's MoE layer keeps `pre_mlp_layernorm`. The universal name is TE's, so the
+    two specs load each other's MoE checkpoints; a dense MLP keeps the fused name. Checkpoints of
+    earlier megatron-ucp releases, which kept the local spec's name, are read under it."""
+    from megatron_ucp.param_spec import legacy_moe_norm_name, te_fused_names
+
+    names = ["decoder.layers.0.mlp.linear_fc1.layer_norm_weight", "decoder.layers.0.mlp.linear_fc1.weight",
+             "decoder.layers.1.mlp.linear_fc1.layer_norm_weight", "decoder.layers.1.mlp.router.weight",
+             "decoder.layers.1.mlp.experts.experts.0.linear_fc1.weight",
+             "mtp.layers.0.transformer_layer.mlp.linear_fc1.layer_norm_weight",
+             "mtp.layers.0.transformer_layer.mlp.experts.experts.0.linear_fc2.weight"]
+    assert te_fused_names(names) == {
+        "decoder.layers.1.mlp.linear_fc1.layer_norm_weight": "decoder.layers.1.pre_mlp_layernorm.weight",
+        "mtp.layers.0.transformer_layer.mlp.linear_fc1.layer_norm_weight":
+            "mtp.layers.0.transformer_layer.pre_mlp_layernorm.weight"}
+    old = {"decoder.layers.1.mlp.linear_fc1.layer_norm_weight": 0}
+    assert legacy_moe_norm_name("decoder.layers.1.pre_mlp_layernorm.weight", old) == \
+        "decoder.layers.1.mlp.linear_fc1.layer_norm_weight"
+    assert legacy_moe_norm_name("decoder.layers.1.pre_mlp_layernorm.weight",
+                                {**old, "decoder.layers.1.pre_mlp_layernorm.weight": 0}) is None
+    assert legacy_moe_norm_name("decoder.layers.1.pre_mlp_layernorm.weight",
+                                {**old, "decoder.layers.1.mlp.linear_fc1.weight": 0}) is None  # dense

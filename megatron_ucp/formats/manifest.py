@@ -27,9 +27,9 @@ from megatron_ucp.storage import Location, location
 from megatron_ucp.storage.save_root import NotACheckpoint
 
 FORMAT = "megatron-ucp"
-# 3: the manifest indexes every fragment (which file holds which range); 2: fragment pieces carry
-# strides; 1: blocks of rows. Versions 1 and 2 are still read (their index is in the rank files).
-VERSION = 3
+# 4: `te_state` (written as 4 only when present, else 3); 3: the manifest indexes every fragment;
+# 2: fragment pieces carry strides; 1: blocks of rows. All are still read.
+VERSION = 4
 MANIFEST = "manifest.json"
 KINDS = ("fragments", "universal")
 
@@ -364,10 +364,10 @@ class Manifest:
         return self.model.get("unpadded_vocab_size")
 
     def to_json(self) -> dict:
-        d = {"format": FORMAT, "version": self.version, "kind": self.kind,
-             "iteration": self.iteration, "layout": self.layout.to_json(),
-             "layout_world_size": self.layout_world_size, "model": self.model,
-             "params": {n: p.to_json() for n, p in self.params.items()},
+        v = self.version if self.te_state else min(self.version, 3)
+        d = {"format": FORMAT, "version": v, "kind": self.kind, "iteration": self.iteration,
+             "layout": self.layout.to_json(), "layout_world_size": self.layout_world_size,
+             "model": self.model, "params": {n: p.to_json() for n, p in self.params.items()},
              "optimizer": self.optimizer, "scheduler": self.scheduler, "extra": self.extra,
              "seed": self.seed}
         for k in _OPTIONAL[self.kind]:
@@ -429,7 +429,7 @@ class Manifest:
                    check.typed(d["extra"], "extra", dict), check.typed(d["seed"], "seed", int),
                    files, check.typed(d.get("bytes"), "bytes", int, none=True),
                    check.typed(d.get("converted_from"), "converted_from", dict, none=True), version,
-                   None if d.get("te_state") is None else te_state.check_field(d["te_state"], check))
+                   None if d.get("te_state") is None else te_state.check_field(d["te_state"], check, version))
 
 
 def iteration_dir_name(iteration: int) -> str:

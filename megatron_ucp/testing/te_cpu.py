@@ -68,11 +68,11 @@ def fill_fp8_meta(model_chunks: list, recipe) -> int:
 
     from megatron_ucp import te_state
 
-    entries = te_state._entries(model_chunks)
+    entries = te_state.module_entries(model_chunks)
     modules = {id(e.module): e.module for e in entries}
     with te.autocast(enabled=True, recipe=recipe):
         for m in modules.values():
-            m.init_fp8_metadata(num_gemms=getattr(m, "num_gemms", 1) if te_state._is_grouped(m) else 1)
+            m.init_fp8_metadata(num_gemms=getattr(m, "num_gemms", 1) if te_state.is_grouped(m) else 1)
     if not recipe.delayed():
         return len(entries)
     with torch.no_grad():
@@ -96,7 +96,7 @@ def module_fp8_states(model_chunks: list) -> dict:
     from megatron_ucp import te_state
 
     out = {}
-    for e in te_state._entries(model_chunks):
+    for e in te_state.module_entries(model_chunks):
         if torch.is_tensor(e.data) and e.data.numel():
             d = pickle.loads(e.data.numpy().tobytes())  # the test's own payloads (trusted)
             out[e.name] = {"recipe": repr(d["recipe"]),

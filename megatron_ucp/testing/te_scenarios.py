@@ -54,7 +54,7 @@ def train_and_save(layout: str, cfg: dict, steps: int, save_dir: str, fp8: dict 
     if skew_rank is not None and dist.get_rank() == skew_rank:
         from megatron_ucp import te_state
 
-        first = te_state._entries(st.model)[0].module
+        first = te_state.module_entries(st.model)[0].module
         first.fp8_meta["scaling_fwd"].scale.add_(1.0)
     if dump_dir:
         scenarios.dump_local_state(st, dump_dir)
