@@ -42,7 +42,7 @@ STAMPTE := $(VENVTE)/.installed
 TE_CACHE ?= $(HOME)/.cache/megatron-ucp
 TESTS_TE ?= tests/test_transformer_engine.py
 
-.PHONY: demo test test-mcore16 test-mcore19 test-te test-full test-gpu lint bench install install-mcore19 install-te
+.PHONY: demo test test-mcore16 test-mcore19 test-te test-full test-gpu gpu-wheels gpu-check-dry lint bench install install-mcore19 install-te
 
 $(STAMP): setup.py
 	$(call need_free,$(VENV),3,Python 3.11 with CPU torch and megatron-core 0.16)
@@ -105,6 +105,18 @@ test-full: $(STAMP) $(AZURITE)
 # On a GPU host (CUDA torch, optionally Transformer Engine): the `gpu` tests, no CPU shim.
 test-gpu:
 	$(PY) -m pytest -q -m gpu tests/test_gpu.py
+
+# The GPU check (tools/gpu/gpu_check.sh; README "GPU check"): the wheels a GPU machine without network
+# needs (megatron-core and megatron-ucp's runtime imports, for Python 3.10-3.12: tools/gpu/wheels.txt)
+# downloaded here into .whl/ (ignored: the GPU run carries it), checked against the list's bytes and
+# sha256 and against its size budget; it prints the total and what the GPU run will send.
+# GPU_PYTHONS=3.12 fetches one Python's only (3.8 MiB instead of 10.3; the image had 3.12.3).
+gpu-wheels:
+	$(PY) tools/gpu/wheels.py download $(if $(GPU_PYTHONS),--pythons "$(GPU_PYTHONS)")
+
+# What can be checked of it without a GPU (also in `make test`: tests/test_gpu_check.py)
+gpu-check-dry: $(STAMP)
+	GPU_CHECK_PYTHON=$(BIN)/python bash tools/gpu/gpu_check.sh --dry-run
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -118,8 +118,8 @@ class TrainState:
 def init_distributed(layout: Layout) -> None:
     """gloo (CPU) or NCCL (GPU) process group from RANK/WORLD_SIZE/MASTER_* env, then
     megatron-core's groups."""
-    if REAL_CUDA:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if REAL_CUDA:  # more ranks than GPUs share them (NCCL decides whether it allows that)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     if not dist.is_initialized():
         dist.init_process_group("nccl" if REAL_CUDA else "gloo")
     if dist.get_world_size() != layout.world_size:
