@@ -42,7 +42,7 @@ STAMPTE := $(VENVTE)/.installed
 TE_CACHE ?= $(HOME)/.cache/megatron-ucp
 TESTS_TE ?= tests/test_transformer_engine.py
 
-.PHONY: demo test test-mcore16 test-mcore19 test-te test-full test-gpu gpu-wheels gpu-check-dry lint bench install install-mcore19 install-te
+.PHONY: demo test test-mcore16 test-mcore19 test-te test-full test-gpu gpu-wheels gpu-check-dry gpu-tree-slim gpu-tree-restore lint bench install install-mcore19 install-te
 
 $(STAMP): setup.py
 	$(call need_free,$(VENV),3,Python 3.11 with CPU torch and megatron-core 0.16)
@@ -113,6 +113,20 @@ test-gpu:
 # GPU_PYTHONS=3.12 fetches one Python's only (3.8 MiB instead of 10.3; the image had 3.12.3).
 gpu-wheels:
 	$(PY) tools/gpu/wheels.py download $(if $(GPU_PYTHONS),--pythons "$(GPU_PYTHONS)")
+
+# The device tool sends tracked files and carried paths, 64 MiB at most; the checkpoint fixtures
+# alone are 63 MiB and the GPU check reads none of them. `gpu-tree-slim` untracks them (index only,
+# the files stay; .git/info/exclude ignores them) for the GPU session; `gpu-tree-restore` undoes it.
+FIXTURES_DIR := tests/fixtures
+gpu-tree-slim:
+	git rm -r -q --cached $(FIXTURES_DIR)
+	grep -qx '/$(FIXTURES_DIR)/' .git/info/exclude 2>/dev/null || echo '/$(FIXTURES_DIR)/' >> .git/info/exclude
+	@echo "untracked $(FIXTURES_DIR) for the GPU run; run 'make gpu-tree-restore' afterwards (never commit now)"
+
+gpu-tree-restore:
+	sed -i '\|^/$(FIXTURES_DIR)/$$|d' .git/info/exclude
+	git reset -q -- $(FIXTURES_DIR)
+	git status --short -- $(FIXTURES_DIR) | head -3
 
 # What can be checked of it without a GPU (also in `make test`: tests/test_gpu_check.py)
 gpu-check-dry: $(STAMP)
