@@ -26,6 +26,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.megatron_common import (
@@ -36,6 +37,7 @@ from megatron_ucp.formats.megatron_common import (
     world,
 )
 from megatron_ucp.formats.megatron_hybrid import build_hybrid_chunk
+from megatron_ucp.formats.megatron_te import uses_te
 from megatron_ucp.mcore_compat.config import config_kwargs_from_args, rederive_weight_shards
 from megatron_ucp.mcore_compat.mamba import (
     mamba_conv1d_is_module,
@@ -237,15 +239,44 @@ def _mla_without_te(config) -> Iterator[None]:
         mla.HAVE_TE = saved
 
 
+class _AllocateOnMeta(TorchFunctionMode):
+    """Tensors created with an explicit device (megatron-core gives TE's layers `device="cpu"`
+    under use_cpu_initialization) are made on the meta device, as the rest of the rebuild."""
+
+    def __torch_function__(self, func, types, a=(), k=None):
+        k = dict(k or {})
+        if k.get("device") is not None and str(k["device"]) != "meta":
+            k["device"] = "meta"
+        return func(*a, **k)
+
+
+@contextlib.contextmanager
+def _te_on_meta(te: bool) -> Iterator[None]:
+    """While TE's layers are built: tensors on the meta device (`_AllocateOnMeta`), and CUDA's
+    current device the index TE asks for (its norms place meta weights on `cuda:<index>`)."""
+    if not te:
+        yield
+        return
+    saved = torch.cuda.current_device
+    torch.cuda.current_device = lambda: 0
+    try:
+        with _AllocateOnMeta():
+            yield
+    finally:
+        torch.cuda.current_device = saved
+
+
 def build_chunks(args) -> list:
     """This rank's model chunks (one per VPP stage) as Megatron-LM's get_model builds them
-    (gpt_builders, local spec; MoE through the decoder block spec), Float16Module-wrapped when the
+    (gpt_builders; the local spec, TE's for a TE run where TE is usable; MoE through the decoder
+    block spec), Float16Module-wrapped when the
     run trained in fp16/bf16. Call inside `source_rank`."""
     from megatron.core.transformer.module import Float16Module
 
     config = transformer_config(args)
     vpp = layout(args).vpp
-    with grouped_gemm_importable(getattr(args, "moe_grouped_gemm", False)), _mla_without_te(config):
+    with grouped_gemm_importable(getattr(args, "moe_grouped_gemm", False)), _mla_without_te(config), \
+            _te_on_meta(uses_te(args)):
         if hybrid_layer_pattern(args):
             if vpp:
                 raise UCPError("a hybrid (Mamba) model has no virtual pipeline stages in megatron-core "
@@ -270,8 +301,9 @@ def _build_chunk(args, config, vp: int | None):
     )
 
     qk_l2_norm = getattr(args, "qk_l2_norm", False)
+    te = uses_te(args)  # a TE run with TE usable here: TE's layers, else the local spec
     if getattr(args, "num_experts", None):
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te,
                                           normalization=args.normalization, qk_l2_norm=qk_l2_norm,
                                           vp_stage=vp)
     else:
@@ -284,11 +316,11 @@ def _build_chunk(args, config, vp: int | None):
             mtp_layer_spec = _dense_layer_spec(args)
         else:
             mtp_layer_spec = get_gpt_decoder_layer_specs(
-                config, use_transformer_engine=False, normalization=args.normalization,
+                config, use_transformer_engine=te, normalization=args.normalization,
                 qk_l2_norm=qk_l2_norm, vp_stage=vp)[-1]
-        mtp_spec = get_gpt_mtp_block_spec(config, mtp_layer_spec, use_transformer_engine=False,
+        mtp_spec = get_gpt_mtp_block_spec(config, mtp_layer_spec, use_transformer_engine=te,
                                           vp_stage=vp)
-    if getattr(args, "multi_latent_attention", False):
+    if getattr(args, "multi_latent_attention", False) and not te:
         from megatron.core.transformer.dot_product_attention import DotProductAttention
 
         spec = replace_module(spec, DotProductAttention, _MLACoreAttentionSpecOnly)
@@ -312,10 +344,18 @@ def _build_chunk(args, config, vp: int | None):
 
 
 def _dense_layer_spec(args):
-    """gpt_builders' local layer spec of a dense model (the MoE switches, grouped GEMM and legacy
-    GroupedMLP, select nothing without experts)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    """gpt_builders' layer spec of a dense model: Transformer Engine's for a TE run where TE is
+    usable, else the local one (the MoE switches, grouped GEMM and legacy GroupedMLP, select
+    nothing without experts)."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
 
+    if uses_te(args):
+        return get_gpt_layer_with_transformer_engine_spec(
+            None, False, getattr(args, "qk_layernorm", False),
+            getattr(args, "multi_latent_attention", False), qk_l2_norm=getattr(args, "qk_l2_norm", False))
     return get_gpt_layer_local_spec(
         num_experts=None, qk_layernorm=getattr(args, "qk_layernorm", False),
         multi_latent_attention=getattr(args, "multi_latent_attention", False),
