@@ -26,7 +26,6 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.megatron_common import (
@@ -37,7 +36,7 @@ from megatron_ucp.formats.megatron_common import (
     world,
 )
 from megatron_ucp.formats.megatron_hybrid import build_hybrid_chunk
-from megatron_ucp.formats.megatron_te import uses_te
+from megatron_ucp.formats.megatron_te import te_on_meta, uses_te
 from megatron_ucp.mcore_compat.config import config_kwargs_from_args, rederive_weight_shards
 from megatron_ucp.mcore_compat.mamba import (
     mamba_conv1d_is_module,
@@ -239,33 +238,6 @@ def _mla_without_te(config) -> Iterator[None]:
         mla.HAVE_TE = saved
 
 
-class _AllocateOnMeta(TorchFunctionMode):
-    """Tensors created with an explicit device (megatron-core gives TE's layers `device="cpu"`
-    under use_cpu_initialization) are made on the meta device, as the rest of the rebuild."""
-
-    def __torch_function__(self, func, types, a=(), k=None):
-        k = dict(k or {})
-        if k.get("device") is not None and str(k["device"]) != "meta":
-            k["device"] = "meta"
-        return func(*a, **k)
-
-
-@contextlib.contextmanager
-def _te_on_meta(te: bool) -> Iterator[None]:
-    """While TE's layers are built: tensors on the meta device (`_AllocateOnMeta`), and CUDA's
-    current device the index TE asks for (its norms place meta weights on `cuda:<index>`)."""
-    if not te:
-        yield
-        return
-    saved = torch.cuda.current_device
-    torch.cuda.current_device = lambda: 0
-    try:
-        with _AllocateOnMeta():
-            yield
-    finally:
-        torch.cuda.current_device = saved
-
-
 def build_chunks(args) -> list:
     """This rank's model chunks (one per VPP stage) as Megatron-LM's get_model builds them
     (gpt_builders; the local spec, TE's for a TE run where TE is usable; MoE through the decoder
@@ -276,7 +248,7 @@ def build_chunks(args) -> list:
     config = transformer_config(args)
     vpp = layout(args).vpp
     with grouped_gemm_importable(getattr(args, "moe_grouped_gemm", False)), _mla_without_te(config), \
-            _te_on_meta(uses_te(args)):
+            te_on_meta(uses_te(args)):
         if hybrid_layer_pattern(args):
             if vpp:
                 raise UCPError("a hybrid (Mamba) model has no virtual pipeline stages in megatron-core "

@@ -12,11 +12,14 @@ checkpoint holds one payload per grouped linear, torch_dist one per expert (`spl
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import pickle
 import re
+from collections.abc import Iterator
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from megatron_ucp.errors import UCPError
 from megatron_ucp.te_state import (
@@ -72,6 +75,33 @@ def uses_te(args) -> bool:
     return getattr(args, "transformer_impl", "local") == "transformer_engine" and not te_unavailable()
 
 
+class _AllocateOnMeta(TorchFunctionMode):
+    """Tensors created with an explicit device (megatron-core gives TE's layers `device="cpu"`
+    under use_cpu_initialization) are made on the meta device, as the rest of the rebuild."""
+
+    def __torch_function__(self, func, types, a=(), k=None):
+        k = dict(k or {})
+        if k.get("device") is not None and str(k["device"]) != "meta":
+            k["device"] = "meta"
+        return func(*a, **k)
+
+
+@contextlib.contextmanager
+def te_on_meta(te: bool) -> Iterator[None]:
+    """While TE's layers are built: tensors on the meta device (`_AllocateOnMeta`), and CUDA's
+    current device the index TE asks for (its norms place meta weights on `cuda:<index>`)."""
+    if not te:
+        yield
+        return
+    saved = torch.cuda.current_device
+    torch.cuda.current_device = lambda: 0
+    try:
+        with _AllocateOnMeta():
+            yield
+    finally:
+        torch.cuda.current_device = saved
+
+
 def object_names(model) -> dict[str, tuple[str, str]]:
     """Every `_extra_state` ShardedObject of one unwrapped model chunk (a TE module's, or the `None`
     a local layer declares): local state-dict key -> (its torch_dist unique key, its universal
@@ -89,13 +119,7 @@ def object_names(model) -> dict[str, tuple[str, str]]:
             grouped = _is_grouped(model.get_submodule(head))
         except AttributeError:
             grouped = False
-        try:
-            name = _universal_object_name(local_key, entry, grouped)
-        except UCPError:  # a module of its own (the final norm): one object, of global shape (1,)
-            if tuple(entry.global_shape) != (1,):
-                raise
-            name = entry.key
-        out[local_key] = (entry.unique_key, name)
+        out[local_key] = (entry.unique_key, _universal_object_name(local_key, entry, grouped))
     return out
 
 
@@ -294,3 +318,19 @@ def check_read_back(back: dict[str, ModuleState], states: dict[str, ModuleState]
         wrong = sorted(n for n in set(want) | set(have) if want.get(n) != have.get(n))
         raise UCPError(f"{where}: the written Transformer Engine FP8 state differs from the source's "
                        f"for {wrong[:3]} ({len(wrong)} modules); nothing is committed")
+
+
+def export_check(check_export, source, reader, args, written: set | None = None):
+    """The `check` of a Megatron-LM writer's commit: `check_export` (megatron_common's: every tensor
+    read back with `reader`, the format's own source class), then, for a TE target, every module's
+    FP8 state read back is the source's (`check_read_back`). written (the torch writer, which fills
+    it while it writes): the modules it wrote, among which every source state must be (`unwritten`)."""
+
+    def check(d) -> None:
+        if written is not None:
+            unwritten(source.te_states(), written, args, str(source.dir))
+        opened: list = []
+        check_export(d, source, lambda path: opened.append(reader(path, progress=False)) or opened[-1])
+        check_read_back(opened[-1].te_states(), source.te_states(), args, str(d))
+
+    return check

@@ -127,8 +127,7 @@ class TorchDistSource(ReadsDcp, Source):
                            f"{sharding} optimizer; its expert state is not mapped: save the "
                            "run with --dist-ckpt-optim-fully-reshardable or --ckpt-format torch and "
                            "convert that")
-        self.sharding = sharding
-        self._objects: dict = {}  # the rebuilt model's ShardedObjects (its `_extra_state` names)
+        self.sharding, self._objects = sharding, {}  # (the rebuilt model's `_extra_state` names)
         self.plan, model_cfg = plan_model(args, self._objects)
         check_names(reader, self.plan, sharding)
         lay = layout(args)

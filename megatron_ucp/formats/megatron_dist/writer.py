@@ -56,7 +56,7 @@ from megatron_ucp.formats.megatron_dist.layout import (
     state_key,
 )
 from megatron_ucp.formats.megatron_dist.reader import TorchDistSource
-from megatron_ucp.formats.megatron_te import check_read_back, dist_objects
+from megatron_ucp.formats.megatron_te import dist_objects, export_check
 from megatron_ucp.layout import Layout
 from megatron_ucp.local_slice import read_local
 from megatron_ucp.mcore_compat.dist_ckpt import rng_shard_dp_forms
@@ -128,16 +128,7 @@ def write(source, save_dir: str | Path, target: Layout, args_template, *,
     if hybrid_layer_pattern(args):  # the buffers follow this release's Mamba parameter order
         common[UCP_COMMON_KEY] = {"mamba_conv1d_module": mamba_conv1d_is_module()}
 
-    opened: list = []
-
-    def open_back(path: Path) -> TorchDistSource:
-        opened.append(TorchDistSource(path, progress=False))
-        return opened[-1]
-
-    def read_back(d: Path) -> None:  # every tensor, and (a TE run) every module's FP8 state
-        check_export(d, source, open_back)
-        check_read_back(opened[-1].te_states(), source.te_states(), args, str(d))
-
+    read_back = export_check(check_export, source, TorchDistSource, args)  # tensors, FP8 state
     with staged_dir(out, TRACKER, check=read_back) as partial:
         iter_dir = partial / iteration_dir_name(iteration)
         iter_dir.mkdir()

@@ -42,7 +42,7 @@ from megatron_ucp.formats.megatron_legacy.layout import (
 )
 from megatron_ucp.formats.megatron_legacy.reader import LegacySource
 from megatron_ucp.formats.megatron_rebuild import build_chunks, wrap_ddp
-from megatron_ucp.formats.megatron_te import check_read_back, legacy_names, legacy_payload, unwritten
+from megatron_ucp.formats.megatron_te import export_check, legacy_names, legacy_payload
 from megatron_ucp.layout import Layout
 from megatron_ucp.local_slice import read_local
 from megatron_ucp.param_spec import local_params
@@ -81,16 +81,7 @@ def write(source, save_dir: str | Path, target: Layout, args_template,
     writers = writer_ranks(args)
     done = bar(progress, len(writers), "export-legacy", "rank")
     fp8, written = source.te_states(), set()  # Transformer Engine FP8 state, by module
-    opened: list = []
-
-    def open_back(path: Path) -> LegacySource:
-        opened.append(LegacySource(path, progress=False))
-        return opened[-1]
-
-    def read_back(d: Path) -> None:  # every tensor, and (a TE run) every module's FP8 state
-        unwritten(fp8, written, args, str(source.dir))
-        check_export(d, source, open_back)
-        check_read_back(opened[-1].te_states(), fp8, args, str(d))
+    read_back = export_check(check_export, source, LegacySource, args, written)  # tensors, FP8
 
     with staged_dir(out, TRACKER, check=read_back) as partial:
         iter_dir = partial / iteration_dir_name(iteration)
