@@ -232,7 +232,7 @@ def check_supported(args, where: Path | str) -> None:
     elif impl == "transformer_engine" and te_unavailable():
         problems.append("--transformer-impl transformer_engine: its layers are rebuilt with Transformer "
                         f"Engine, which is not usable here ({te_unavailable()}); run the conversion "
-                        "where Transformer Engine is installed")
+                        "where Transformer Engine is installed (with CUDA, which TE requires)")
     spec = getattr(args, "spec", None)
     if spec and not (hybrid_layer_pattern(args) and tuple(spec) in LOCAL_HYBRID_SPECS):
         problems.append(f"--spec {' '.join(spec)} is set" + (

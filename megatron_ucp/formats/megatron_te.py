@@ -49,6 +49,8 @@ def te_unavailable() -> str | None:
             _TE_UNAVAILABLE = "" if ext.HAVE_TE else (
                 "megatron-core imported without it (megatron.core.extensions.transformer_engine.HAVE_TE "
                 "is false: megatron-core was imported before TE could be)")
+            if not _TE_UNAVAILABLE and not torch.cuda.is_available():  # (TE's modules refuse to build)
+                _TE_UNAVAILABLE = "it is installed, but builds its modules only where CUDA is available"
     return _TE_UNAVAILABLE or None
 
 
@@ -65,8 +67,9 @@ def te_required(args, what: str) -> None:
         raise UCPError(f"{what}: the run used --transformer-impl transformer_engine, and its model "
                        "(parameter order, state-dict keys, each TE module's `_extra_state`) is rebuilt "
                        f"with Transformer Engine's layers, but Transformer Engine is not usable here "
-                       f"({why}); run the conversion where Transformer Engine is installed (the TE "
-                       "release of the target run), e.g. on a GPU node of that run")
+                       f"({why}); run the conversion where Transformer Engine is installed (with CUDA, "
+                       "which TE requires; the TE release of the target run), e.g. on a GPU node of "
+                       "that run")
 
 
 def uses_te(args) -> bool:
