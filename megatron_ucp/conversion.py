@@ -285,6 +285,9 @@ class UniversalView(Source):
     def rng_ranks(self) -> list[int]:
         return []  # a Megatron-LM run's generator states go to its writers (`run_fields`)
 
+    def te_states(self) -> dict:
+        return self.source.te_states()
+
 
 _RUN_STATE = ("model", "optimizer", "scheduler", "extra")
 

@@ -105,6 +105,9 @@ def _stand_in(name: str) -> type:
 
 
 _STAND_INS = {n: _stand_in(n) for n in (*RECIPES, "MMParams", "QParams")}
+# megatron-core's own recipe classes, subclasses of TE's that add no field: Megatron-LM's FP8 runs
+# pickle `TEDelayedScaling` (fp8_utils.get_fp8_recipe builds it for --fp8-recipe delayed)
+MCORE_RECIPES = {("megatron.core.extensions.transformer_engine", "TEDelayedScaling"): "DelayedScaling"}
 _ALLOWED = {
     ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
     ("torch._utils", "_rebuild_tensor"): torch._utils._rebuild_tensor,
@@ -124,6 +127,8 @@ class _RecipeUnpickler(pickle.Unpickler):
             return _ALLOWED[(module, name)]
         if module == RECIPE_MODULE and name in _STAND_INS:
             return _STAND_INS[name]
+        if (module, name) in MCORE_RECIPES:
+            return _STAND_INS[MCORE_RECIPES[(module, name)]]
         raise pickle.UnpicklingError(f"GLOBAL {module}.{name}")
 
 
@@ -191,8 +196,9 @@ def decode(data, where: str) -> ModuleState | None:
 
 
 def recipe_json(recipe, where: str) -> dict:
-    """A live TE recipe object -> its JSON form (the same as a decoded payload's)."""
-    out = {"class": type(recipe).__name__}
+    """A live TE recipe object -> its JSON form (the same as a decoded payload's; megatron-core's
+    subclasses, `MCORE_RECIPES`, as the TE recipe they are)."""
+    out = {"class": recipe_class(recipe)}
     for f in dataclasses.fields(recipe):
         v = getattr(recipe, f.name)
         if f.name == "_cached_repr":
@@ -203,6 +209,14 @@ def recipe_json(recipe, where: str) -> dict:
             v = recipe_json(v, where)
         out[f.name] = _jsonable(v, where)
     return out
+
+
+def recipe_class(recipe) -> str:
+    """The TE recipe class (`RECIPES`) a live recipe object is an instance of, nearest first."""
+    for cls in type(recipe).__mro__:
+        if cls.__module__ == RECIPE_MODULE and cls.__name__ in RECIPES:
+            return cls.__name__
+    return type(recipe).__name__
 
 
 def te_recipe(recipe: dict):
@@ -304,7 +318,7 @@ def _module_state(e: _Entry) -> ModuleState | None:
     recipe = meta.get("recipe")
     if recipe is None or not meta.get("fp8_checkpoint"):
         return None
-    if type(recipe).__name__ not in STATELESS_RECIPES:
+    if recipe_class(recipe) not in STATELESS_RECIPES:
         raise UCPError(f"{e.name}: its FP8 recipe {type(recipe).__name__} keeps state that Transformer "
                        f"Engine did not write into the module's extra state; megatron-ucp carries "
                        f"TE's built-in recipes {RECIPES}")
@@ -459,18 +473,21 @@ def summary(field: dict | None) -> dict:
 
 
 def source_states(source, verify_checksums: bool = False) -> dict[str, ModuleState]:
-    """Every FP8 module state a source checkpoint holds (megatron-ucp's own: `te_state.safetensors`)."""
-    field = source.manifest.te_state
+    """Every FP8 module state a source checkpoint holds: megatron-ucp's own `te_state.safetensors`
+    (each tensor's crc32 checked with `verify_checksums`), any other source's `te_states()` (a
+    Megatron-LM checkpoint's decoded `_extra_state` entries)."""
+    field = getattr(source.manifest, "te_state", None)
     if not field:
-        return {}
+        return source.te_states()
     from megatron_ucp.storage import Reader
 
     return read(Reader(), source.dir, field, list(field["modules"]), verify_checksums)
 
 
 def copy(source, out_dir) -> dict | None:
-    """The source checkpoint's FP8 state written under `out_dir` (a conversion); its manifest field."""
-    states = source_states(source)
+    """The source's FP8 state (`Source.te_states()`: any format's) written under `out_dir` (a
+    conversion); its manifest field, None when it has none."""
+    states = source.te_states()
     return write(out_dir, states) if states else None
 
 
@@ -480,3 +497,4 @@ def model_has_te() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("transformer_engine") is not None
+

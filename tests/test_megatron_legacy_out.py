@@ -282,8 +282,8 @@ def test_legacy_export_is_validated_before_commit(tmp_path, monkeypatch):
 
     target_files = legacy_writer._target_files
 
-    def lossy(t, source, model_keys):
-        models, optim = target_files(t, source, model_keys)
+    def lossy(t, source, model_keys, *fp8):
+        models, optim = target_files(t, source, model_keys, *fp8)
         models[0].pop("decoder.final_layernorm.bias", None)
         return models, optim
 

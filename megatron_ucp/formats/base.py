@@ -52,6 +52,10 @@ class Source:
       leading_runs(...): a whole tensor as byte runs of its files (copied, never decoded); None
       check_files(part, parts): check its data files against the manifest; nothing to check
       rng(rank): rank's generator states; only called for a rank of `rng_ranks()`
+      te_states(): Transformer Engine FP8 state by universal module name
+        (`decoder.layers.3.self_attention.linear_proj._extra_state` -> `te_state.ModuleState`); the
+        manifest's `te_state` (megatron-ucp's forms), {} where it has none; Megatron-LM sources
+        decode their `_extra_state` entries
     Optional without a default (declared by the sources that have them): `verify()` (megatron-ucp
     formats: every checksum), `files_opened`, `requests` and `planning_copy(reader)` (sources
     reading safetensors files through `storage.ReadsFiles`, whose reads can be planned).
@@ -90,6 +94,15 @@ class Source:
 
     def check_files(self, part: int = 0, parts: int = 1) -> None:
         return None
+
+    def te_states(self) -> dict[str, Any]:
+        field = getattr(self.manifest, "te_state", None)
+        if not field:
+            return {}
+        from megatron_ucp import te_state
+        from megatron_ucp.storage import Reader
+
+        return te_state.read(Reader(), self.dir, field, list(field["modules"]))
 
 
 @dataclass(frozen=True)

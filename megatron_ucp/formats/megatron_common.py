@@ -21,6 +21,7 @@ from megatron_ucp import storage
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.manifest import check_same_params, not_committed
 from megatron_ucp.formats.megatron_pickle import MEGATRON_HOLDS, unpickle
+from megatron_ucp.formats.megatron_te import te_unavailable
 from megatron_ucp.layout import Layout
 
 # a hybrid model's layer pattern in Megatron-LM args, whichever release's name holds it (the
@@ -225,9 +226,13 @@ def check_supported(args, where: Path | str) -> None:
     problems = []
     if getattr(args, "use_legacy_models", False):
         problems.append("--use-legacy-models (megatron.legacy GPT) is not a megatron-core model")
-    if getattr(args, "transformer_impl", "local") != "local":
-        problems.append(f"--transformer-impl {args.transformer_impl}: rebuilding TransformerEngine "
-                        "layers needs TransformerEngine, which megatron-ucp does not use")
+    impl = getattr(args, "transformer_impl", "local")
+    if impl not in ("local", "transformer_engine"):
+        problems.append(f"--transformer-impl {impl} is not rebuilt (local and transformer_engine are)")
+    elif impl == "transformer_engine" and te_unavailable():
+        problems.append("--transformer-impl transformer_engine: its layers are rebuilt with Transformer "
+                        f"Engine, which is not usable here ({te_unavailable()}); run the conversion "
+                        "where Transformer Engine is installed (with CUDA, which TE requires)")
     spec = getattr(args, "spec", None)
     if spec and not (hybrid_layer_pattern(args) and tuple(spec) in LOCAL_HYBRID_SPECS):
         problems.append(f"--spec {' '.join(spec)} is set" + (

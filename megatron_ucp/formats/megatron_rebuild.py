@@ -36,6 +36,7 @@ from megatron_ucp.formats.megatron_common import (
     world,
 )
 from megatron_ucp.formats.megatron_hybrid import build_hybrid_chunk
+from megatron_ucp.formats.megatron_te import te_on_meta, uses_te
 from megatron_ucp.mcore_compat.config import config_kwargs_from_args, rederive_weight_shards
 from megatron_ucp.mcore_compat.mamba import (
     mamba_conv1d_is_module,
@@ -239,13 +240,15 @@ def _mla_without_te(config) -> Iterator[None]:
 
 def build_chunks(args) -> list:
     """This rank's model chunks (one per VPP stage) as Megatron-LM's get_model builds them
-    (gpt_builders, local spec; MoE through the decoder block spec), Float16Module-wrapped when the
+    (gpt_builders; the local spec, TE's for a TE run where TE is usable; MoE through the decoder
+    block spec), Float16Module-wrapped when the
     run trained in fp16/bf16. Call inside `source_rank`."""
     from megatron.core.transformer.module import Float16Module
 
     config = transformer_config(args)
     vpp = layout(args).vpp
-    with grouped_gemm_importable(getattr(args, "moe_grouped_gemm", False)), _mla_without_te(config):
+    with grouped_gemm_importable(getattr(args, "moe_grouped_gemm", False)), _mla_without_te(config), \
+            te_on_meta(uses_te(args)):
         if hybrid_layer_pattern(args):
             if vpp:
                 raise UCPError("a hybrid (Mamba) model has no virtual pipeline stages in megatron-core "
@@ -270,8 +273,9 @@ def _build_chunk(args, config, vp: int | None):
     )
 
     qk_l2_norm = getattr(args, "qk_l2_norm", False)
+    te = uses_te(args)  # a TE run with TE usable here: TE's layers, else the local spec
     if getattr(args, "num_experts", None):
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te,
                                           normalization=args.normalization, qk_l2_norm=qk_l2_norm,
                                           vp_stage=vp)
     else:
@@ -284,11 +288,11 @@ def _build_chunk(args, config, vp: int | None):
             mtp_layer_spec = _dense_layer_spec(args)
         else:
             mtp_layer_spec = get_gpt_decoder_layer_specs(
-                config, use_transformer_engine=False, normalization=args.normalization,
+                config, use_transformer_engine=te, normalization=args.normalization,
                 qk_l2_norm=qk_l2_norm, vp_stage=vp)[-1]
-        mtp_spec = get_gpt_mtp_block_spec(config, mtp_layer_spec, use_transformer_engine=False,
+        mtp_spec = get_gpt_mtp_block_spec(config, mtp_layer_spec, use_transformer_engine=te,
                                           vp_stage=vp)
-    if getattr(args, "multi_latent_attention", False):
+    if getattr(args, "multi_latent_attention", False) and not te:
         from megatron.core.transformer.dot_product_attention import DotProductAttention
 
         spec = replace_module(spec, DotProductAttention, _MLACoreAttentionSpecOnly)
@@ -312,10 +316,18 @@ def _build_chunk(args, config, vp: int | None):
 
 
 def _dense_layer_spec(args):
-    """gpt_builders' local layer spec of a dense model (the MoE switches, grouped GEMM and legacy
-    GroupedMLP, select nothing without experts)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    """gpt_builders' layer spec of a dense model: Transformer Engine's for a TE run where TE is
+    usable, else the local one (the MoE switches, grouped GEMM and legacy GroupedMLP, select
+    nothing without experts)."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
 
+    if uses_te(args):
+        return get_gpt_layer_with_transformer_engine_spec(
+            None, False, getattr(args, "qk_layernorm", False),
+            getattr(args, "multi_latent_attention", False), qk_l2_norm=getattr(args, "qk_l2_norm", False))
     return get_gpt_layer_local_spec(
         num_experts=None, qk_layernorm=getattr(args, "qk_layernorm", False),
         multi_latent_attention=getattr(args, "multi_latent_attention", False),

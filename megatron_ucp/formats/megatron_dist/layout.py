@@ -39,6 +39,7 @@ from megatron_ucp.formats.megatron_rebuild import (
     source_rank,
     wrap_ddp,
 )
+from megatron_ucp.formats.megatron_te import object_names
 from megatron_ucp.mcore_compat.dist_ckpt import (  # noqa: F401  (what each release writes)
     COMMON_STATE_KEY,
     FLATTENED,
@@ -264,12 +265,18 @@ class Param:
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.spec["tp_axis"])
 
 
-def plan_model(args) -> tuple[dict[str, Param], dict]:
+def plan_model(args, objects: dict | None = None) -> tuple[dict[str, Param], dict]:
     """Universal params (in storage-key order) and the model config, from the run's model rebuilt
-    whole on one rank (TP1/PP1, world 1, rank 0)."""
+    whole on one rank (TP1/PP1, world 1, rank 0). objects: filled with every ShardedObject of that
+    model, unique key -> (its data, its universal name where it is an `_extra_state`, else None)."""
+    from megatron.core.utils import unwrap_model
+
     one = single_rank_args(args)
     with source_rank(one, 0):
         model = build_chunks(one)[0]
+        if objects is not None:
+            names = {u: n for u, n in object_names(unwrap_model(model)).values()}
+            objects.update({u: (data, names.get(u)) for u, data in sharded_objects(model).items()})
         keys = storage_keys(model)
         plan = {}
         for lp in local_params([model]):

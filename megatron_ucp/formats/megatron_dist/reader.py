@@ -69,6 +69,7 @@ from megatron_ucp.formats.megatron_dist.layout import (
     saved_mamba_conv1d_module,
     state_key,
 )
+from megatron_ucp.formats.megatron_te import dist_states, te_required
 from megatron_ucp.progress import Progress
 from megatron_ucp.spec import OPTIMIZER_STATES, STATES, ParamSpec
 
@@ -126,8 +127,8 @@ class TorchDistSource(ReadsDcp, Source):
                            f"{sharding} optimizer; its expert state is not mapped: save the "
                            "run with --dist-ckpt-optim-fully-reshardable or --ckpt-format torch and "
                            "convert that")
-        self.sharding = sharding
-        self.plan, model_cfg = plan_model(args)
+        self.sharding, self._objects = sharding, {}  # (the rebuilt model's `_extra_state` names)
+        self.plan, model_cfg = plan_model(args, self._objects)
         check_names(reader, self.plan, sharding)
         lay = layout(args)
         replica_buckets: set[str] = set()
@@ -196,6 +197,13 @@ class TorchDistSource(ReadsDcp, Source):
 
     def rng_ranks(self) -> list[int]:
         return []  # per-rank generator states are Megatron-LM's, kept by its own writers (fields)
+
+    def te_states(self) -> dict:
+        """Its `_extra_state` objects decoded (pickle-free), by universal module name."""
+        if getattr(self, "_te", None) is None:
+            self._te = dist_states(list(self.reader.meta), self.reader.obj,
+                                   {u: n for u, (_, n) in self._objects.items()}, str(self.dir))
+        return self._te
 
 
 def run_fields(load_dir: str | Path, trust_pickle: bool = False) -> RunFields:
@@ -303,10 +311,8 @@ def _plan_dp_reshardable(args, reader: DistReader, plan: dict[str, Param], chain
     lay = layout(args)
     if lay.vpp or lay.cp > 1:
         raise UCPError(f"dp_reshardable torch_dist import supports TP/PP/DP layouts only (got {lay})")
-    if getattr(args, "transformer_impl", "local") != "local":
-        raise UCPError(f"dp_reshardable flat buffers follow the parameter order of the layer spec; "
-                       f"this checkpoint used transformer_impl={args.transformer_impl!r}, which "
-                       "cannot be rebuilt here (TransformerEngine not installed)")
+    # the flat buffers follow the parameter order of the layer spec: a TE run's needs TE's layers
+    te_required(args, f"{reader.dir}: its dp_reshardable optimizer buffers")
     replica_buckets = set()
     # the saving release's Mamba conv1d form orders a hybrid model's buffers (wrap_ddp)
     for mp_rank, prefix, buffers, lps in buffer_sets(args, chained, reader.dir, mamba_conv1d_module):

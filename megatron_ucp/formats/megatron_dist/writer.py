@@ -53,11 +53,10 @@ from megatron_ucp.formats.megatron_dist.layout import (
     object_value,
     param_groups_key,
     plan_model,
-    sharded_objects,
     state_key,
 )
 from megatron_ucp.formats.megatron_dist.reader import TorchDistSource
-from megatron_ucp.formats.megatron_rebuild import build_chunks, single_rank_args, source_rank
+from megatron_ucp.formats.megatron_te import dist_objects, export_check
 from megatron_ucp.layout import Layout
 from megatron_ucp.local_slice import read_local
 from megatron_ucp.mcore_compat.dist_ckpt import rng_shard_dp_forms
@@ -129,9 +128,7 @@ def write(source, save_dir: str | Path, target: Layout, args_template, *,
     if hybrid_layer_pattern(args):  # the buffers follow this release's Mamba parameter order
         common[UCP_COMMON_KEY] = {"mamba_conv1d_module": mamba_conv1d_is_module()}
 
-    def read_back(d: Path) -> None:
-        check_export(d, source, lambda path: TorchDistSource(path, progress=False))
-
+    read_back = export_check(check_export, source, TorchDistSource, args)  # tensors, FP8 state
     with staged_dir(out, TRACKER, check=read_back) as partial:
         iter_dir = partial / iteration_dir_name(iteration)
         iter_dir.mkdir()
@@ -148,11 +145,10 @@ def write(source, save_dir: str | Path, target: Layout, args_template, *,
 
 def _plan(source, args) -> tuple[dict, dict]:
     """(universal name -> stacked key and index, extra-state objects) of the whole model rebuilt
-    on one rank from the target args, which must name exactly the source's parameters."""
-    plan, _ = plan_model(args)
-    one = single_rank_args(args)
-    with source_rank(one, 0):
-        objects = sharded_objects(build_chunks(one)[0])
+    on one rank from the target args, which must name exactly the source's parameters; a TE
+    module's `_extra_state` holds the source's FP8 state for it (`megatron_te.dist_objects`)."""
+    objects: dict = {}
+    plan, _ = plan_model(args, objects)
     saved = source.manifest.params
     missing = sorted(set(plan) - set(saved))
     if missing:
@@ -163,7 +159,7 @@ def _plan(source, args) -> tuple[dict, dict]:
     if extra:
         raise UCPError(f"{source.dir}: parameter(s) {extra[:3]} are not in the model rebuilt from "
                        "the args template; writing without them would drop state")
-    return plan, objects
+    return plan, dist_objects(objects, source.te_states(), args, str(source.dir))
 
 
 def _sharding(source, args, sharding: str | None) -> str:

@@ -60,6 +60,7 @@ from megatron_ucp.formats.megatron_rebuild import (
     source_rank,
     wrap_ddp,
 )
+from megatron_ucp.formats.megatron_te import rank_states
 from megatron_ucp.mcore_compat import mamba_state_key, missing_module_hint, saved_mamba_conv1d_form
 from megatron_ucp.param_spec import local_params
 from megatron_ucp.progress import Progress, bar
@@ -129,6 +130,7 @@ class LegacySource(Source):
                            f"{sorted(writers)}); remove them or convert the directories of one save only")
 
         self.copies: dict[str, list[_Copy]] = {}
+        self._te: dict = {}  # Transformer Engine FP8 state by universal module name
         self.specs: dict[str, ParamSpec] = {}
         model_cfg: dict = {}
         head: dict = {}  # model_optim_rng.pt of the first writer (global rank 0): scheduler, groups
@@ -147,6 +149,7 @@ class LegacySource(Source):
                 if not model_cfg:
                     model_cfg = model_config(chunks, args)
                 _collect(chunks, files, args, self.copies, self.specs)
+                rank_states(chunks, files.model, self._te, str(iter_dir / name / MODEL_FILE))
             done.update(1)
         done.close()
 
@@ -180,6 +183,10 @@ class LegacySource(Source):
 
     def rng_ranks(self) -> list[int]:
         return []  # per-rank generator states are Megatron-LM's, kept by its own writers (fields)
+
+    def te_states(self) -> dict:
+        """The TE modules' `_extra_state` entries of its rank files, decoded (pickle-free)."""
+        return self._te
 
 
 def run_fields(load_dir: str | Path, trust_pickle: bool = False) -> RunFields:

@@ -42,6 +42,7 @@ from megatron_ucp.formats.megatron_legacy.layout import (
 )
 from megatron_ucp.formats.megatron_legacy.reader import LegacySource
 from megatron_ucp.formats.megatron_rebuild import build_chunks, wrap_ddp
+from megatron_ucp.formats.megatron_te import export_check, legacy_names, legacy_payload
 from megatron_ucp.layout import Layout
 from megatron_ucp.local_slice import read_local
 from megatron_ucp.param_spec import local_params
@@ -79,8 +80,8 @@ def write(source, save_dir: str | Path, target: Layout, args_template,
     iteration = int(manifest.iteration)
     writers = writer_ranks(args)
     done = bar(progress, len(writers), "export-legacy", "rank")
-    def read_back(d: Path) -> None:
-        check_export(d, source, lambda path: LegacySource(path, progress=False))
+    fp8, written = source.te_states(), set()  # Transformer Engine FP8 state, by module
+    read_back = export_check(check_export, source, LegacySource, args, written)  # tensors, FP8
 
     with staged_dir(out, TRACKER, check=read_back) as partial:
         iter_dir = partial / iteration_dir_name(iteration)
@@ -101,7 +102,7 @@ def write(source, save_dir: str | Path, target: Layout, args_template,
                 model_keys = ["model"] if len(t.keys) == 1 else [f"model{i}" for i in range(len(t.keys))]
                 if layer_wise:  # no flat buffer: its state goes to layer_wise_optimizer_<dp>.pt
                     t.flat = [None] * len(t.flat)
-                models, optim = _target_files(t, source, model_keys)
+                models, optim = _target_files(t, source, model_keys, fp8, written)
                 # LayerWise: each DP rank's layer_wise_optimizer_<dp>.pt, DP rank 0's in the model file
                 per_dp = lw_files.rank_dir_files(source, args, name) if layer_wise else None
                 rank_args = argparse.Namespace(**{**vars(args), "rank": rank, "local_rank": rank})
@@ -139,16 +140,21 @@ class _TargetRank:
     params: list  # LocalParam
     flat: list[dict[int, tuple[tuple, int]] | None]  # per optimizer: buffer -> (dtypes, numel)
     where: dict[int, tuple[int, int, int]]  # id(param) -> (optimizer, buffer, start)
+    # per chunk: a TE module's `_extra_state` key -> the universal names of its gemms
+    extra: list[dict[str, list[str]]]
 
 
 _TENSOR = object()
+_EXTRA = object()  # a Transformer Engine module's `_extra_state`: the source's FP8 state for it
 
 
 def _inspect_target(chunks: list, args, name: str) -> _TargetRank:
     from megatron.core import parallel_state as ps
     from megatron.core.utils import unwrap_model
 
-    keys = [[(k, _TENSOR if torch.is_tensor(v) else v)
+    extra = [legacy_names(unwrap_model(c)) for c in chunks]
+    keys = [[(k, _EXTRA if k.endswith("._extra_state") and torch.is_tensor(v) else
+              _TENSOR if torch.is_tensor(v) else v)
              for k, v in unwrap_model(c).state_dict(keep_vars=True).items()] for c in chunks]
     buffers = optimizer_buffers(chunks, args)
     expert = any(c.expert_parallel_buffers for c in chunks)
@@ -161,7 +167,7 @@ def _inspect_target(chunks: list, args, name: str) -> _TargetRank:
         for b, buf in enumerate(bufs):
             for p, start in flat_offsets(buf).items():
                 where[id(p)] = (i, b, start)
-    return _TargetRank(name, keys, local_params(chunks), flat, where)
+    return _TargetRank(name, keys, local_params(chunks), flat, where, extra)
 
 
 def _layer_wise(source, args) -> bool:
@@ -180,8 +186,10 @@ def _layer_wise(source, args) -> bool:
     return False
 
 
-def _target_files(t: _TargetRank, source, model_keys: list[str]) -> tuple[list[dict], Any]:
-    """(model state dict per chunk, distrib_optim.pt object) of one target rank directory."""
+def _target_files(t: _TargetRank, source, model_keys: list[str], fp8: dict,
+                  written: set) -> tuple[list[dict], Any]:
+    """(model state dict per chunk, distrib_optim.pt object) of one target rank directory. fp8:
+    the source's FP8 states (`Source.te_states`); the names written go into `written`."""
     saved = source.manifest.params
     by_name: dict[tuple[int, str], Any] = {}
     flats: list[dict | None] = [
@@ -213,7 +221,11 @@ def _target_files(t: _TargetRank, source, model_keys: list[str]) -> tuple[list[d
     for c, keys in enumerate(t.keys):
         sd = collections.OrderedDict()
         for k, v in keys:
-            if v is _TENSOR:
+            if v is _EXTRA:  # TE's payload (empty without FP8 state, or for a module not declared)
+                gemms = t.extra[c].get(k, [])
+                v = legacy_payload(gemms, fp8, f"{model_keys[c]} {k}")
+                written.update(n for n in gemms if n in fp8)
+            elif v is _TENSOR:
                 if (c, k) not in by_name:
                     raise UCPError(f"{model_keys[c]} {k}: a tensor of the model rebuilt at the "
                                    "target that is neither a parameter nor a declared buffer; "
