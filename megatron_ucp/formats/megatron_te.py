@@ -25,9 +25,9 @@ from megatron_ucp.errors import UCPError
 from megatron_ucp.te_state import (
     DELAYED_TENSORS,
     ModuleState,
-    _is_grouped,
     _universal_object_name,
     decode,
+    is_grouped,
     te_recipe,
 )
 
@@ -119,7 +119,7 @@ def object_names(model) -> dict[str, tuple[str, str]]:
             continue
         head = local_key.rpartition("._extra_state")[0]
         try:
-            grouped = _is_grouped(model.get_submodule(head))
+            grouped = is_grouped(model.get_submodule(head))
         except AttributeError:
             grouped = False
         out[local_key] = (entry.unique_key, _universal_object_name(local_key, entry, grouped))
