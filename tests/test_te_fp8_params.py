@@ -56,9 +56,10 @@ def fp8_weights(dump_dir: Path) -> dict[str, dict]:
                 "scale_inv": s["scale_inv"]} for k, s in by_key.items()}
 
 
-@pytest.mark.parametrize("src,dst", [("tp2", "dp2")])
+@pytest.mark.parametrize("src,dst", [("tp2", "dp2"), ("dp2", "tp2")])
 def test_fp8_weights_are_rederived_from_the_saved_masters(src, dst, tmp_path):
-    """TP2 -> DP2: after the load every FP8 weight's raw bytes and scale_inv equal those that
+    """TP2 -> DP2 and DP2 -> TP2 (the masters sharded over DP: partial casts, then the uint8
+    buffer all-gathered): after the load every FP8 weight's raw bytes and scale_inv equal those that
     megatron-core derives in the saving run from the same fp32 masters and FP8 scales; masters and
     Adam moments equal the saved ones bitwise. Before, the load derived the FP8 weights before it
     restored the FP8 scales (with the fresh model's scale 1): bytes and scale_inv differed."""
