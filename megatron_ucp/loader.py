@@ -280,10 +280,14 @@ def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: 
     if not reset_optimizer:  # (a reset keeps the optimizer as built: no state until its first step)
         index.ensure_state()
     _read_regions(source, params, index, reset_optimizer)
+    # The FP8 state first: with FP8 parameters (fp8_param, --fp8-param-gather) the model's
+    # Float8Tensor weights are derived from the masters by megatron-core's own copy (its
+    # quantize_param_shard -> TE's cast_master_weights_to_fp8) with the module's FP8 scales, which
+    # are the saved ones only once restored (before, the fresh model's scale of 1 was used)
+    fp8_modules = _load_te_state(source, model_chunks, verify_checksums)
     t_read = time.perf_counter()
     index.copy_main_to_model(model_chunks)
     t_sync = time.perf_counter()
-    fp8_modules = _load_te_state(source, model_chunks, verify_checksums)
     if not manifest.extra.get(RUN_HYPERPARAMETERS) and not reset_optimizer:  # (imports keep the run's)
         index.load_param_groups(manifest.optimizer["param_groups"])
     index.load_grad_scaler(manifest.optimizer.get("grad_scaler"))

@@ -4,7 +4,11 @@ TE installs and builds its modules here, but its kernels (forward, backward, Fus
 multi-tensor ops) need a GPU. What stands in for them:
 - `use_cpu_kernels`: megatron-core picks TE's FusedAdam / FusedSGD and TE's multi-tensor kernels
   when TE is importable; these module globals are set back to torch's optimizers and megatron-core's
-  own local multi-tensor functions (what megatron-core uses without TE or Apex).
+  own local multi-tensor functions (what megatron-core uses without TE or Apex); and
+  `install_quantize_stand_ins`: TE's FP8 quantize kernels for FP8 parameters (`fp8_param=True`,
+  delayed scaling), pure torch (`te_quantize_cpu`), and DDP's synchronous param all-gathers issued
+  one by one: torch's gloo backend breaks a coalesced all_gather_into_tensor whose tensors differ in
+  dtype (the uint8 buffer of FP8 weights next to the bf16 one: the bytes come back cast).
 - `synthetic_step`: a training step without TE's forward and backward: a deterministic gradient
   (an elementwise function of each parameter's value, so the same at every layout) written into
   DDP's grad buffers, DDP's real gradient reduction, then the real megatron-core optimizer step and
@@ -40,6 +44,43 @@ def use_cpu_kernels() -> None:
     clip.l2_norm_impl = local_multi_tensor_l2_norm
     clip.multi_tensor_scale_impl = local_multi_tensor_scale
     clip.multi_tensor_scale_tensor_impl = None
+    install_quantize_stand_ins()
+
+
+def install_quantize_stand_ins() -> None:
+    """TE's Float8Quantizer cast (`tex.quantize`), `tex.fp8_transpose` and the multi-tensor scale
+    of TE's cast_master_weights_to_fp8, in pure torch (see te_quantize_cpu); DDP's synchronous
+    coalesced collectives run one by one (`_uncoalesced`)."""
+    import megatron.core.distributed.param_and_grad_buffer as pgb
+
+    from megatron_ucp.testing import te_quantize_cpu
+
+    te_quantize_cpu.install()
+    if not getattr(pgb._coalescing_manager, "_ucp_uncoalesced", False):
+        pgb._coalescing_manager = _uncoalesced(pgb._coalescing_manager)
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+def _uncoalesced(original):
+    """megatron-core's `_coalescing_manager` with synchronous ops run one by one (the same
+    collectives; gloo's coalesced all_gather_into_tensor casts tensors of mixed dtypes);
+    asynchronous ones keep torch's."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def manager(group=None, device=None, async_ops=False):
+        if async_ops:
+            with original(group, device, async_ops) as cm:
+                yield cm
+            return
+        yield _Done()
+
+    manager._ucp_uncoalesced = True
+    return manager
 
 
 def synthetic_step(state) -> None:

@@ -3,7 +3,10 @@
 Steps are `te_cpu.synthetic_step` (TE's kernels do not run on a CPU); both specs take the same
 steps, so a TE run and a local run are driven alike. `fp8` names an FP8 recipe the TE modules get
 before the save (`te_cpu.fill_fp8_meta`). Dumps: `dump_local_state` (model slices, optimizer
-shards) and `fp8.pt` per rank (every TE module's own extra state after the load).
+shards), `fp8.pt` per rank (every TE module's own extra state after the load) and, for FP8
+parameters (`fp8_param=True`), `fp8params_rank<r>.pt`: every Float8Tensor weight's raw bytes and
+scale_inv (after the load; for the saving run, after megatron-core re-derived them from the saved
+masters once the save was written: `rederive_fp8_params`).
 """
 
 from __future__ import annotations
@@ -42,6 +45,34 @@ def _dump_fp8(st, dump_dir: str) -> None:
     torch.save(te_cpu.module_fp8_states(st.model), Path(dump_dir) / f"fp8_rank{dist.get_rank()}.pt")
 
 
+def fp8_params(model_chunks: list) -> list:
+    """[(chunk index, name, Float8Tensor param)] of the chunks (FP8 parameters, `fp8_param=True`)."""
+    from megatron.core.fp8_utils import is_float8tensor
+    from megatron.core.utils import unwrap_model
+
+    return [(i, n, p) for i, chunk in enumerate(model_chunks)
+            for n, p in unwrap_model(chunk).named_parameters() if is_float8tensor(p)]
+
+
+def rederive_fp8_params(st) -> None:
+    """megatron-core's own derivation of the FP8 weights from the DistributedOptimizer's fp32
+    masters, as after a step: `_copy_main_params_to_model_params` (-> fp8_utils.quantize_param_shard
+    -> TE's cast_master_weights_to_fp8) and the forced param all-gather."""
+    for o in scenarios._leaf_optimizers(st.optimizer):
+        o._copy_main_params_to_model_params()
+    for chunk in st.model:
+        chunk.start_param_sync(force_sync=True)
+
+
+def _dump_fp8_params(st, dump_dir: str) -> int:
+    entries = [{"chunk": i, "name": n, "data": p._data.detach().clone(),
+                "scale_inv": p._scale_inv.detach().clone().reshape(-1),
+                "fp8_dtype": str(p._fp8_dtype)} for i, n, p in fp8_params(st.model)]
+    Path(dump_dir).mkdir(parents=True, exist_ok=True)
+    torch.save(entries, Path(dump_dir) / f"fp8params_rank{dist.get_rank()}.pt")
+    return len(entries)
+
+
 def train_and_save(layout: str, cfg: dict, steps: int, save_dir: str, fp8: dict | None = None,
                    dump_dir: str | None = None, skew_rank: int | None = None) -> dict:
     """`steps` synthetic steps, FP8 metadata per `fp8`, save. skew_rank: that rank's copy of the
@@ -64,8 +95,12 @@ def train_and_save(layout: str, cfg: dict, steps: int, save_dir: str, fp8: dict 
         scenarios._save(st, save_dir)
     except ucp.UCPError as e:
         error = str(e)
+    fp8_weights = 0
+    if dump_dir and fp8_params(st.model):
+        rederive_fp8_params(st)
+        fp8_weights = _dump_fp8_params(st, dump_dir)
     tg.destroy()
-    return {"fp8_entries": n, "error": error}
+    return {"fp8_entries": n, "error": error, "fp8_weights": fp8_weights}
 
 
 def load(layout: str, cfg: dict, load_dir: str, dump_dir: str | None = None,
@@ -77,6 +112,8 @@ def load(layout: str, cfg: dict, load_dir: str, dump_dir: str | None = None,
     if dump_dir:
         scenarios.dump_local_state(st, dump_dir)
         _dump_fp8(st, dump_dir)
+        if fp8_params(st.model):
+            _dump_fp8_params(st, dump_dir)
     if resave_dir:
         ucp.save(st.model, st.optimizer, st.scheduler, resave_dir, st.iteration, extra=r.extra,
                  seed=st.config.seed, vocab_size=st.config.unpadded_vocab_size)

@@ -297,6 +297,9 @@ def _finish(cfg: TinyGPTConfig, layout: Layout, tf_config: TransformerConfig, ch
         grad_reduce_in_fp32=True, overlap_grad_reduce=False,
         use_distributed_optimizer=(cfg.layer_wise_param_layout if layer_wise
                                    else cfg.use_distributed_optimizer),
+        # Megatron-LM's --fp8-param-gather sets both (TransformerConfig.fp8_param from it): the
+        # distributed optimizer then derives the FP8 weights from its masters after each step
+        fp8_param_gather=bool(getattr(tf_config, "fp8_param", False)),
     )
     layouts = _layer_wise_layouts(chunks, ddp_config) if layer_wise and cfg.layer_wise_param_layout \
         else [None] * len(chunks)
