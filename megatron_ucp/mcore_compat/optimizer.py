@@ -33,6 +33,15 @@ def copy_main_params_to_model_params(optimizer) -> None:
     optimizer._copy_main_params_to_model_params()
 
 
+def wrap_ddp_coalescing_manager(wrap) -> None:
+    """Replace the `_coalescing_manager` megatron-core's DDP param/grad buffers use by
+    `wrap(original)`, once (test stand-ins: see testing/te_cpu)."""
+    import megatron.core.distributed.param_and_grad_buffer as pgb
+
+    if not getattr(pgb._coalescing_manager, "_ucp_uncoalesced", False):
+        pgb._coalescing_manager = wrap(pgb._coalescing_manager)
+
+
 def megatron_param_groups(model_chunks: list, args) -> list[dict]:
     """The optimizer param groups megatron-core builds for `model_chunks` of the run `args`
     describe, in its order ({'params': [...], 'wd_mult': ..., ...}), as Megatron-LM's training

@@ -44,20 +44,21 @@ def use_cpu_kernels() -> None:
     clip.l2_norm_impl = local_multi_tensor_l2_norm
     clip.multi_tensor_scale_impl = local_multi_tensor_scale
     clip.multi_tensor_scale_tensor_impl = None
-    install_quantize_stand_ins()
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is not None:  # (importable without TE)
+        install_quantize_stand_ins()
 
 
 def install_quantize_stand_ins() -> None:
     """TE's Float8Quantizer cast (`tex.quantize`), `tex.fp8_transpose` and the multi-tensor scale
     of TE's cast_master_weights_to_fp8, in pure torch (see te_quantize_cpu); DDP's synchronous
     coalesced collectives run one by one (`_uncoalesced`)."""
-    import megatron.core.distributed.param_and_grad_buffer as pgb
-
+    from megatron_ucp.mcore_compat.optimizer import wrap_ddp_coalescing_manager
     from megatron_ucp.testing import te_quantize_cpu
 
     te_quantize_cpu.install()
-    if not getattr(pgb._coalescing_manager, "_ucp_uncoalesced", False):
-        pgb._coalescing_manager = _uncoalesced(pgb._coalescing_manager)
+    wrap_ddp_coalescing_manager(_uncoalesced)
 
 
 class _Done:

@@ -58,8 +58,10 @@ def rederive_fp8_params(st) -> None:
     """megatron-core's own derivation of the FP8 weights from the DistributedOptimizer's fp32
     masters, as after a step: `_copy_main_params_to_model_params` (-> fp8_utils.quantize_param_shard
     -> TE's cast_master_weights_to_fp8) and the forced param all-gather."""
+    from megatron_ucp.mcore_compat.optimizer import copy_main_params_to_model_params
+
     for o in scenarios._leaf_optimizers(st.optimizer):
-        o._copy_main_params_to_model_params()
+        copy_main_params_to_model_params(o)
     for chunk in st.model:
         chunk.start_param_sync(force_sync=True)
 
