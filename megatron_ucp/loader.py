@@ -24,6 +24,7 @@ from megatron_ucp.formats import open_megatron_ucp
 from megatron_ucp.formats.manifest import RUN_HYPERPARAMETERS
 from megatron_ucp.layout import Layout
 from megatron_ucp.local_slice import read_local
+from megatron_ucp.mcore_compat.schedules import have_transformer_engine
 from megatron_ucp.optimizer_state import OptimizerIndex
 from megatron_ucp.param_spec import LocalParam, legacy_moe_norm_name, local_params
 from megatron_ucp.staging import collective_device, fill
@@ -112,10 +113,10 @@ def _load_te_state(source, model_chunks: list, verify_checksums: bool) -> int:
     field = source.manifest.te_state
     if not field:
         return 0
-    names = [e.name for e in te_state.module_entries(model_chunks)] if te_state.model_has_te() else []
-    saved = te_state.read(storage.Reader(), source.dir, field, names, verify_checksums)
-    restored = te_state.restore(model_chunks, saved, str(source.dir))
-    held = torch.tensor([len(names)], dtype=torch.int64).to(collective_device())
+    entries = te_state.module_entries(model_chunks) if have_transformer_engine() else []
+    saved = te_state.read(storage.Reader(), source.dir, field, [e.name for e in entries], verify_checksums)
+    restored = te_state.restore(entries, saved, str(source.dir))
+    held = torch.tensor([len(entries)], dtype=torch.int64).to(collective_device())
     dist.all_reduce(held, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0 and not int(held.item()):
         log.warning("%s: the FP8 state of %d Transformer Engine modules (%s) is not loaded: the model "

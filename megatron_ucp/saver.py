@@ -48,6 +48,7 @@ from megatron_ucp.formats.fragments import (
 from megatron_ucp.formats.manifest import Manifest
 from megatron_ucp.gc_pause import paused_gc
 from megatron_ucp.layout import Layout
+from megatron_ucp.mcore_compat.schedules import have_transformer_engine
 from megatron_ucp.optimizer_state import OptimizerIndex
 from megatron_ucp.param_spec import local_params
 from megatron_ucp.staging import HostStager, collective_device, steps_to_floats
@@ -168,7 +169,7 @@ def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: 
 def _gather_te_state(model_chunks: list) -> dict:
     """Every module's FP8 state (Transformer Engine `_extra_state`), checked and gathered on rank 0
     (empty elsewhere, and where TE is not installed)."""
-    if not te_state.model_has_te():
+    if not have_transformer_engine():
         return {}
     mine = te_state.capture(model_chunks)
     everyone: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None

@@ -356,11 +356,12 @@ def capture(model_chunks: list) -> dict[str, ModuleState]:
     return mine
 
 
-def restore(model_chunks: list, saved: dict[str, ModuleState], where: str) -> int:
-    """Put the saved FP8 state into every TE module of this rank's chunks; returns the number of
-    modules set. A module the checkpoint has no state for keeps its own (a save without FP8)."""
+def restore(entries: list[_Entry], saved: dict[str, ModuleState], where: str) -> int:
+    """Put the saved FP8 state into the TE modules of `entries` (`module_entries` of this rank's
+    chunks); returns the number of modules set. A module the checkpoint has no state for keeps its
+    own (a save without FP8)."""
     by_module: dict[int, tuple[torch.nn.Module, dict[int, ModuleState]]] = {}
-    for e in module_entries(model_chunks):
+    for e in entries:
         if e.name in saved:
             by_module.setdefault(id(e.module), (e.module, {}))[1][e.gemm] = saved[e.name]
     for module, gemms in by_module.values():
@@ -489,12 +490,4 @@ def copy(source, out_dir) -> dict | None:
     conversion); its manifest field, None when it has none."""
     states = source.te_states()
     return write(out_dir, states) if states else None
-
-
-def model_has_te() -> bool:
-    """Whether Transformer Engine is importable here (then every rank of the run has it): the FP8
-    collectives of a save run only then."""
-    import importlib.util
-
-    return importlib.util.find_spec("transformer_engine") is not None
 
