@@ -40,7 +40,8 @@ VENVTE := .venvte
 BINTE := $(VENVTE)/bin
 STAMPTE := $(VENVTE)/.installed
 TE_CACHE ?= $(HOME)/.cache/megatron-ucp
-TESTS_TE ?= tests/test_transformer_engine.py tests/test_megatron_lm_te.py tests/test_te_fp8_params.py
+TESTS_TE ?= tests/test_transformer_engine.py tests/test_megatron_lm_te.py tests/test_te_fp8_params.py \
+            tests/test_precision_aware.py
 
 .PHONY: demo test test-mcore16 test-mcore19 test-te test-full test-gpu gpu-wheels gpu-check-dry gpu-tree-slim gpu-tree-restore lint bench install install-mcore19 install-te
 

@@ -222,7 +222,7 @@ def _read_regions(source, params: list[LocalParam], index: OptimizerIndex,
                 lp.region(lp.param).copy_(read_local(source, lp, "param", 0, lp.numel))
                 continue
             shard, a, b = region
-            live = index.states(lp.param, weights_only=reset_optimizer)
+            live = index.states(lp.param, weights_only=reset_optimizer, load=True)
             for s in states:
                 fill(live[s][a - shard[0]:b - shard[0]],
                      partial(read_local, source, lp, s, a - lp.base, b - lp.base))
@@ -234,6 +234,7 @@ def _read_regions(source, params: list[LocalParam], index: OptimizerIndex,
                 _set_step(index, source, *shards.pop(id(lp.param)))
     for param, shard, steps in shards.values():  # regions that do not tile their shard
         _set_step(index, source, param, shard, steps)
+    index.flush()
 
 
 def _resolve_once(path: str | Path) -> Location:
@@ -298,10 +299,12 @@ def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: 
 
     source_layout = manifest.layout
     same = source_layout == layout
-    if dist.get_rank() == 0 and source_layout.tp != layout.tp:
+    if dist.get_rank() == 0 and not same:
         for o in manifest.optimizer.get("optimizers", []):
-            if o.get("note"):  # e.g. blockwise Muon: the same state, another update rule
-                log.warning("%s: TP %d -> %d: %s", o["class"], source_layout.tp, layout.tp, o["note"])
+            # blockwise Muon (the same state, another update rule) at another TP; scaled fp16 / fp8
+            # states (rescaled over the new shards) at any other layout
+            if o.get("note") and (o["family"] != "muon" or source_layout.tp != layout.tp):
+                log.warning("%s: %s -> %s: %s", o["class"], source_layout, layout, o["note"])
     rng_tensors, rng_meta = source.rng(dist.get_rank()) if same else ({}, {})
     if rng_tensors:
         restored = rng.restore(rng_tensors, rng_meta)

@@ -21,6 +21,10 @@ methods, called only through `mcore_compat.optimizer`).
 The Adam step lives in one of two places: torch's Adam/AdamW keep a `step` tensor in every
 parameter's state; Transformer Engine's and Apex's FusedAdam (what megatron-core picks when either
 is installed) keep one `step` per param group. Both are read and written here.
+
+The precision-aware optimizer (`--use-precision-aware-optimizer`, TE's FusedAdam inside the
+DistributedOptimizer) keeps its state in its own dtypes; the universal form holds their fp32 values
+(`_PrecisionAwareUnit`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDevice
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
 
+from megatron_ucp import precision_aware
 from megatron_ucp.errors import UCPError
 from megatron_ucp.mcore_compat import optimizer as mcore_optimizer
 from megatron_ucp.spec import OPTIMIZER_STATES
@@ -81,10 +86,16 @@ def family(torch_optimizer, group: dict) -> str:
 
 
 def hyperparameters(torch_optimizer) -> dict:
-    """What changes an optimizer's maths besides its param groups (recorded, shown by inspect)."""
+    """What changes an optimizer's maths besides its param groups, and the dtypes its state is
+    kept in (recorded, shown by inspect)."""
     out = {}
-    for attr in ("tp_mode", "split_qkv"):  # megatron-core's TensorParallelMuon
+    attrs = ["tp_mode", "split_qkv"]  # megatron-core's TensorParallelMuon
+    if getattr(torch_optimizer, "master_weights", False):  # TE FusedAdam, precision-aware
+        attrs += ["exp_avg_dtype", "exp_avg_sq_dtype", "master_weight_dtype", "store_param_remainders"]
+    for attr in attrs:
         v = getattr(torch_optimizer, attr, None)
+        if isinstance(v, torch.dtype):
+            v = str(v).removeprefix("torch.")
         if isinstance(v, (bool, int, float, str)):
             out[attr] = v
     return out
@@ -134,6 +145,13 @@ class _Unit:
                     self.torch_optimizer, (torch.optim.Adam, torch.optim.AdamW)):
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
 
+    def load_tensors(self, param, weights_only: bool) -> dict[str, torch.Tensor]:
+        """The tensors a load fills (`flush` then hands them to the optimizer): its own."""
+        return self.tensors(param)
+
+    def flush(self) -> None:
+        pass
+
     def copy_main_to_model(self) -> None:
         pass  # the main params are the model's (fp32) or copied by the wrapper (Float16)
 
@@ -180,6 +198,37 @@ class _DistributedUnit(_Unit):
                     if inner is not p:
                         inner.copy_(p)
         mcore_optimizer.copy_main_params_to_model_params(self.wrapper)
+
+
+class _PrecisionAwareUnit(_DistributedUnit):
+    """`--use-precision-aware-optimizer`: TE's FusedAdam holds the state in its own dtypes; the
+    universal form and a load's staging hold their fp32 values (`precision_aware`)."""
+
+    def __init__(self, opt: DistributedOptimizer) -> None:
+        super().__init__(opt)
+        if isinstance(self.torch_optimizer, HybridDeviceOptimizer):
+            raise UCPError("the precision-aware optimizer (--use-precision-aware-optimizer) with "
+                           "--optimizer-cpu-offload is not supported by megatron-ucp: train with one "
+                           "of them, or resume weights only (load(..., reset_optimizer=True))")
+        self._staged: dict = {}
+
+    def _shard(self, param) -> torch.Tensor:  # FusedAdam's param: a view of the model's weight
+        gi, go = self.wrapper.model_param_group_index_map[param]
+        return self.torch_optimizer.param_groups[gi]["params"][go]
+
+    def tensors(self, param):
+        return precision_aware.read(self.torch_optimizer, self._shard(param))
+
+    def load_tensors(self, param, weights_only: bool):
+        if param not in self._staged:
+            self._staged[param] = precision_aware.stage(self.torch_optimizer, self._shard(param),
+                                                        weights_only)
+        return self._staged[param]
+
+    def flush(self) -> None:
+        for param, staged in self._staged.items():
+            precision_aware.write(self.torch_optimizer, self._shard(param), staged)
+        self._staged.clear()
 
 
 class _ReplicatedUnit(_Unit):
@@ -245,11 +294,8 @@ def _units(optimizer) -> list[_Unit]:
         if type(o).__name__ == "LayerWiseDistributedOptimizer":
             units += _layer_wise_units(o)
         elif isinstance(o, DistributedOptimizer):
-            if o.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
-                raise UCPError("precision-aware optimizer state (--use-precision-aware-optimizer) "
-                               "is not supported by megatron-ucp yet: train without it, or resume "
-                               "weights only (load(..., reset_optimizer=True))")
-            units.append(_DistributedUnit(o))
+            precision_aware = o.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+            units.append(_PrecisionAwareUnit(o) if precision_aware else _DistributedUnit(o))
         elif isinstance(o, (Float16OptimizerWithFloat16Params, FP32Optimizer)):
             units.append(_ReplicatedUnit(o, o.optimizer))
         elif getattr(o, "chained_optimizers", None):
@@ -321,13 +367,15 @@ class OptimizerIndex:
             u.ensure_state()
 
     def states(self, param: torch.nn.Parameter, weights_only: bool = False,
-               missing: str = "for a parameter; call ensure_state()") -> dict[str, torch.Tensor]:
+               missing: str = "for a parameter; call ensure_state()",
+               load: bool = False) -> dict[str, torch.Tensor]:
         """This rank's range of `param`'s master weight and optimizer states: the optimizer's own
         tensors (flat, on its device), which a load fills in place (`set_step` then sets the step).
         weights_only: the master weight alone (the state may not exist yet); missing: what the
-        error says after the missing states' names."""
+        error says after the missing states' names. load: the tensors a load fills, handed to the
+        optimizer by `flush` (fp32 stand-ins of the precision-aware optimizer's own)."""
         u = self.owner[param]
-        tensors = u.tensors(param)
+        tensors = u.load_tensors(param, weights_only) if load else u.tensors(param)
         if weights_only:
             return {"param": tensors["param"]}
         fam = u.family(param)
@@ -353,6 +401,11 @@ class OptimizerIndex:
             old = group["step"]
             group["step"] = torch.full_like(old, int(step)) if torch.is_tensor(old) else int(step)
 
+    def flush(self) -> None:
+        """Hand what a load filled (`states(..., load=True)`) to the optimizers."""
+        for u in self.units:
+            u.flush()
+
     def param_groups(self) -> list[dict]:
         """JSON-able hyper-parameters of every param group, in order (no tensors, no params)."""
         out = []
@@ -377,6 +430,8 @@ class OptimizerIndex:
             if hyper.get("tp_mode") == "blockwise":
                 entry["note"] = ("blockwise Muon orthogonalises each TP shard on its own: at another "
                                  "TP size the state continues exactly but the update rule differs")
+            if note := precision_aware.note(hyper):
+                entry["note"] = note
             out.append(entry)
         return out
 

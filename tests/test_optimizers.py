@@ -200,3 +200,20 @@ def test_muon_and_adam_groups_keep_their_own_hyperparameters():
     assert muon and adam and any(g["wd_mult"] == muon[0]["wd_mult"] for g in adam)
     assert {g["weight_decay"] for g in muon} == {0.5}
     assert 0.5 not in {g["weight_decay"] for g in adam}, groups
+
+
+def test_megatron_lm_precision_aware_checkpoints_are_refused_by_name():
+    """A Megatron-LM checkpoint of a --use-precision-aware-optimizer run keeps TE FusedAdam's own
+    state (int16 remainders as `param`): not read or written yet, refused by the flag's name (the
+    live save and load of such a run: tests/test_precision_aware.py)."""
+    import argparse
+
+    from megatron_ucp.errors import UCPError
+    from megatron_ucp.formats.megatron_common import check_supported
+
+    args = argparse.Namespace(use_distributed_optimizer=True, world_size=1,
+                              tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    check_supported(args, "ckpt")
+    args.use_precision_aware_optimizer = True
+    with pytest.raises(UCPError, match="ckpt: cannot import .*--use-precision-aware-optimizer is set"):
+        check_supported(args, "ckpt")

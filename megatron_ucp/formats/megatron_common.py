@@ -239,7 +239,8 @@ def check_supported(args, where: Path | str) -> None:
             f" (a hybrid model's stack is rebuilt with megatron-core's local layers, as "
             f"`--spec {' '.join(LOCAL_HYBRID_SPECS[0])}` builds it; other specs are not)"
             if hybrid_layer_pattern(args) else ""))
-    for flag in ("yaml_cfg", "heterogeneous_layers_config_path", "experimental_attention_variant"):
+    for flag in ("yaml_cfg", "heterogeneous_layers_config_path", "experimental_attention_variant",
+                 "use_precision_aware_optimizer"):
         if getattr(args, flag, None):
             problems.append(f"--{flag.replace('_', '-')} is set")
     if not getattr(args, "use_distributed_optimizer", False) and not getattr(
@@ -475,8 +476,7 @@ def rng_for(rng_state: dict | list, *keys) -> Any:
 YARN_FROM_ARGS = (
     ("yarn_rotary_scaling_factor", "rotary_scaling_factor", 1.0),
     ("yarn_original_max_position_embeddings", "yarn_original_max_position_embeddings", 4096),
-    ("yarn_beta_fast", "yarn_beta_fast", 32.0),
-    ("yarn_beta_slow", "yarn_beta_slow", 1.0),
+    ("yarn_beta_fast", "yarn_beta_fast", 32.0), ("yarn_beta_slow", "yarn_beta_slow", 1.0),
     ("yarn_mscale", "mscale", 1.0),
     ("yarn_mscale_all_dim", "mscale_all_dim", 0.0),
     ("yarn_correction_range_round_to_int", "yarn_correction_range_round_to_int", True),

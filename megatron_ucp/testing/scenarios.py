@@ -55,8 +55,13 @@ def _optimizer_entry(opts: list, p: torch.nn.Parameter) -> dict | None:
             if p not in o.model_param_group_index_map:
                 continue
             start, end = mcore_optimizer.param_range(o, p)
-            s = mcore_optimizer.main_param_and_optimizer_states(o, p)
-            group = o.optimizer.param_groups[o.model_param_group_index_map[p][0]]
+            s = dict(mcore_optimizer.main_param_and_optimizer_states(o, p))
+            gi, go = o.model_param_group_index_map[p]
+            group = o.optimizer.param_groups[gi]
+            if s["param"].dtype == torch.int16:  # precision-aware: the remainder of a bf16 weight
+                from megatron_ucp.testing.te_fused_adam_cpu import join_master
+
+                s["param"] = join_master(group["params"][go].detach(), s["param"])
         else:  # the full state of p in the torch optimizer (its fp32 copy: main_param)
             torch_opt = getattr(o, "optimizer", o)
             main = getattr(p, "main_param", p)

@@ -9,6 +9,9 @@ multi-tensor ops) need a GPU. What stands in for them:
   delayed scaling), pure torch (`te_quantize_cpu`), and DDP's synchronous param all-gathers issued
   one by one: torch's gloo backend breaks a coalesced all_gather_into_tensor whose tensors differ in
   dtype (the uint8 buffer of FP8 weights next to the bf16 one: the bytes come back cast).
+- `use_te_fused_adam`: the other way for the precision-aware optimizer, which only TE's FusedAdam
+  implements: megatron-core keeps TE's FusedAdam, whose elementwise kernels run on the CPU
+  (`te_fused_adam_cpu`).
 - `synthetic_step`: a training step without TE's forward and backward: a deterministic gradient
   (an elementwise function of each parameter's value, so the same at every layout) written into
   DDP's grad buffers, DDP's real gradient reduction, then the real megatron-core optimizer step and
@@ -48,6 +51,20 @@ def use_cpu_kernels() -> None:
 
     if importlib.util.find_spec("transformer_engine") is not None:  # (importable without TE)
         install_quantize_stand_ins()
+
+
+def use_te_fused_adam() -> None:
+    """megatron-core builds TE's FusedAdam again (after `use_cpu_kernels`), with its kernels'
+    CPU stand-ins: `--use-precision-aware-optimizer` runs need it."""
+    import megatron.core.optimizer as opt
+    import megatron.core.optimizer.distrib_optimizer as dist_opt
+    from transformer_engine.pytorch.optimizers import FusedAdam
+
+    from megatron_ucp.testing import te_fused_adam_cpu
+
+    te_fused_adam_cpu.install()
+    opt.Adam, opt.USING_PYTORCH_OPTIMIZER = FusedAdam, False
+    dist_opt.Adam, dist_opt.HAVE_APEX_OR_TE, dist_opt.USING_TE_OPTIMIZER = FusedAdam, True, True
 
 
 def install_quantize_stand_ins() -> None:

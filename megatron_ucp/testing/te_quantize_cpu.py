@@ -18,6 +18,9 @@ What each replaces (TE 2.20.2; the CUDA kernels need a GPU):
     inf (e5m2) past the format's max, so the product is clamped to +-max first (NaN stays NaN; the
     NaN byte pattern itself is torch's, not checked against CUDA's);
   * `noop_flag` (a tensor, 1 = skip) honoured as the kernel does.
+- `transformer_engine_torch.create_empty_quantized_tensor(quantizer, shape, dtype, device, pin)`
+  (`Quantizer.make_empty`; FusedAdam's fp8 moments, `--exp-avg-dtype fp8`): a Float8Quantizer's
+  uninitialised Float8Tensor with the buffers above, on the host;
 - `transformer_engine_torch.fp8_transpose(input, dtype, out=None)` (csrc/extensions/transpose.cpp,
   `nvte_transpose`): the bytes viewed as [M = numel / last, N = last] written transposed, [N, M],
   into `out` (shape [last, rest...] when created); called by `Float8TensorStorage._create_transpose`
@@ -83,22 +86,7 @@ def float8_quantize(tensor: torch.Tensor, quantizer, output=None, noop_flag=None
     need_transpose = quantizer.columnwise_usage and not non_tn
     if output is None:
         shape = list(x.shape)
-        data = torch.empty(shape, dtype=torch.uint8, device=x.device) if need_data else None
-        transpose = (torch.empty(_transpose_shape(shape), dtype=torch.uint8, device=x.device)
-                     if need_transpose else None)
-        scale_inv = torch.reciprocal(quantizer.scale)
-        if quantizer.internal:
-            from transformer_engine.pytorch.tensor.storage.float8_tensor_storage import (
-                Float8TensorStorage,
-            )
-
-            output = Float8TensorStorage(data=data, fp8_scale_inv=scale_inv, fp8_dtype=quantizer.dtype,
-                                         data_transpose=transpose, quantizer=quantizer,
-                                         fake_dtype=x.dtype)
-        else:
-            output = Float8Tensor(shape=shape, dtype=x.dtype, data=data, fp8_scale_inv=scale_inv,
-                                  fp8_dtype=quantizer.dtype, data_transpose=transpose,
-                                  quantizer=quantizer, device=x.device)
+        output = _empty_float8(quantizer, shape, x.dtype, x.device)
     else:
         if not isinstance(output, Float8Tensor) and not hasattr(output, "_scale_inv"):
             raise ValueError("Float8Quantizer must output to Float8Tensor.")
@@ -129,6 +117,39 @@ def float8_quantize(tensor: torch.Tensor, quantizer, output=None, noop_flag=None
         if output._transpose is not None:
             output._transpose.copy_(_transpose_bytes(raw.reshape(shape)))
     return output
+
+
+def _empty_float8(quantizer, shape: list, dtype: torch.dtype, device):
+    """A Float8Tensor (Float8TensorStorage for an internal quantizer) with buffers as TE creates
+    them, uninitialised."""
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8Tensor
+
+    non_tn = _non_tn_supported()
+    data = (torch.empty(shape, dtype=torch.uint8, device=device)
+            if quantizer.rowwise_usage or non_tn else None)
+    transpose = (torch.empty(_transpose_shape(shape), dtype=torch.uint8, device=device)
+                 if quantizer.columnwise_usage and not non_tn else None)
+    scale_inv = torch.reciprocal(quantizer.scale)
+    if quantizer.internal:
+        from transformer_engine.pytorch.tensor.storage.float8_tensor_storage import (
+            Float8TensorStorage,
+        )
+
+        return Float8TensorStorage(data=data, fp8_scale_inv=scale_inv, fp8_dtype=quantizer.dtype,
+                                   data_transpose=transpose, quantizer=quantizer, fake_dtype=dtype)
+    return Float8Tensor(shape=shape, dtype=dtype, data=data, fp8_scale_inv=scale_inv,
+                        fp8_dtype=quantizer.dtype, data_transpose=transpose, quantizer=quantizer,
+                        device=device)
+
+
+def create_empty_quantized_tensor(quantizer, shape, dtype, device, pin_memory=False):
+    """`tex.create_empty_quantized_tensor` (`Quantizer.make_empty`): the stand-in for a
+    Float8Quantizer (on the host), TE's own function for the others."""
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
+
+    if type(quantizer) is Float8Quantizer:
+        return _empty_float8(quantizer, list(shape), dtype, torch.device("cpu"))
+    return _ORIGINAL["create_empty_quantized_tensor"](quantizer, shape, dtype, device, pin_memory)
 
 
 def fp8_transpose(tensor: torch.Tensor, otype, out=None):
@@ -174,6 +195,8 @@ def install() -> None:
         _ORIGINAL["quantize"] = tex.quantize
         _ORIGINAL["multi_tensor_scale"] = te_utils.multi_tensor_scale
         _ORIGINAL["fp8_transpose"] = tex.fp8_transpose
+        _ORIGINAL["create_empty_quantized_tensor"] = tex.create_empty_quantized_tensor
     tex.quantize = quantize
+    tex.create_empty_quantized_tensor = create_empty_quantized_tensor
     tex.fp8_transpose = fp8_transpose
     te_utils.multi_tensor_scale = multi_tensor_scale

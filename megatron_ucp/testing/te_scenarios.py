@@ -75,11 +75,18 @@ def _dump_fp8_params(st, dump_dir: str) -> int:
     return len(entries)
 
 
+def setup(layout: str, cfg: dict):
+    """`scenarios.setup`, with TE's FusedAdam (its kernels on the CPU) for a precision-aware run."""
+    if cfg.get("optimizer_extra", {}).get("use_precision_aware_optimizer"):
+        te_cpu.use_te_fused_adam()
+    return scenarios.setup(layout, cfg)
+
+
 def train_and_save(layout: str, cfg: dict, steps: int, save_dir: str, fp8: dict | None = None,
                    dump_dir: str | None = None, skew_rank: int | None = None) -> dict:
     """`steps` synthetic steps, FP8 metadata per `fp8`, save. skew_rank: that rank's copy of the
     first TE module's FP8 state is changed before the save (a negative control)."""
-    st = scenarios.setup(layout, cfg)
+    st = setup(layout, cfg)
     for _ in range(steps):
         te_cpu.synthetic_step(st)
     recipe = _recipe(fp8)
@@ -108,7 +115,7 @@ def train_and_save(layout: str, cfg: dict, steps: int, save_dir: str, fp8: dict 
 def load(layout: str, cfg: dict, load_dir: str, dump_dir: str | None = None,
          resave_dir: str | None = None) -> dict:
     """Load at `layout`, dump, re-save, then one more synthetic step (the state is usable)."""
-    st = scenarios.setup(layout, cfg)
+    st = setup(layout, cfg)
     r = ucp.load(st.model, st.optimizer, st.scheduler, load_dir)
     st.iteration = r.iteration
     if dump_dir:
@@ -119,6 +126,52 @@ def load(layout: str, cfg: dict, load_dir: str, dump_dir: str | None = None,
     if resave_dir:
         ucp.save(st.model, st.optimizer, st.scheduler, resave_dir, st.iteration, extra=r.extra,
                  seed=st.config.seed, vocab_size=st.config.unpadded_vocab_size)
+    dtypes = sorted({f"{k}:{str(v.dtype).removeprefix('torch.')}" for v_state in _fused_adam_states(st)
+                     for k, v in v_state.items()})
     te_cpu.synthetic_step(st)
     tg.destroy()
-    return {"iteration": r.iteration, "fp8_modules": r.fp8_modules}
+    return {"iteration": r.iteration, "fp8_modules": r.fp8_modules, "state_dtypes": dtypes}
+
+
+def _fused_adam_states(st) -> list[dict]:
+    """Each parameter shard's state in TE's FusedAdam (precision-aware runs), its own tensors."""
+    out = []
+    for o in scenarios._leaf_optimizers(st.optimizer):
+        if getattr(o.optimizer, "master_weights", False):
+            out += [{k: v for k, v in o.optimizer.state[p].items() if torch.is_tensor(v)}
+                    for g in o.optimizer.param_groups for p in g["params"]]
+    return out
+
+
+def _raw_snapshot(st) -> dict[str, torch.Tensor]:
+    """Every model weight and every FusedAdam state tensor as stored (fp8 state: its bytes)."""
+    from megatron.core.utils import unwrap_model
+
+    out = {f"model/{i}/{n}": p.detach().clone() for i, chunk in enumerate(st.model)
+           for n, p in unwrap_model(chunk).named_parameters()}
+    for j, state in enumerate(_fused_adam_states(st)):
+        for k, v in state.items():
+            out[f"state/{j}/{k}"] = getattr(v, "_data", v).detach().clone()
+    return out
+
+
+def continue_after_load(layout: str, cfg: dict, steps: int, save_dir: str) -> dict:
+    """`steps` steps, save, one more step (the uninterrupted run); then a new run at the same
+    layout loads the save and takes one step: both runs' weights and state, compared as stored."""
+    st = setup(layout, cfg)
+    for _ in range(steps):
+        te_cpu.synthetic_step(st)
+    scenarios._save(st, save_dir)
+    te_cpu.synthetic_step(st)
+    uninterrupted = _raw_snapshot(st)
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()  # (the process group stays: gloo is not set up twice)
+    st = setup(layout, cfg)
+    st.iteration = ucp.load(st.model, st.optimizer, st.scheduler, save_dir).iteration
+    te_cpu.synthetic_step(st)
+    resumed = _raw_snapshot(st)
+    tg.destroy()
+    mismatch = sorted(k for k in uninterrupted if k not in resumed
+                      or not torch.equal(uninterrupted[k], resumed[k]))
+    return {"compared": len(uninterrupted), "mismatch": mismatch}

@@ -96,7 +96,8 @@ class TinyGPTConfig:
     extra: dict = field(default_factory=dict)  # extra TransformerConfig fields
     # megatron-core's optimizer (--optimizer: adam, sgd, lion, muon), plain DDP or the distributed
     # optimizer, and further OptimizerConfig fields (optimizer_cpu_offload, sgd_momentum,
-    # muon_tp_mode, use_layer_wise_distributed_optimizer, muon_scalar_optimizer, ...)
+    # muon_tp_mode, use_layer_wise_distributed_optimizer, muon_scalar_optimizer, ...; the
+    # precision-aware optimizer's *_dtype fields by torch name: "bfloat16", "uint8")
     optimizer: str = "adam"
     use_distributed_optimizer: bool = True
     optimizer_extra: dict = field(default_factory=dict)
@@ -325,7 +326,8 @@ def _finish(cfg: TinyGPTConfig, layout: Layout, tf_config: TransformerConfig, ch
         initial_loss_scale=cfg.initial_loss_scale,
         params_dtype=tf_config.params_dtype,
         use_distributed_optimizer=cfg.use_distributed_optimizer and not layer_wise,
-        **cfg.optimizer_extra,
+        **{k: getattr(torch, v) if k.endswith("_dtype") and isinstance(v, str) else v
+           for k, v in cfg.optimizer_extra.items()},
     )
     if layer_wise and not cfg.layer_wise_param_layout and not REAL_CUDA:
         from megatron_ucp.testing import gloo_all_gather
