@@ -93,6 +93,8 @@ def model_config(model_chunks: list) -> dict:
     # every release
     if hybrid_layer_pattern(model):
         cfg["hybrid_layer_pattern"] = hybrid_layer_pattern(model)
+    if getattr(model, "rotary_scaling", False):  # GPTModel's Llama 3 RoPE scaling (its factor: not kept)
+        cfg["rope_scaling"] = True
     if cfg.get("num_query_groups") is None:
         cfg["num_query_groups"] = cfg.get("num_attention_heads")
     # megatron gives linear_qkv a bias if either flag is set (Megatron-LM sets both)

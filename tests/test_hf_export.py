@@ -143,6 +143,19 @@ def runs(tmp_path_factory) -> Path:
                progress=False)
     return root
 
+# Llama 3.1-3.3's RoPE scaling (rope_type llama3, Llama-3.1-8B's values but a small model) and the
+# megatron-core model it imports as (GPTModel rope_scaling, its factor); exported as llama
+LLAMA_3_1 = ("LlamaConfig", dict(
+    vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=32, tie_word_embeddings=False,
+    rms_norm_eps=1e-5, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    {**BASE, **ROTARY, "untie_embeddings": True, "vocab_size": 128, "unpadded_vocab_size": 100,
+     "rotary_base": 500000, "rope_scaling": True, "rope_scaling_factor": 8.0})
+NATIVE_MODELS = {**NATIVE_NEW, "llama3.1": LLAMA_3_1}
+NATIVE_ARCH = {"llama3.1": "llama"}
+
 
 @pytest.fixture(scope="module")
 def reloaded(runs) -> list[list[dict]]:
@@ -166,7 +179,7 @@ def reloaded(runs) -> list[list[dict]]:
     todo.append({"cfg": NATIVE_CFG, "load_dir": str(runs / "native_imported"),
                  "logits": str(runs / "native_megatron.pt"), "tokens": NATIVE_TOKENS,
                  "resave_dir": str(runs / "native_resaved")})
-    for a, (config_class, kwargs, cfg) in NATIVE_NEW.items():
+    for a, (config_class, kwargs, cfg) in NATIVE_MODELS.items():
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_class)(**kwargs))
         with torch.no_grad():
@@ -311,16 +324,16 @@ def test_round_trip_through_tp2pp2(runs, reloaded, tmp_path):
     assert sorted(want) == sorted(got) and all(torch.equal(want[k], got[k]) for k in want)
 
 
-@pytest.mark.parametrize("arch", NATIVE_NEW)
+@pytest.mark.parametrize("arch", NATIVE_MODELS)
 def test_transformers_deepseek_v3_and_gpt_oss_in_megatron(runs, reloaded, arch, tmp_path):
     """A transformers-made DeepSeek-V3 / GPT-OSS / Nemotron-H (every tensor random: expert bias,
-    sinks, router and expert biases, A_log, D, dt_bias) computes the same in megatron-core after
-    import-hf and megatron_ucp.load at
+    sinks, router and expert biases, A_log, D, dt_bias) and a Llama 3.1 (llama3 RoPE scaling,
+    before refused) compute the same in megatron-core after import-hf and megatron_ucp.load at
     TP1xDP2; megatron_ucp.save of it exports back to the same safetensors bit for bit, which
     transformers runs to the megatron logits."""
     from safetensors.torch import load_file
 
-    result = [rank[len(ARCHS) + 1 + list(NATIVE_NEW).index(arch)] for rank in reloaded]
+    result = [rank[len(ARCHS) + 1 + list(NATIVE_MODELS).index(arch)] for rank in reloaded]
     assert all(r["fresh_adam"] and r["finite"] for r in result)
     want = torch.load(runs / f"native_{arch}.pt")
     megatron = torch.load(runs / f"native_{arch}_megatron.pt")[..., :100]
@@ -329,7 +342,11 @@ def test_transformers_deepseek_v3_and_gpt_oss_in_megatron(runs, reloaded, arch, 
     REPORT[f"hf-import:{arch}-native"] = {"max_abs_logit_diff": diff,
                                          "max_rel_logit_diff": rel_diff(megatron, want)}
     assert rel_diff(megatron, want) <= REL_TOL
-    out = export(open_source(runs / f"native_{arch}_resaved"), tmp_path / "hf", arch, progress=False)
+    out = export(open_source(runs / f"native_{arch}_resaved"), tmp_path / "hf",
+                 NATIVE_ARCH.get(arch, arch), progress=False)
+    rope = json.loads((runs / f"native_{arch}" / "config.json").read_text()).get("rope_parameters") or {}
+    exported = json.loads((out / "config.json").read_text()).get("rope_parameters") or {}
+    assert {k: exported.get(k) for k in rope} == rope, exported  # (defaults may be added)
     original = {k: v for f in (runs / f"native_{arch}").glob("*.safetensors")
                 for k, v in load_file(f).items()}
     got = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}

@@ -245,8 +245,13 @@ def copy_with(src: Path, dst: Path, drop: str | None = None, add: dict | None = 
     (dict(config={"intermediate_size": 64}), "config.json implies"),
     (dict(add={"model.layers.0.self_attn.q_norm.weight": torch.ones(8)}), "have no place"),
     (dict(config={"hidden_act": "gelu"}), "hidden_act"),
-    (dict(config={"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}),
-     "rope_type"),
+    # (the refusal names the real field and its value: it said rope_type=None before)
+    (dict(config={"rope_parameters": {"rope_type": "linear", "rope_theta": 5e5, "factor": 8.0}}),
+     r"config.json rope_parameters.rope_type='linear': 'linear' RoPE scaling is not imported"),
+    (dict(config={"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+                                      "low_freq_factor": 2.0}}),
+     r"config.json rope_parameters.low_freq_factor=2.0: megatron-core's Llama 3 RoPE scaling has "
+     "low_freq_factor=1 fixed"),
     (dict(config={"attention_bias": True}), "attention_bias"),
     (dict(config={"model_type": "bert"}), "model_type 'bert' is not supported"),
 ])
@@ -599,3 +604,32 @@ def test_gpt_oss_yarn_attention_factor_is_kept(saved, tmp_path):
         got = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(TOKENS).logits
         plain = build("gpt_oss_yarn")(TOKENS).logits
     assert torch.allclose(want, got, rtol=1e-6, atol=1e-6) and not torch.allclose(want, plain, atol=1e-3)
+
+
+@pytest.mark.parametrize("spelling", ["transformers 5", "transformers 4"])
+def test_llama_3_1_rope_scaling_imports_and_exports(saved, tmp_path, spelling):
+    """Llama 3.1-3.3's RoPE scaling (rope_type llama3; refused before, as `rope_type=None`) imports
+    as megatron-core's GPTModel rope_scaling with its factor, in transformers 5's rope_parameters or
+    4's rope_scaling + rope_theta, and exports back as the same rope_parameters (the logits:
+    tests/test_hf_export.py, llama3.1)."""
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
+    config = ({"rope_parameters": {**llama3, "rope_theta": 5e5}} if spelling == "transformers 5" else
+              {"rope_parameters": None, "rope_scaling": llama3, "rope_theta": 5e5})
+    src = copy_with(saved["llama"], tmp_path / "src", config=config)
+    import_hf(src, tmp_path / "u", progress=False)
+    out = export(open_source(tmp_path / "u"), tmp_path / "hf", "llama", progress=False)
+    exported = json.loads((out / "config.json").read_text())
+    assert exported["rope_parameters"] == {**llama3, "rope_theta": 5e5}, exported["rope_parameters"]
+
+
+def test_llama_3_rope_scaling_without_its_factor_is_not_exported(saved, tmp_path):
+    """A live save of a GPTModel with rope_scaling records the flag (its factor is not kept by
+    megatron-core): exporting it as default RoPE would be silently wrong, so it is refused by name
+    unless the factor is known (an import-hf record or Megatron-LM's --rope-scaling-factor)."""
+    import_hf(saved["llama"], tmp_path / "u", progress=False)
+    model = {**open_source(tmp_path / "u").manifest.model, "rope_scaling": True}
+    with pytest.raises(UCPError, match="model config rope_scaling=True: Llama 3 RoPE scaling's factor "
+                                       "is not recorded"):
+        archs.get("llama").check_exportable(model, {"activation": "swiglu"})
+    archs.get("llama").check_exportable(model, {"activation": "swiglu", "rope_scaling_factor": 8.0})

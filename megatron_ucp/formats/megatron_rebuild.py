@@ -308,6 +308,7 @@ def _build_chunk(args, config, vp: int | None):
         rotary_percent=getattr(args, "rotary_percent", 1.0),
         rotary_base=getattr(args, "rotary_base", 10000),
         rope_scaling=getattr(args, "use_rope_scaling", False),
+        rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0),
         vp_stage=vp,
     )
     for p in model.parameters():

@@ -70,6 +70,10 @@ class TinyGPTConfig:
     activation: str = ""
     normalization: str = "LayerNorm"
     position_embedding_type: str = "learned_absolute"
+    # GPTModel's RoPE settings: its base, and Llama 3's scaling (rope_scaling, its factor)
+    rotary_base: int | float = 10000
+    rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
     add_bias_linear: bool = True
     untie_embeddings: bool = False
     qk_layernorm: bool = False
@@ -254,6 +258,8 @@ def build(cfg: TinyGPTConfig, layout: Layout) -> TrainState:
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
             share_embeddings_and_output_weights=not cfg.untie_embeddings,
             position_embedding_type=cfg.position_embedding_type,
+            rotary_base=cfg.rotary_base, rope_scaling=cfg.rope_scaling,
+            rope_scaling_factor=cfg.rope_scaling_factor,
             vp_stage=vp,
         )
         model.cuda(torch.cuda.current_device())  # as Megatron-LM's get_model (a no-op on the shim)

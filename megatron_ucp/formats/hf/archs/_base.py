@@ -175,13 +175,24 @@ def check_rope_moe(arch: str, cfg: dict, hints: dict) -> None:
         raise fail(arch, "num_moe_experts", cfg.get("num_moe_experts"), f"HF {arch} is a MoE model")
 
 
+def config_value(d: dict, field: str):
+    """A config.json field's value; `rope_parameters.<k>` also from transformers 4's rope_scaling."""
+    head, _, key = field.partition(".")
+    if not key:
+        return d.get(field)
+    if head == "rope_parameters":
+        return {**(d.get("rope_scaling") or {}), **(d.get("rope_parameters") or {})}.get(key)
+    return (d.get(head) or {}).get(key)
+
+
 def hints_from_args(args) -> dict:
     """What a Megatron-LM run's args say that megatron-core's model config does not."""
     act = next((flag for flag in ("swiglu", "squared_relu", "quick_geglu", "openai_gelu")
                 if getattr(args, flag, False)), "gelu")  # megatron-core's default: exact GELU
     return {"activation": act, "rotary_base": getattr(args, "rotary_base", None),
             "rotary_percent": getattr(args, "rotary_percent", None),
-            "use_rope_scaling": getattr(args, "use_rope_scaling", False)}
+            "use_rope_scaling": getattr(args, "use_rope_scaling", False),
+            "rope_scaling_factor": getattr(args, "rope_scaling_factor", None)}
 
 
 # ----------------------------------------------------------------------------------- YaRN
@@ -284,8 +295,8 @@ class HFArch:
         d = {**self.hf_defaults, **{k: v for k, v in hf.items() if v is not None}}
 
         def refuse(field: str, why: str) -> UCPError:
-            return UCPError(f"{where}: cannot import HF {self.name}: config.json {field}={d.get(field)!r}: "
-                            f"{why}")
+            return UCPError(f"{where}: cannot import HF {self.name}: config.json {field}="
+                            f"{config_value(d, field)!r}: {why}")
 
         args = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, world_size=1,
                     data_parallel_size=1, params_dtype=torch.float32, fp16=False, bf16=False,

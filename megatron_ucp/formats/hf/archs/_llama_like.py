@@ -114,6 +114,9 @@ class LlamaLike(HFArch):
                "rms_norm_eps": cfg.get("layernorm_epsilon", 1e-5),
                "attention_dropout": cfg.get("attention_dropout", 0.0),
                "rope_parameters": {"rope_type": "default", "rope_theta": float(rope_theta)}}
+        if hints.get("use_rope_scaling") or cfg.get("rope_scaling"):
+            out["rope_parameters"] = {**LLAMA3_ROPE, "rope_type": "llama3", "rope_theta": float(rope_theta),
+                                      "factor": float(hints["rope_scaling_factor"])}
         if out["max_position_embeddings"] is None:  # unknown: transformers' default, as the source's
             del out["max_position_embeddings"]
         return out
@@ -124,8 +127,14 @@ class LlamaLike(HFArch):
         if d["hidden_act"] != "silu":
             raise refuse("hidden_act", "megatron-core's SwiGLU MLP uses silu")
         theta, kind, partial = self.rope(d)
-        if kind != "default":
-            raise refuse("rope_type", f"{kind!r} RoPE scaling is not imported (default only)")
+        run = {"activation": "swiglu", "rotary_base": theta}
+        if kind == "llama3":  # Llama 3.1-3.3
+            scaling = {"use_rope_scaling": True, "rope_scaling_factor": llama3_factor(d, refuse)}
+            run.update(scaling)
+            args.update(scaling)
+        elif kind != "default":
+            raise refuse("rope_parameters.rope_type", f"{kind!r} RoPE scaling is not imported "
+                         "(default and llama3)")
         if partial != 1.0:
             raise refuse("partial_rotary_factor", "partial rotary embeddings are not imported")
         if d.get("use_sliding_window") or (self.window_without_flag and d.get("sliding_window")):
@@ -153,7 +162,7 @@ class LlamaLike(HFArch):
         if self.qk_norm:
             args["qk_layernorm"] = True
         self.moe_args(d, args, refuse)
-        return args, {"activation": "swiglu", "rotary_base": theta}
+        return args, run
 
     def moe_args(self, d: dict, args: dict, refuse: Refuse) -> None:
         """A MoE architecture's settings in `args` (a dense one has none)."""
@@ -180,8 +189,27 @@ def check_rotary(arch: str, cfg: dict, hints: dict) -> None:
     if float(hints.get("rotary_percent") or cfg.get("rotary_percent") or 1.0) != 1.0:
         raise fail(arch, "rotary_percent", hints.get("rotary_percent") or cfg.get("rotary_percent"),
                    "partial rotary embeddings are not exported")
-    if hints.get("use_rope_scaling") or cfg.get("rope_scaling"):
-        raise fail(arch, "rope_scaling", True, "scaled RoPE is not exported")
+    if (hints.get("use_rope_scaling") or cfg.get("rope_scaling")) and not hints.get("rope_scaling_factor"):
+        raise fail(arch, "rope_scaling", True, "Llama 3 RoPE scaling's factor is not recorded: export "
+                   "from a Megatron-LM checkpoint (its --rope-scaling-factor) or an import-hf one")
+
+
+# megatron-core's Llama 3 RoPE scaling (RotaryEmbedding._apply_scaling) fixes these three
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def llama3_factor(d: dict, refuse: Refuse) -> float:
+    """The factor of a config's llama3 RoPE scaling (transformers 5's rope_parameters or 4's
+    rope_scaling), refused by field where megatron-core's fixed settings differ."""
+    rope = {**(d.get("rope_scaling") or {}), **(d.get("rope_parameters") or {})}
+    for k, fixed in LLAMA3_ROPE.items():
+        if float(rope.get(k, fixed)) != fixed:
+            raise refuse(f"rope_parameters.{k}", f"megatron-core's Llama 3 RoPE scaling has {k}={fixed:g} "
+                         "fixed (RotaryEmbedding._apply_scaling)")
+    if rope.get("attention_factor") not in (None, 1.0):
+        raise refuse("rope_parameters.attention_factor", "megatron-core's Llama 3 RoPE scaling does "
+                     "not scale cos/sin")
+    return float(rope.get("factor", 8.0))
 
 
 def check_softmax_moe(arch: str, name: str, cfg: dict, feats: set[str], dense: str,
