@@ -232,6 +232,7 @@ def _read_regions(source, params: list[LocalParam], index: OptimizerIndex,
             steps[lp.spec.name] = (source.step(lp.spec.name), b - a)
             if sum(n for _, n in steps.values()) == shard[1] - shard[0]:
                 _set_step(index, source, *shards.pop(id(lp.param)))
+                index.flush(lp.param)  # (a staged copy is held only until its regions are read)
     for param, shard, steps in shards.values():  # regions that do not tile their shard
         _set_step(index, source, param, shard, steps)
     index.flush()

@@ -149,7 +149,7 @@ class _Unit:
         """The tensors a load fills (`flush` then hands them to the optimizer): its own."""
         return self.tensors(param)
 
-    def flush(self) -> None:
+    def flush(self, param=None) -> None:
         pass
 
     def copy_main_to_model(self) -> None:
@@ -225,10 +225,9 @@ class _PrecisionAwareUnit(_DistributedUnit):
                                                         weights_only)
         return self._staged[param]
 
-    def flush(self) -> None:
-        for param, staged in self._staged.items():
-            precision_aware.write(self.torch_optimizer, self._shard(param), staged)
-        self._staged.clear()
+    def flush(self, param=None) -> None:
+        for p in list(self._staged) if param is None else [param] if param in self._staged else []:
+            precision_aware.write(self.torch_optimizer, self._shard(p), self._staged.pop(p))
 
 
 class _ReplicatedUnit(_Unit):
@@ -294,8 +293,8 @@ def _units(optimizer) -> list[_Unit]:
         if type(o).__name__ == "LayerWiseDistributedOptimizer":
             units += _layer_wise_units(o)
         elif isinstance(o, DistributedOptimizer):
-            precision_aware = o.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
-            units.append(_PrecisionAwareUnit(o) if precision_aware else _DistributedUnit(o))
+            aware = o.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+            units.append(_PrecisionAwareUnit(o) if aware else _DistributedUnit(o))
         elif isinstance(o, (Float16OptimizerWithFloat16Params, FP32Optimizer)):
             units.append(_ReplicatedUnit(o, o.optimizer))
         elif getattr(o, "chained_optimizers", None):
@@ -401,10 +400,10 @@ class OptimizerIndex:
             old = group["step"]
             group["step"] = torch.full_like(old, int(step)) if torch.is_tensor(old) else int(step)
 
-    def flush(self) -> None:
-        """Hand what a load filled (`states(..., load=True)`) to the optimizers."""
-        for u in self.units:
-            u.flush()
+    def flush(self, param=None) -> None:
+        """Hand what a load filled (`states(..., load=True)`) to the optimizers: `param`'s, or all."""
+        for u in self.units if param is None else [self.owner[param]]:
+            u.flush(param)
 
     def param_groups(self) -> list[dict]:
         """JSON-able hyper-parameters of every param group, in order (no tensors, no params)."""

@@ -60,10 +60,11 @@ def _remainders(optimizer, shard: torch.Tensor) -> bool:
 
 
 def read(optimizer, shard: torch.Tensor) -> dict[str, torch.Tensor]:
-    """{"param": fp32 master, "exp_avg", "exp_avg_sq": fp32} of one FusedAdam param (flat shard);
-    a state not created yet is absent."""
+    """{"param": fp32 master, "exp_avg", "exp_avg_sq"} of one FusedAdam param (flat shard): fp32
+    values, bf16 moments as they are (no device copy; a save widens them on the host); a state
+    not created yet is absent."""
     state = optimizer.state[shard]
-    out = {k: optimizer.get_unscaled_state(shard, k).float() for k in MOMENTS if k in state}
+    out = {k: optimizer.get_unscaled_state(shard, k, skip_unscale=True) for k in MOMENTS if k in state}
     if shard.dtype == torch.float32:
         out["param"] = shard.detach()
     elif "master_param" in state:

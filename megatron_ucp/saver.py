@@ -222,8 +222,8 @@ def _capture(params: list, specs: list[dict], index: OptimizerIndex,
     # (training waits for it); an asynchronous one writes copies while training goes on.
     flat = [t for f in fragments for t in f.tensors.values()]
     staged = iter(STAGER.stage(flat, copy=async_save))
-    for f in fragments:
-        f.tensors = {s: next(staged) for s in f.tensors}
+    for f in fragments:  # (the precision-aware optimizer's bf16 moments widen here, on the host)
+        f.tensors = {s: t if (t := next(staged)).dtype == torch.float32 else t.float() for s in f.tensors}
     # The specs this rank adds to the fragment index at commit: the first data-parallel replica of
     # its model-parallel position (DP replicas hold the same).
     dense_first = ps.get_data_parallel_rank(with_context_parallel=True) == 0
