@@ -182,7 +182,9 @@ def test_round_trip_is_bitwise(saved, tmp_path, name):
             "qk_nope_head_dim", "first_k_dense_replace", "rope_interleave", "sliding_window",
             "layer_types", "swiglu_limit", "swiglu_alpha", "layers_block_type", "ssm_state_size",
             "mamba_num_heads", "mamba_head_dim", "n_groups", "conv_kernel", "time_step_min",
-            "moe_shared_expert_intermediate_size", "mlp_hidden_act", "use_conv_bias", "chunk_size")
+            "moe_shared_expert_intermediate_size", "mlp_hidden_act", "use_conv_bias", "chunk_size",
+            # (lost before: 0.001 -> 0.0, GPT-2's 0.1 -> 0.0)
+            "router_aux_loss_coef", "resid_pdrop", "embd_pdrop", "attn_pdrop")
     for k in same:
         if k in original and original[k] is not None:
             assert exported[k] == original[k], k
@@ -415,6 +417,8 @@ def test_export_streams_one_tensor_at_a_time(saved, tmp_path):
     ("deepseek_v3", dict(config={"norm_topk_prob": False}), "config.json norm_topk_prob=False"),
     ("deepseek_v3", dict(config={"n_group": 2, "topk_group": 2}), "config.json topk_group=2"),
     ("deepseek_v3", dict(config={"attention_bias": True}), "config.json attention_bias=True"),
+    ("gpt2", dict(config={"embd_pdrop": 0.0}),
+     "config.json embd_pdrop=0.0: megatron-core's hidden_dropout is both the embedding's and the residual's"),
     ("gpt_oss", dict(config={"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}),
      "rope_parameters.rope_type.*'linear' RoPE scaling is not imported for GPT-OSS"),
     ("gpt_oss", dict(config={"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 1.0,

@@ -97,7 +97,11 @@ class GPT2(HFArch):
             raise refuse("scale_attn_by_inverse_layer_idx", "megatron-core has no per-layer scaling")
         if not d.get("scale_attn_weights", True):
             raise refuse("scale_attn_weights", "megatron-core scales attention by 1/sqrt(head_dim)")
+        if d.get("embd_pdrop", 0.1) != d.get("resid_pdrop", 0.1):
+            raise refuse("embd_pdrop", f"megatron-core's hidden_dropout is both the embedding's and "
+                         f"the residual's dropout; resid_pdrop is {d.get('resid_pdrop', 0.1)}")
         hidden, heads = d["n_embd"], d["n_head"]
+        args.update(hidden_dropout=d.get("resid_pdrop", 0.1))
         args.update(num_layers=d["n_layer"], hidden_size=hidden, num_attention_heads=heads,
                     ffn_hidden_size=d.get("n_inner") or 4 * hidden, kv_channels=hidden // heads,
                     group_query_attention=False, num_query_groups=None, normalization="LayerNorm",

@@ -194,7 +194,8 @@ class GptOss(HFArch):
                     attention_dropout=d.get("attention_dropout", 0.0), softmax_type="learnable",
                     window_size=window, window_attn_skip_freq=window_skip_freq(types) if window else None,
                     num_experts=d["num_local_experts"], moe_router_topk=d["num_experts_per_tok"],
-                    moe_ffn_hidden_size=d["intermediate_size"])
+                    moe_ffn_hidden_size=d["intermediate_size"],
+                    moe_aux_loss_coeff=float(d.get("router_aux_loss_coef") or 0.0))
         if kind == "yarn":
             args.update(yarn_args(d, rope, refuse))
         return args, {"activation": "quick_geglu", "rotary_base": theta}

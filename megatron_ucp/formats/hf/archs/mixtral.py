@@ -47,7 +47,8 @@ class Mixtral(LlamaLike):
 
     def moe_args(self, d: dict, args: dict, refuse: Refuse) -> None:
         args.update(num_experts=d["num_local_experts"], moe_router_topk=d["num_experts_per_tok"],
-                    moe_ffn_hidden_size=d["intermediate_size"])
+                    moe_ffn_hidden_size=d["intermediate_size"],
+                    moe_aux_loss_coeff=float(d.get("router_aux_loss_coef") or 0.0))
 
 
 ARCH = Mixtral()

@@ -55,7 +55,8 @@ class Qwen3Moe(Qwen3):
         args.update(num_experts=d.get("num_experts", d.get("num_local_experts")),
                     moe_router_topk=d["num_experts_per_tok"],
                     moe_ffn_hidden_size=d["moe_intermediate_size"],
-                    moe_router_pre_softmax=not d["norm_topk_prob"])
+                    moe_router_pre_softmax=not d["norm_topk_prob"],
+                    moe_aux_loss_coeff=float(d.get("router_aux_loss_coef") or 0.0))
 
 
 ARCH = Qwen3Moe()
