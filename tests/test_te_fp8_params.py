@@ -110,6 +110,27 @@ def test_fp8_weights_are_rederived_from_the_saved_masters(src, dst, tmp_path):
         scale = torch.reciprocal(ref[key]["scale_inv"])
         assert torch.equal(te_quantize_cpu.cast_to_fp8_bytes(master, scale, _te_dtype()),
                            ref[key]["data"]), key
+    if src == "tp2":
+        _check_hf_export(tmp_path, saved, ref)
+
+
+def _check_hf_export(tmp_path: Path, saved: dict, fp8: dict) -> None:
+    """export-hf of the FP8-parameter run: the MLP weights (FP8 in the model) are the fp32 masters
+    (GPT-2's Conv1D: transposed), not the FP8 bytes dequantized; no TE extra state reaches HF."""
+    from safetensors.torch import load_file
+
+    from megatron_ucp.conversion import export_hf
+
+    out = export_hf(tmp_path / "a", tmp_path / "hf", "gpt2", dtype="fp32", progress=False)
+    hf = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
+    assert not [k for k in hf if "extra_state" in k or "fp8" in k.lower()]
+    for layer in range(2):
+        for ours, theirs in (("linear_fc1", "c_fc"), ("linear_fc2", "c_proj")):
+            key = f"decoder.layers.{layer}.mlp.{ours}.weight"
+            got = hf[f"transformer.h.{layer}.mlp.{theirs}.weight"]
+            assert torch.equal(got, saved[key]["param"].t()), key
+            dequantized = fp8[key]["data"].view(torch.float8_e4m3fn).float() * fp8[key]["scale_inv"]
+            assert not torch.equal(got, dequantized.t()), key
 
 
 def _tex():
