@@ -174,9 +174,14 @@ class _DistributedUnit(_Unit):
     def group(self, param) -> dict:
         return self.torch_optimizer.param_groups[self.wrapper.model_param_group_index_map[param][0]]
 
-    def state_of(self, param) -> dict:
+    def _shard(self, param) -> torch.Tensor:
+        """The torch optimizer's param for `param`: this rank's shard (its main param, or under the
+        precision-aware optimizer a view of the model's weight)."""
         gi, go = self.wrapper.model_param_group_index_map[param]
-        return self.torch_optimizer.state[self.torch_optimizer.param_groups[gi]["params"][go]]
+        return self.torch_optimizer.param_groups[gi]["params"][go]
+
+    def state_of(self, param) -> dict:
+        return self.torch_optimizer.state[self._shard(param)]
 
     def tensors(self, param):
         states = mcore_optimizer.main_param_and_optimizer_states(self.wrapper, param)
@@ -211,10 +216,6 @@ class _PrecisionAwareUnit(_DistributedUnit):
                            "--optimizer-cpu-offload is not supported by megatron-ucp: train with one "
                            "of them, or resume weights only (load(..., reset_optimizer=True))")
         self._staged: dict = {}
-
-    def _shard(self, param) -> torch.Tensor:  # FusedAdam's param: a view of the model's weight
-        gi, go = self.wrapper.model_param_group_index_map[param]
-        return self.torch_optimizer.param_groups[gi]["params"][go]
 
     def tensors(self, param):
         return precision_aware.read(self.torch_optimizer, self._shard(param))

@@ -24,12 +24,13 @@ import pytest
 import torch
 from reference import assemble, compare_to_reference
 from test_transformer_engine import TE, assert_same_universal, load, nprocs, save
+from test_transformer_engine import pytestmark as TE_ONLY
 
 from megatron_ucp.formats import manifest as mf
 from megatron_ucp.inspector import inspect
 from megatron_ucp.testing.launch import launch
 
-pytestmark = pytest.importorskip("test_transformer_engine").pytestmark
+pytestmark = TE_ONLY  # (the TE venv of make test; skipped elsewhere)
 
 T = "megatron_ucp.testing.te_scenarios"
 

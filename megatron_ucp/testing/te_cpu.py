@@ -47,9 +47,9 @@ def use_cpu_kernels() -> None:
     clip.l2_norm_impl = local_multi_tensor_l2_norm
     clip.multi_tensor_scale_impl = local_multi_tensor_scale
     clip.multi_tensor_scale_tensor_impl = None
-    import importlib.util
+    from megatron_ucp.mcore_compat.schedules import have_transformer_engine
 
-    if importlib.util.find_spec("transformer_engine") is not None:  # (importable without TE)
+    if have_transformer_engine():  # (importable without TE)
         install_quantize_stand_ins()
 
 
