@@ -40,10 +40,14 @@ VENVTE := .venvte
 BINTE := $(VENVTE)/bin
 STAMPTE := $(VENVTE)/.installed
 TE_CACHE ?= $(HOME)/.cache/megatron-ucp
+# Megatron-Bridge 0.6.2 in a venv of its own over .venv312 (tools/bridge/install_bridge_venv.sh): the
+# 0.19 run's Bridge tests run Bridge's own load through it (tests/test_megatron_bridge.py)
+VENVBRIDGE := .venvbridge
+STAMPBRIDGE := $(VENVBRIDGE)/.installed
 TESTS_TE ?= tests/test_transformer_engine.py tests/test_megatron_lm_te.py tests/test_te_fp8_params.py \
             tests/test_precision_aware.py
 
-.PHONY: demo test test-mcore16 test-mcore19 test-te test-full test-gpu gpu-wheels gpu-check-dry gpu-tree-slim gpu-tree-restore lint bench install install-mcore19 install-te
+.PHONY: demo test test-mcore16 test-mcore19 test-te test-full test-gpu gpu-wheels gpu-check-dry gpu-tree-slim gpu-tree-restore lint bench install install-mcore19 install-te install-bridge
 
 $(STAMP): setup.py
 	$(call need_free,$(VENV),3,Python 3.11 with CPU torch and megatron-core 0.16)
@@ -68,6 +72,10 @@ $(STAMPTE): $(STAMP312) tools/te/install_te_venv.sh
 	tools/te/install_te_venv.sh $(VENVTE) $(VENV312) $(TE_CACHE)
 	touch $(STAMPTE)
 
+$(STAMPBRIDGE): $(STAMP312) tools/bridge/install_bridge_venv.sh
+	tools/bridge/install_bridge_venv.sh $(VENVBRIDGE) $(VENV312)
+	touch $(STAMPBRIDGE)
+
 $(AZURITE):
 	@command -v npm >/dev/null || { echo "make: the Azure store tests need Azurite, installed with npm:" \
 	"install Node.js (>= 20) and npm, then rerun"; exit 1; }
@@ -82,20 +90,22 @@ install-mcore19: $(STAMP312) $(AZURITE)
 
 install-te: $(STAMPTE)
 
+install-bridge: $(STAMPBRIDGE)
+
 demo: $(STAMP)
 	$(BIN)/python tools/demo.py --out out/demo
 
 # both venvs first: the 0.16 run includes the cross-release migration tests, which use .venv312
-test: $(STAMP) $(STAMP312) $(STAMPTE) $(AZURITE)
+test: $(STAMP) $(STAMP312) $(STAMPTE) $(STAMPBRIDGE) $(AZURITE)
 	UCP_EXPECTED_SKIPS_ONLY=1 $(BIN)/python -m pytest -q -rs tests
-	UCP_EXPECTED_SKIPS_ONLY=1 UCP_REDUCED=1 $(BIN312)/python -m pytest -q -rs $(TESTS_MCORE19)
+	UCP_EXPECTED_SKIPS_ONLY=1 UCP_REDUCED=1 UCP_REQUIRE_BRIDGE=1 $(BIN312)/python -m pytest -q -rs $(TESTS_MCORE19)
 	UCP_EXPECTED_SKIPS_ONLY=1 UCP_REQUIRE_TE=1 $(BINTE)/python -m pytest -q -rs $(TESTS_TE)
 
 test-mcore16: $(STAMP) $(AZURITE)
 	UCP_EXPECTED_SKIPS_ONLY=1 $(BIN)/python -m pytest -q -rs tests
 
-test-mcore19: $(STAMP312) $(AZURITE)
-	UCP_EXPECTED_SKIPS_ONLY=1 UCP_REDUCED=1 $(BIN312)/python -m pytest -q -rs $(TESTS_MCORE19)
+test-mcore19: $(STAMP312) $(STAMPBRIDGE) $(AZURITE)
+	UCP_EXPECTED_SKIPS_ONLY=1 UCP_REDUCED=1 UCP_REQUIRE_BRIDGE=1 $(BIN312)/python -m pytest -q -rs $(TESTS_MCORE19)
 
 test-te: $(STAMPTE)
 	UCP_EXPECTED_SKIPS_ONLY=1 UCP_REQUIRE_TE=1 $(BINTE)/python -m pytest -q -rs $(TESTS_TE)

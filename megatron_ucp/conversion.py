@@ -128,7 +128,9 @@ def _adam_source(universal_dir: str | Path, target_format: str) -> Source:
 # Adam's (DistributedOptimizer) and a LayerWiseDistributedOptimizer run's (Muon or Lion for the
 # matrices, Adam for the rest: megatron-core 0.19, `--optimizer muon|lion`); not SGD's
 # (megatron-core's DistributedOptimizer takes no SGD, a plain-DDP run has no such files)
-WRITTEN_FAMILIES = {"torch": ("adam", "muon", "lion"), "torch_dist": ("adam", "muon", "lion")}
+DIST_TARGETS = ("torch_dist", "bridge")  # torch_dist files: two optimizer forms, an expert TP
+WRITTEN_FAMILIES = {"torch": ("adam", "muon", "lion"), "torch_dist": ("adam", "muon", "lion"),
+                    "bridge": ("adam",)}  # (Bridge: runs with Adam are read and written)
 
 
 def _refuse_unwritable(source: Source, target_format: str) -> Source:
@@ -161,7 +163,8 @@ def reshard(load: str | Path, save: str | Path, target: Layout | None = None,
     torch `layer_wise_optimizer_<dp>.pt` per DP rank. Both need a Megatron-LM source (its args
     describe the run). first/last_stage_layers set an uneven pipeline split at the target
     (default: the source's when PP is unchanged, else an even split).
-    optim_sharding: torch_dist only, "fully_reshardable" (default) or "dp_reshardable".
+    optim_sharding: torch_dist, "fully_reshardable" (default) or "dp_reshardable"; bridge, the same
+        (default dp_reshardable, Bridge's own).
     expert_tensor_parallel: torch_dist only, the target's expert TP size (MoE). A legacy torch
     checkpoint cannot hold ETP != TP: only expert-DP rank 0 writes it, so with ETP < TP the TP
     ranks that share an expert shard write no rank directory.
@@ -171,11 +174,11 @@ def reshard(load: str | Path, save: str | Path, target: Layout | None = None,
     if target_format not in TARGET_FORMATS:
         raise UCPError(f"--target-format {target_format}: unknown; choose one of {list(TARGET_FORMATS)}")
     out = location(save)
-    if optim_sharding is not None and target_format != "torch_dist":
-        raise UCPError(f"--target-optim-sharding applies to --target-format torch_dist only (the "
-                       f"{target_format} form has one optimizer layout)")
-    if expert_tensor_parallel is not None and target_format != "torch_dist":
-        raise UCPError("--target-etp applies to --target-format torch_dist only: a Megatron-LM "
+    if optim_sharding is not None and target_format not in DIST_TARGETS:
+        raise UCPError(f"--target-optim-sharding applies to --target-format torch_dist and bridge only "
+                       f"(the {target_format} form has one optimizer layout)")
+    if expert_tensor_parallel is not None and target_format not in DIST_TARGETS:
+        raise UCPError("--target-etp applies to --target-format torch_dist and bridge only: a Megatron-LM "
                        "torch checkpoint is written by expert-data-parallel rank 0 alone, so it "
                        "cannot hold an expert TP other than TP; the universal form is "
                        "layout-free (the loading run chooses its ETP)")

@@ -95,7 +95,12 @@ def read_common(load_dir: str | Path, trust_pickle: bool = False) -> tuple[Path,
         common = torch_load(where, "the checkpoint is incomplete", trust_pickle)
     args = common.get("args") if isinstance(common, dict) else None
     if args is None:
-        raise UCPError(f"{where} has no 'args'; only Megatron-LM training saves are supported")
+        if (ckpt / "train_state.pt").exists() or (ckpt.parent / "latest_train_state.pt").exists():
+            raise UCPError(f"{ckpt}: a Megatron-Bridge checkpoint (train_state.pt) whose run_config.yaml "
+                           "is missing: Bridge's run description is read from it (the common state "
+                           "holds no Megatron-LM args); copy run_config.yaml back from the run")
+        raise UCPError(f"{where} has no 'args'; only Megatron-LM and Megatron-Bridge training saves are "
+                       "supported")
     return ckpt, common, args
 
 
@@ -107,10 +112,13 @@ class TorchDistSource(ReadsDcp, Source):
     """
 
     format = "megatron_torch_dist"  # its name in the `formats` registry
+    saved_by = "megatron-lm"  # (origin kind) the training code whose save this is
+    # (iteration directory, common state, Megatron-LM style args) of a save root or iteration directory
+    read_common = staticmethod(read_common)
 
     def __init__(self, load_dir: str | Path, progress: Progress = True, trust_pickle: bool = False):
         t0 = time.perf_counter()
-        ckpt, common, args = read_common(load_dir, trust_pickle)
+        ckpt, common, args = self.read_common(load_dir, trust_pickle)
         self.dir, self.args = ckpt, args  # the run's args
         self.reader = reader = DistReader(ckpt, trust_pickle=trust_pickle)
         opt = common.get("optimizer") or {}
@@ -172,7 +180,7 @@ class TorchDistSource(ReadsDcp, Source):
             raise UCPError(f"{ckpt}: no optimizer param groups found (was it saved without optimizer?)")
         if step is None:
             raise UCPError(f"{ckpt}: the optimizer param groups carry no Adam step")
-        self.origin = {"kind": f"megatron-lm torch_dist ({sharding})", "path": str(ckpt)}
+        self.origin = {"kind": f"{self.saved_by} torch_dist ({sharding})", "path": str(ckpt)}
         # the step is per parameter in the manifest (as in every megatron-ucp form), not per group
         self.manifest = Manifest(
             "universal", int(common.get("iteration", getattr(args, "iteration", 0))), lay,
@@ -206,10 +214,10 @@ class TorchDistSource(ReadsDcp, Source):
         return self._te
 
 
-def run_fields(load_dir: str | Path, trust_pickle: bool = False) -> RunFields:
+def run_fields(load_dir: str | Path, trust_pickle: bool = False, read=read_common) -> RunFields:
     """From a torch_dist checkpoint: its args, rng states {(pp, tp): rng list}, layout and flops
-    (what a Megatron-LM writer takes from the source run)."""
-    ckpt, common, args = read_common(load_dir, trust_pickle)
+    (what a Megatron-LM writer takes from the source run). read: `read_common` or a variant of it."""
+    ckpt, common, args = read(load_dir, trust_pickle)
     reader = DistReader(ckpt, trust_pickle=trust_pickle)
     rng = {}
     for key in reader.meta:

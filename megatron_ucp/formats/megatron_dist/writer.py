@@ -12,6 +12,7 @@ form Megatron-LM loads:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -73,7 +74,7 @@ def write(source, save_dir: str | Path, target: Layout, args_template, *,
           num_floating_point_operations_so_far: float | None = None,
           first_stage_layers: int | None = None, last_stage_layers: int | None = None,
           sharding: str | None = None, expert_tensor_parallel: int | None = None,
-          progress: Progress = True) -> Path:
+          progress: Progress = True, flavor: Flavor | None = None) -> Path:
     """Write a Megatron-LM `--ckpt-format torch_dist` checkpoint at `target` from any source of
     universal tensors. Returns `save_dir` (the save root).
 
@@ -89,7 +90,10 @@ def write(source, save_dir: str | Path, target: Layout, args_template, *,
     sizes become the target's (`megatron_common.target_args`). rng_state: one rng list (Megatron's
     `rng_state` of one rank) for every (PP, TP) shard, or {(pp_rank, tp_rank): list}; None: no
     rng_state (resume with --no-load-rng). num_floating_point_operations_so_far: None writes 0.0.
+    flavor: what the training code that resumes it needs besides the torch_dist files (default
+    Megatron-LM's: the args in the common state); Megatron-Bridge's is `megatron_bridge.writer`'s.
     """
+    flavor = flavor or Flavor()
     t0 = time.perf_counter()
     args, out = prepare_export("torch_dist", source, save_dir, target, args_template,
                                first_stage_layers, last_stage_layers, expert_tensor_parallel)
@@ -120,15 +124,18 @@ def write(source, save_dir: str | Path, target: Layout, args_template, *,
         state_dict.update(_rng_shards(rng_state, target))
     optimizer, content = ((lw.optimizer, dict(layer_wise.LAYER_WISE_CONTENT)) if lw else
                           _optimizer_state(source, args, moe, sharding, step, state_dict, progress))
-    common = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
+    common = {**({"args": args} if flavor.args_in_common else {}), "checkpoint_version": 3.0,
+              "iteration": iteration,
               "optimizer": optimizer,
               "opt_param_scheduler": scheduler_state(manifest.scheduler),
               "num_floating_point_operations_so_far": float(num_floating_point_operations_so_far or 0.0),
               "content_metadata": content}
     if hybrid_layer_pattern(args):  # the buffers follow this release's Mamba parameter order
         common[UCP_COMMON_KEY] = {"mamba_conv1d_module": mamba_conv1d_is_module()}
+    if flavor.record_world_size:
+        common.setdefault(UCP_COMMON_KEY, {})["world_size"] = target.world_size
 
-    read_back = export_check(check_export, source, TorchDistSource, args)  # tensors, FP8 state
+    read_back = export_check(check_export, source, flavor.reader, args)  # tensors, FP8 state
     with staged_dir(out, TRACKER, check=read_back) as partial:
         iter_dir = partial / iteration_dir_name(iteration)
         iter_dir.mkdir()
@@ -137,10 +144,25 @@ def write(source, save_dir: str | Path, target: Layout, args_template, *,
                  no_dist=True)
         torch.save(common, iter_dir / COMMON_FILE)
         (iter_dir / "metadata.json").write_text(json.dumps(METADATA_JSON))
+        if flavor.files is not None:
+            flavor.files(iter_dir, partial, args, sharding, rng_state is not None)
         (partial / TRACKER).write_text(str(iteration))
-    log.info("wrote Megatron-LM torch_dist iteration %d at %s (%s, %d parameters) into %s in %.2fs",
-             iteration, target, sharding, len(plan), out, time.perf_counter() - t0)
+    log.info("wrote %s torch_dist iteration %d at %s (%s, %d parameters) into %s in %.2fs",
+             flavor.saved_by, iteration, target, sharding, len(plan), out, time.perf_counter() - t0)
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Flavor:
+    """What a torch_dist checkpoint carries for the training code that resumes it."""
+
+    saved_by: str = "Megatron-LM"
+    args_in_common: bool = True  # Megatron-LM's args in the common state
+    # the target's world size in the common state's megatron-ucp record (where no args say it)
+    record_world_size: bool = False
+    reader: type = TorchDistSource  # the source class that reads it back before the commit
+    # files(iteration dir, save root, target args, optimizer sharding, rng written) writes the rest
+    files: Callable[[Path, Path, object, str, bool], None] | None = None
 
 
 def _plan(source, args) -> tuple[dict, dict]:

@@ -1,0 +1,98 @@
+"""`megatron_bridge`: NVIDIA Megatron-Bridge `torch_dist` checkpoints (its `pretrain()` and
+`save_megatron_model`), read at any layout through the torch_dist reader: the same megatron-core
+`dist_checkpointing` keys and DistributedOptimizer forms as Megatron-LM's, the run described by
+`run_config.yaml` and `train_state.pt` instead of Megatron-LM's args (`config`)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from megatron_ucp.errors import UCPError
+from megatron_ucp.formats.dcp_reader import DistReader
+from megatron_ucp.formats.megatron_bridge.config import (
+    BRIDGE_RUN,
+    RUN_CONFIG,
+    read_run_config,
+    read_train_state,
+    run_args,
+)
+from megatron_ucp.formats.megatron_common import holds_checkpoint, resolve_iteration
+from megatron_ucp.formats.megatron_dist.layout import COMMON_FILE, COMMON_STATE_KEY, UCP_COMMON_KEY
+from megatron_ucp.formats.megatron_dist.layout import is_iteration as is_torch_dist
+from megatron_ucp.formats.megatron_dist.reader import TorchDistSource
+from megatron_ucp.formats.megatron_dist.reader import run_fields as torch_dist_run_fields
+from megatron_ucp.progress import Progress
+
+NAME = "megatron_bridge"
+WRITER_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")  # one per saving rank (and writer thread)
+EMBEDDING_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def is_iteration(path: Path) -> bool:
+    return is_torch_dist(path) and (path / RUN_CONFIG).is_file()
+
+
+def detect(path: Path) -> bool:
+    return holds_checkpoint(path, is_iteration)
+
+
+def read_common(load_dir: str | Path, trust_pickle: bool = False) -> tuple[Path, dict, object]:
+    """(iteration directory, the common state, Megatron-LM style args of the Bridge run)."""
+    ckpt, _ = resolve_iteration(load_dir, is_iteration, "Megatron-Bridge torch_dist")
+    reader = DistReader(ckpt, trust_pickle=trust_pickle)
+    if (ckpt / COMMON_FILE).exists():
+        from megatron_ucp.formats.megatron_common import torch_load
+
+        common = torch_load(ckpt / COMMON_FILE, "the checkpoint is incomplete", trust_pickle)
+    elif COMMON_STATE_KEY in reader.meta:
+        common = reader.obj(COMMON_STATE_KEY)
+        common = common[0] if isinstance(common, list) and len(common) == 1 else common
+    else:
+        raise UCPError(f"{ckpt}: neither {COMMON_FILE} nor the object {COMMON_STATE_KEY!r} is there; "
+                       "the checkpoint is incomplete")
+    vocab = next((reader.shape(k)[0] for k in EMBEDDING_KEYS if k in reader.meta), None)
+    # the world size: megatron-ucp's writer records it; in Bridge's own saves every rank of a
+    # distributed-optimizer run owns an optimizer shard and writes a file (`__<rank>_<n>.distcp`)
+    world = (common.get(UCP_COMMON_KEY) or {}).get("world_size") or 1 + max(
+        (int(m.group(1)) for p in ckpt.iterdir() if (m := WRITER_FILE.match(p.name))), default=-1)
+    if not world or vocab is None:
+        raise UCPError(f"{ckpt}: no .distcp files or no embedding / output layer tensor; the "
+                       "checkpoint is incomplete")
+    train_state = read_train_state(ckpt, trust_pickle)
+    iteration = int(common.get("iteration", train_state.get("step", 0)))
+    run_config = read_run_config(ckpt)
+    args = run_args(run_config, train_state, world_size=world,
+                    padded_vocab_size=vocab, iteration=iteration, where=ckpt)
+    # what a Bridge target written from this run carries over (`writer`)
+    setattr(args, BRIDGE_RUN, {"run_config": run_config, "train_state": train_state, "dir": str(ckpt)})
+    return ckpt, common, args
+
+
+class BridgeSource(TorchDistSource):
+    """A Megatron-Bridge torch_dist checkpoint read as universal tensors (a save root or iter dir)."""
+
+    format = NAME
+    saved_by = "megatron-bridge"
+    read_common = staticmethod(read_common)
+
+
+def open_source(path: str | Path, progress: Progress = True, trust_pickle: bool = False,
+                **_: object) -> BridgeSource:
+    return BridgeSource(path, progress, trust_pickle)
+
+
+def run_fields(load_dir: str | Path, trust_pickle: bool = False):
+    return torch_dist_run_fields(load_dir, trust_pickle, read=read_common)
+
+
+SOURCES = (BridgeSource,)
+
+
+def write(source, save_dir: str | Path, target, args_template, **options) -> Path:
+    from megatron_ucp.formats.megatron_bridge.writer import write as write_bridge
+
+    return write_bridge(source, save_dir, target, args_template, **options)
+
+
+__all__ = ["NAME", "SOURCES", "detect", "open_source", "run_fields", "write", "BridgeSource", "read_common"]
