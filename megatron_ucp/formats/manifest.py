@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
@@ -439,20 +438,6 @@ def iteration_dir_name(iteration: int) -> str:
 # `extra` flag of an imported checkpoint without optimizer hyper-parameters (its param_groups are
 # []): a load keeps the run's own groups and LR schedule instead of refusing
 RUN_HYPERPARAMETERS = "run_hyperparameters"
-
-
-def not_committed(out: Path, what: str) -> UCPError:
-    """The error of a writer whose read-back check of `out` (before the commit) failed."""
-    return UCPError(f"{out}: internal error, the written checkpoint {what}; nothing was committed. "
-                    "Please report it with the source checkpoint's manifest")
-
-
-def check_same_params(out: Path, have: Iterable[str], want: Iterable[str]) -> None:
-    """A written checkpoint holds exactly the source's parameters (`not_committed` otherwise)."""
-    have, want = set(have), set(want)
-    missing, extra = sorted(want - have), sorted(have - want)
-    if missing or extra:
-        raise not_committed(out, f"lacks parameter(s) {missing[:3]} / has unexpected {extra[:3]}")
 
 
 def resolve(path: str | Path | Location) -> Location:

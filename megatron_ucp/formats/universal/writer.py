@@ -21,6 +21,7 @@ import torch
 from megatron_ucp import te_state
 from megatron_ucp.formats import group_job
 from megatron_ucp.formats import manifest as mf
+from megatron_ucp.formats.base import check_same_params, not_committed
 from megatron_ucp.formats.manifest import Manifest, ParamEntry, TensorEntry
 from megatron_ucp.formats.universal.source import RNG_FILE, data_file_name, rng_prefix
 from megatron_ucp.progress import Progress, bar
@@ -201,15 +202,15 @@ def check_written(out_dir: Location, specs: dict[str, ParamSpec], source,
     every universal tensor is written exactly once."""
     written = (mf.read(out_dir) if manifest is None else
                Manifest.from_json(json.loads(mf.encode(manifest)), str(out_dir / mf.MANIFEST))).params
-    mf.check_same_params(out_dir, written, specs)
+    check_same_params(out_dir, written, specs)
     reader, named = Reader(), {}
     for name, p in written.items():
         want = specs[name]
         if p.shape != want.shape or set(p.tensors) != set(states_of(want)):
-            raise mf.not_committed(out_dir, f"has {name!r} as {list(p.shape)} {sorted(p.tensors)}, "
+            raise not_committed(out_dir, f"has {name!r} as {list(p.shape)} {sorted(p.tensors)}, "
                                    f"the source as {list(want.shape)} {sorted(states_of(want))}")
         if p.step != source.step(name):
-            raise mf.not_committed(out_dir, f"has {name!r} at Adam step {p.step}, the source at "
+            raise not_committed(out_dir, f"has {name!r} at Adam step {p.step}, the source at "
                                    f"{source.step(name)}")
         for e in p.tensors.values():
             reader.check(out_dir / e.file, e.key, "F32", p.shape)
@@ -217,7 +218,7 @@ def check_written(out_dir: Location, specs: dict[str, ParamSpec], source,
     for file, keys in named.items():
         stray = sorted(set(reader.open(out_dir / file).keys()) - keys)
         if stray:
-            raise mf.not_committed(out_dir, f"file {file} holds tensor(s) {stray[:3]} that no "
+            raise not_committed(out_dir, f"file {file} holds tensor(s) {stray[:3]} that no "
                                    "manifest entry names")
 
 
