@@ -36,7 +36,8 @@ def verify(path: str | Path) -> str:
     m = source.manifest
     fp8 = te_state.source_states(source, verify_checksums=True)  # (each tensor's crc32 checked)
     fp8_note = f", FP8 state of {len(fp8)} modules verified" if fp8 else ""
-    report = (f"OK {source.dir}: {m.kind}, iteration {m.iteration}, {len(m.params)} "
+    kind = f"{m.kind}, weights only (no optimizer state)" if m.weights_only else m.kind
+    report = (f"OK {source.dir}: {kind}, iteration {m.iteration}, {len(m.params)} "
               f"parameters, {n} tensors verified{fp8_note}, {source.bytes_read / 2**20:.2f} MiB read")
     root = location(path)
     stale = storage.interrupted_saves(root, mf.MANIFEST) if root != source.dir else []
@@ -84,7 +85,8 @@ def diff(a: str | Path, b: str | Path, trust_pickle: bool = False) -> list[Diffe
     """Compare two checkpoints of any formats and layouts: the iteration, the set of parameters,
     the set of states of each parameter, each parameter's Adam step, and the max abs/rel
     difference of every tensor both hold (vocab rows: the common rows only). Whatever one side
-    lacks is a `missing` row. Values are compared as stored: checksums are `verify`'s job."""
+    lacks is a `missing` row. Values are compared as stored: checksums are `verify`'s job. A
+    weights-only checkpoint's optimizer states are the zeros a load gives (the row says so)."""
     sa = formats.open_source(a, verify_checksums=False, progress=False, trust_pickle=trust_pickle)
     sb = formats.open_source(b, verify_checksums=False, progress=False, trust_pickle=trust_pickle)
     ma, mb = sa.manifest, sb.manifest
@@ -109,7 +111,9 @@ def diff(a: str | Path, b: str | Path, trust_pickle: bool = False) -> list[Diffe
         for state in (s for s in states_a if s in states_b):
             ta = sa.read(name, state, (0,) * len(shape), shape)
             tb = sb.read(name, state, (0,) * len(shape), shape)
-            out.append(_row(name, state, ta, tb, note))
+            fresh = [side for side, m in (("A", ma), ("B", mb)) if m.weights_only and state != "param"]
+            zero = f"zero: weights only in {' and '.join(fresh)}" if fresh else ""
+            out.append(_row(name, state, ta, tb, "; ".join(x for x in (note, zero) if x)))
     return out + _fp8_rows(sa, sb)
 
 

@@ -128,7 +128,8 @@ def _add_megatron_imports(sub) -> None:
 def _add_other_imports(sub) -> None:
     """import-hf, import-deepspeed (their own arguments)."""
     p = sub.add_parser("import-hf", help="a Hugging Face transformers model directory -> universal "
-                       "directory (fp32 master weights, fresh optimizer state)")
+                       "directory, weights only (in the HF dtype; no optimizer state on disk: a "
+                       "load starts the optimizer fresh)")
     p.add_argument("hf_dir", help="save_pretrained output: config.json and *.safetensors")
     p.add_argument("universal_dir", help="new output directory")
     p.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)

@@ -120,8 +120,17 @@ def write_torch_dist(universal_dir: str | Path, save_dir: str | Path, target: La
 
 def _adam_source(universal_dir: str | Path, target_format: str) -> Source:
     """The megatron-ucp checkpoint as a source of a Megatron-LM target whose optimizer state
-    megatron-ucp writes (`_refuse_unwritable`)."""
-    return _refuse_unwritable(formats.open_megatron_ucp(universal_dir), target_format)
+    megatron-ucp writes (`_refuse_unwritable`). A weights-only one (import-hf) is refused: it has
+    no optimizer state and no hyper-parameters, which Megatron-LM's optimizer files hold (the full
+    form of an import, zero moments and no param groups, is refused by the writers likewise)."""
+    source = formats.open_megatron_ucp(universal_dir)
+    if source.manifest.weights_only:
+        raise UCPError(f"{source.dir}: a weights-only checkpoint (no optimizer state, no optimizer "
+                       "hyper-parameters; manifest weights_only), which a Megatron-LM --ckpt-format "
+                       f"{target_format} checkpoint must carry. Load it with megatron_ucp.load (in "
+                       "Megatron-LM: --ckpt-format universal, or --universal-checkpoint, with --load "
+                       "on it): the optimizer starts fresh at any layout")
+    return _refuse_unwritable(source, target_format)
 
 
 # the optimizer families whose state megatron-ucp writes into each Megatron-LM target format:
@@ -296,11 +305,14 @@ _RUN_STATE = ("model", "optimizer", "scheduler", "extra")
 
 
 def import_hf(hf_dir: str | Path, out: str | Path, *, progress: Progress = True,
-              max_file_bytes: int = 2**31) -> Path:
-    """`megatron-ucp import-hf`: an HF model directory -> a new universal checkpoint (fp32 master
-    weights, zero Adam moments, step 0) that `megatron_ucp.load` reads at any layout."""
+              max_file_bytes: int = 2**31, weights_only: bool = True) -> Path:
+    """`megatron-ucp import-hf`: an HF model directory -> a new weights-only universal checkpoint
+    (the weights in their HF dtype, no optimizer state on disk) that `megatron_ucp.load` reads at
+    any layout, starting the optimizer fresh (zero state, step 0).
+    weights_only=False: the full form instead (fp32 master weights, zero Adam moments, step 0;
+    three to six times the bytes), which megatron-ucp before format version 5 reads."""
     refuse_non_empty(location(out))
-    source = formats.open_source(hf_dir, "hf")
+    source = formats.open_source(hf_dir, "hf", weights_only=weights_only)
     if source.ignored:
         log.info("skipped %d non-parameter tensor(s) of the HF checkpoint, e.g. %s",
                  len(source.ignored), source.ignored[0])

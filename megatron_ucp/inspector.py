@@ -50,14 +50,18 @@ def inspect(path: str | Path, trust_pickle: bool = False) -> str:
     for name, p in params.items():
         shape = "x".join(map(str, p.shape))
         tp = "-" if p.spec.tp_axis is None else str(p.spec.tp_axis)
-        fam = "-" if p.spec.buffer else p.spec.optimizer
+        fam = "-" if p.spec.buffer or m.weights_only else p.spec.optimizer
         lines.append(f"{name:<{width}} {shape:>14} {p.spec.dtype:>9} {tp:>7} {p.spec.tp_blocks:>6} "
                      f"{fam:>9}")
     return "\n".join(lines)
 
 
 def optimizer_lines(m: mf.Manifest) -> list[str]:
-    """The optimizers the run trained with and how many tensors each family's state covers."""
+    """The optimizers the run trained with and how many tensors each family's state covers; a
+    weights-only checkpoint has none."""
+    if m.weights_only:
+        return ["optimizer    weights only, optimizer starts fresh (no optimizer state on disk: a "
+                "load gives the run's optimizer zero state and step 0)"]
     counts: dict[str, int] = {}
     for p in m.params.values():
         if not p.spec.buffer:

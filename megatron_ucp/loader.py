@@ -56,6 +56,9 @@ class LoadResult:
     # Transformer Engine modules of this rank whose FP8 state (scales, amax histories, recipe) was
     # set from the checkpoint
     fp8_modules: int = 0
+    # the checkpoint is weights only (an import-hf): the run's optimizer started fresh, its state
+    # zero and its step 0, whatever its family
+    fresh_optimizer: bool = False
 
 
 def _legacy_names(source, params: list[LocalParam]) -> None:
@@ -190,10 +193,12 @@ def _check_families(source, params: list[LocalParam], index: OptimizerIndex,
 
 
 def _read_regions(source, params: list[LocalParam], index: OptimizerIndex,
-                  reset_optimizer: bool) -> None:
+                  reset_optimizer: bool, fresh: bool = False) -> None:
     """Read every rank's regions straight into the optimizer's own shard tensors (on a device:
     through one host tensor of one region and state at a time), so a load allocates no copy of
-    the rank's optimizer state; then set each parameter's Adam step once its regions tile it."""
+    the rank's optimizer state; then set each parameter's Adam step once its regions tile it.
+    fresh: a weights-only checkpoint: the master weights are read, every state of the run's own
+    optimizer is zeroed and each step set to the checkpoint's 0."""
     unowned = index.unowned()
     # (lp, region, states): a buffer, or a weight whose state another DP rank owns (LayerWise),
     # has no region: its whole local slice is read into the model tensor
@@ -202,7 +207,8 @@ def _read_regions(source, params: list[LocalParam], index: OptimizerIndex,
         if lp.spec.buffer or lp.param in unowned:
             regions.append((lp, None, ("param",)))
         elif (region := index.region_range(lp)) is not None:
-            states = ("param",) if reset_optimizer else source.manifest.params[lp.spec.name].states
+            states = (("param",) if reset_optimizer or fresh
+                      else source.manifest.params[lp.spec.name].states)
             regions.append((lp, region, states))
 
     def reads(src) -> None:  # every read of the loop below, in its order (its plan in a store)
@@ -228,6 +234,10 @@ def _read_regions(source, params: list[LocalParam], index: OptimizerIndex,
                      partial(read_local, source, lp, s, a - lp.base, b - lp.base))
             if reset_optimizer:
                 continue
+            if fresh:  # (the run's family: a weights-only checkpoint has none of its own)
+                for s in live:
+                    if s != "param":
+                        live[s][a - shard[0]:b - shard[0]].zero_()
             steps = shards.setdefault(id(lp.param), (lp.param, shard, {}))[2]
             steps[lp.spec.name] = (source.step(lp.spec.name), b - a)
             if sum(n for _, n in steps.values()) == shard[1] - shard[0]:
@@ -279,10 +289,12 @@ def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: 
     _check_params(source, params, strict)
 
     index = OptimizerIndex(optimizer)
-    reset = _check_families(source, params, index, reset_optimizer)
+    # a weights-only checkpoint has no optimizer state to match the run's: any optimizer starts fresh
+    fresh = manifest.weights_only and not reset_optimizer
+    reset = () if manifest.weights_only else _check_families(source, params, index, reset_optimizer)
     if not reset_optimizer:  # (a reset keeps the optimizer as built: no state until its first step)
         index.ensure_state()
-    _read_regions(source, params, index, reset_optimizer)
+    _read_regions(source, params, index, reset_optimizer, fresh)
     # The FP8 state first: with FP8 parameters (fp8_param, --fp8-param-gather) the model's
     # Float8Tensor weights are derived from the masters by megatron-core's own copy (its
     # quantize_param_shard -> TE's cast_master_weights_to_fp8) with the module's FP8 scales, which
@@ -300,6 +312,9 @@ def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: 
 
     source_layout = manifest.layout
     same = source_layout == layout
+    if dist.get_rank() == 0 and manifest.weights_only:
+        log.warning("%s: weights only (no optimizer state on disk): the optimizer starts fresh "
+                    "(zero state, step 0)", source.dir)
     if dist.get_rank() == 0 and not same:
         for o in manifest.optimizer.get("optimizers", []):
             # blockwise Muon (the same state, another update rule) at another TP; scaled fp16 / fp8
@@ -318,4 +333,4 @@ def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: 
                  time.perf_counter() - t0, t_read - t0, t_sync - t_read)
     return LoadResult(manifest.iteration, manifest.extra, source.dir, source_layout,
                       restored, source.bytes_read, source.files_opened, source.requests,
-                      t_read - t0, t_sync - t_read, reset, fp8_modules)
+                      t_read - t0, t_sync - t_read, reset, fp8_modules, manifest.weights_only)

@@ -331,9 +331,9 @@ both("manifest-layout-size", "layout.tp edited 2 -> 4 (no longer the saving run'
 both("manifest-layout-type", "layout.tp edited to the string '2'",
      lambda ck: edit_manifest(ck, lambda m: m["layout"].update(tp="2")), open_it,
      ("<manifest>: layout.tp: expected int, got '2'", DAMAGED_MANIFEST))
-both("manifest-version-newer", "version edited 3 -> 5 (4 is the newest: te_state)",
-     lambda ck: edit_manifest(ck, lambda m: m.update(version=5)), open_it,
-     ("<manifest>: format version 5 is newer than this megatron-ucp understands (4)",
+both("manifest-version-newer", "version edited 3 -> 6 (5 is the newest: weights_only)",
+     lambda ck: edit_manifest(ck, lambda m: m.update(version=6)), open_it,
+     ("<manifest>: format version 6 is newer than this megatron-ucp understands (5)",
       "upgrade megatron-ucp"))
 both("manifest-version-zero", "version edited 3 -> 0",
      lambda ck: edit_manifest(ck, lambda m: m.update(version=0)), open_it,

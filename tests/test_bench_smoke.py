@@ -7,8 +7,9 @@ uses changed, a fixture folder gained a file) fails here instead of on the next 
 The sizes are tiny models that still run each script's steps and cross-checks, with one round of
 each; bench_scale leaves out its DeepSpeed anchor (not a dependency) and the convert CLI's timing,
 bench_object_store starts its own SeaweedFS on 127.0.0.1 and leaves out its external anchors
-(--no-anchors: DCP through s3fs, megatron-core through multi-storage-client). All six: about 1.5
-minutes on 2 otherwise idle cores (the scripts alone: 86 s), 4.5 minutes at a load average of 10.
+(--no-anchors: DCP through s3fs, megatron-core through multi-storage-client). The first six: about
+1.5 minutes on 2 otherwise idle cores (the scripts alone: 86 s), 4.5 minutes at a load average of
+10; bench_import (added 2026-12) 12 s more at a load average of 4.
 """
 
 from __future__ import annotations
@@ -97,6 +98,20 @@ def test_bench_checkpoint(tmp_path):
     for op, check in load["consistency"].items():
         assert check["mismatched"] == [] and check["max_abs_diff"] == 0.0, (op, check)
     assert math.isfinite(load["loss_after_load"])
+
+
+def test_bench_import(tmp_path):
+    out = tmp_path / "import.json"
+    run_bench("bench_import.py", "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
+              "--num-attention-heads", "4", "--vocab-size", "256", "--reps", "1",
+              "--workdir", str(tmp_path / "work"), "--json", str(out))
+    res = json.loads(out.read_text())
+    check = res["check"]
+    assert check["mismatched"] == [] and check["nonzero_state"] == [] and check["weights_only_manifest"]
+    # bf16 weights alone (+ headers and the manifest) against fp32 weights and two fp32 moments
+    assert res["ratios"]["out_bytes"] < 0.25 and res["ratios"]["written"] < 0.25
+    assert res["forms"]["full"]["out_bytes"] > 6 * res["hf_bytes"]
+    assert not any((tmp_path / "work").iterdir())  # (what it wrote is removed)
 
 
 def test_bench_scale(tmp_path):

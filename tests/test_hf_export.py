@@ -9,6 +9,7 @@ it. Nothing is downloaded: HF models are built from configs here.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -195,8 +196,34 @@ def reloaded(runs) -> list[list[dict]]:
                      "logits": str(runs / f"native_{a}_megatron.pt"), "tokens": NATIVE_TOKENS,
                      "resave_dir": str(runs / f"native_{a}_resaved"),
                      "train_steps": 0 if a == "gpt_oss" else 1})
+    # the same Llama in bf16, imported weights-only (the default) and in the full form (zero fp32
+    # moments on disk), each loaded into a bf16 run at TP1xDP2 and trained a step; weights-only
+    # also into runs of other optimizers, which the full form's Adam state refuses
+    native.to(torch.bfloat16).save_pretrained(runs / "native_bf16_hf")
+    import_hf(runs / "native_bf16_hf", runs / "native_bf16_weights_only", progress=False)
+    import_hf(runs / "native_bf16_hf", runs / "native_bf16_full", progress=False, weights_only=False)
+    for form, cfg in WEIGHTS_ONLY_RUNS.items():
+        src = "native_bf16_full" if form == "full" else "native_bf16_weights_only"
+        todo.append({"cfg": cfg, "load_dir": str(runs / src), "tokens": NATIVE_TOKENS,
+                     "logits": str(runs / f"{form}_logits.pt"), "weights": str(runs / f"{form}_weights.pt"),
+                     "resave_dir": str(runs / f"{form}_resaved")})
     return launch(2, f"{HF_SCENARIOS}:load_logits", {"layout": "tp1dp2", "runs": todo,
                                                      "tokens": TOKENS})
+
+
+NATIVE_BF16_CFG = {**NATIVE_CFG, "dtype": "bf16"}
+# the loads of the bf16 Llama's two import forms (`reloaded`, after the NATIVE_MODELS runs): the
+# weights-only one also into an SGD run (plain DDP, momentum) and, where emerging-optimizers is
+# installed (megatron-core 0.19's venv), a Muon run (LayerWise: Muon for matrices, Adam for the rest)
+WEIGHTS_ONLY_RUNS = {"full": NATIVE_BF16_CFG, "weights_only": NATIVE_BF16_CFG,
+                     "weights_only_sgd": {**NATIVE_BF16_CFG, "optimizer": "sgd",
+                                          "use_distributed_optimizer": False,
+                                          "optimizer_extra": {"sgd_momentum": 0.9}}}
+if importlib.util.find_spec("emerging_optimizers") is not None:
+    WEIGHTS_ONLY_RUNS["weights_only_muon"] = {**NATIVE_BF16_CFG, "optimizer": "muon", "optimizer_extra": {
+        "use_layer_wise_distributed_optimizer": True, "muon_tp_mode": "duplicated"}}
+WEIGHTS_ONLY_FAMILIES = {"weights_only": {"adam"}, "weights_only_sgd": {"sgd"},
+                         "weights_only_muon": {"muon", "adam"}}
 
 
 def hf_logits(hf_dir: Path) -> torch.Tensor:
@@ -258,7 +285,7 @@ def test_exported_directory(runs, arch):
 def test_import_loads_at_another_layout(runs, reloaded, arch):
     for rank in reloaded:  # each rank: iteration 0, zero Adam moments at step 0, then a step
         result = rank[ARCHS.index(arch)]
-        assert result["iteration"] == 0 and result["fresh_adam"] and result["finite"]
+        assert result["iteration"] == 0 and result["fresh_optimizer"] and result["finite"]
     megatron = torch.load(runs / arch / "megatron.pt")
     diff = max_diff(torch.load(runs / arch / "reloaded.pt")[..., :TRUE_VOCAB], megatron[..., :TRUE_VOCAB])
     print(f"{arch}: megatron TP2 vs export -> import-hf -> load at TP1xDP2 logits max abs diff {diff:.3g}")
@@ -287,7 +314,7 @@ def test_imported_specs_are_megatron_cores(runs, arch):
 def test_transformers_model_imports_into_megatron(runs, reloaded):
     """A model transformers saved (not one export-hf wrote) computes the same in megatron-core
     after import-hf and megatron_ucp.load at TP1xDP2."""
-    assert all(rank[len(ARCHS)]["fresh_adam"] for rank in reloaded)
+    assert all(rank[len(ARCHS)]["fresh_optimizer"] for rank in reloaded)
     megatron = torch.load(runs / "native_megatron.pt")[..., :100]
     diff = max_diff(megatron, torch.load(runs / "native_hf.pt"))
     print(f"llama (transformers-made, biases, head_dim 32): import-hf -> megatron TP1xDP2 logits "
@@ -324,6 +351,44 @@ def test_round_trip_through_tp2pp2(runs, reloaded, tmp_path):
     assert sorted(want) == sorted(got) and all(torch.equal(want[k], got[k]) for k in want)
 
 
+def test_weights_only_import_loads_as_the_full_form(runs, reloaded):
+    """import-hf's weights-only checkpoint (the bf16 weights alone) loaded at TP1xDP2 into a bf16
+    run gives bitwise what the full form (fp32 masters, zero moments on disk) gives: model weights,
+    logits, fp32 master weights, zero moments, step 0, and the loss of the first step from them;
+    into SGD and Muon runs too (no reset_optimizer: it has no Adam state to refuse), their
+    momentum zero."""
+    first = len(ARCHS) + 1 + len(NATIVE_MODELS)
+    result = {form: [rank[first + i] for rank in reloaded] for i, form in enumerate(WEIGHTS_ONLY_RUNS)}
+    assert [r["weights_only"] for r in result["full"]] == [False, False]
+    forms = [form for form in WEIGHTS_ONLY_RUNS if form != "full"]
+    for form in forms:
+        assert all(r["iteration"] == 0 and r["fresh_optimizer"] and r["weights_only"] for r in result[form])
+    assert [r["losses"] for r in result["weights_only"]] == [r["losses"] for r in result["full"]]
+    for what in ("logits", "weights"):
+        full = torch.load(runs / f"full_{what}.pt")
+        for form in forms:
+            got = torch.load(runs / f"{form}_{what}.pt")
+            if what == "logits":
+                assert torch.equal(got, full), form
+            else:
+                assert got.keys() == full.keys() and all(
+                    got[k].dtype == torch.bfloat16 and torch.equal(got[k], full[k]) for k in full), form
+    full = open_source(runs / "full_resaved")
+    for form in forms:
+        resaved = open_source(runs / f"{form}_resaved")
+        assert resaved.manifest.params.keys() == full.manifest.params.keys()
+        for name, p in resaved.manifest.params.items():
+            box = ((0,) * len(p.shape), p.shape)
+            assert resaved.step(name) == full.step(name) == 0.0, name
+            want = full.read(name, "param", *box)
+            assert torch.equal(resaved.read(name, "param", *box).view(torch.int32), want.view(torch.int32))
+            for state in p.states:
+                if state != "param":
+                    assert not resaved.read(name, state, *box).any(), (form, name, state)
+                    assert form != "weights_only" or not full.read(name, state, *box).any()
+        assert {p.spec.optimizer for p in resaved.manifest.params.values()} == WEIGHTS_ONLY_FAMILIES[form]
+
+
 @pytest.mark.parametrize("arch", NATIVE_MODELS)
 def test_transformers_deepseek_v3_and_gpt_oss_in_megatron(runs, reloaded, arch, tmp_path):
     """A transformers-made DeepSeek-V3 / GPT-OSS / Nemotron-H (every tensor random: expert bias,
@@ -334,7 +399,7 @@ def test_transformers_deepseek_v3_and_gpt_oss_in_megatron(runs, reloaded, arch, 
     from safetensors.torch import load_file
 
     result = [rank[len(ARCHS) + 1 + list(NATIVE_MODELS).index(arch)] for rank in reloaded]
-    assert all(r["fresh_adam"] and r["finite"] for r in result)
+    assert all(r["fresh_optimizer"] and r["finite"] for r in result)
     want = torch.load(runs / f"native_{arch}.pt")
     megatron = torch.load(runs / f"native_{arch}_megatron.pt")[..., :100]
     diff = max_diff(megatron, want)

@@ -637,3 +637,143 @@ def test_llama_3_rope_scaling_without_its_factor_is_not_exported(saved, tmp_path
                                        "is not recorded"):
         archs.get("llama").check_exportable(model, {"activation": "swiglu"})
     archs.get("llama").check_exportable(model, {"activation": "swiglu", "rope_scaling_factor": 8.0})
+
+
+# --------------------------------------------------------------------- weights-only imports
+
+
+def _data_bytes(udir: Path) -> int:
+    return sum(p.stat().st_size for p in Path(udir).glob("params_*.safetensors"))
+
+
+def _same_reads(a, b) -> None:
+    """Every state of every parameter (a weights-only one's zeros included), read whole and as a
+    box of rows (a load's read), is bitwise the same fp32 tensor from both sources; steps too."""
+    assert a.manifest.params.keys() == b.manifest.params.keys()
+    for name, p in b.manifest.params.items():
+        assert a.step(name) == b.step(name) == 0.0
+        rows = (p.shape[0] // 2, *p.shape[1:])
+        for state in p.states:
+            for offset, shape in (((0,) * len(p.shape), p.shape), ((1, *[0] * (len(p.shape) - 1)), rows)):
+                x, y = a.read(name, state, offset, shape), b.read(name, state, offset, shape)
+                into = torch.empty(shape, dtype=torch.float32)
+                a.read_into(name, state, offset, shape, into)
+                assert x.dtype == y.dtype == torch.float32, (name, state)
+                assert torch.equal(x.view(torch.int32), y.view(torch.int32)), (name, state)
+                assert torch.equal(into.view(torch.int32), y.view(torch.int32)), (name, state)
+
+
+@pytest.mark.parametrize("name, stored", [("llama_bf16", torch.bfloat16), ("llama", torch.float32)])
+def test_import_writes_the_weights_only(saved, tmp_path, name, stored):
+    """import-hf writes each weight once, in its HF dtype, and no optimizer state: the data
+    holds exactly the HF directory's tensor bytes (the full form: 6x for bf16 weights, 3x for
+    fp32), the manifest says weights_only (format version 5), and every read gives bitwise what
+    the full form gives (fp32 masters; zero moments, step 0)."""
+    wo = import_hf(saved[name], tmp_path / "wo", progress=False)
+    full = import_hf(saved[name], tmp_path / "full", progress=False, weights_only=False)
+    manifest, stored_tensors = oracles.universal_tensors(wo)
+    assert manifest["version"] == 5 and manifest["weights_only"] is True
+    assert sorted(stored_tensors) == sorted(f"{n}/param" for n in manifest["params"])
+    assert {t.dtype for t in stored_tensors.values()} == {stored}
+    hf_bytes = sum(t.numel() * t.element_size() for t in tensors(saved[name]).values())
+    assert sum(t.numel() * t.element_size() for t in stored_tensors.values()) == hf_bytes
+    assert sorted(p.name for p in wo.iterdir()) == ["manifest.json", "params_00000.safetensors"]
+    assert hf_bytes < _data_bytes(wo) < hf_bytes + 4096  # (+ the safetensors header)
+    width = 6 if stored == torch.bfloat16 else 3
+    assert _data_bytes(full) > width * hf_bytes
+    full_manifest = json.loads((full / "manifest.json").read_text())
+    assert full_manifest["version"] == 3 and "weights_only" not in full_manifest
+    _same_reads(open_source(wo), open_source(full))
+
+
+def test_weights_only_keeps_a_mixed_dtype_tensor_in_fp32(saved, tmp_path):
+    """A universal tensor joined from HF tensors of different dtypes (q, v bf16 and k fp32) is
+    recorded and stored as float32, which holds each exactly; the rest stays bf16."""
+    k = "model.layers.0.self_attn.k_proj.weight"
+    src = copy_with(saved["llama_bf16"], tmp_path / "mixed",
+                    add={k: tensors(saved["llama_bf16"])[k].float()})
+    wo = import_hf(src, tmp_path / "wo", progress=False)
+    manifest, stored = oracles.universal_tensors(wo)
+    qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
+    assert manifest["params"][qkv]["dtype"] == "float32" and stored[f"{qkv}/param"].dtype == torch.float32
+    assert {t.dtype for n, t in stored.items() if n != f"{qkv}/param"} == {torch.bfloat16}
+    _same_reads(open_source(wo), open_source(import_hf(src, tmp_path / "full", progress=False,
+                                                       weights_only=False)))
+
+
+def test_weights_only_manifest_is_checked(saved, tmp_path, monkeypatch):
+    """A reader of format version 4 refuses a weights-only manifest by its version (it cannot
+    misread the missing moments); this one refuses weights_only in an older version, optimizer
+    state tensors or a step in a weights-only entry, and a header dtype its spec does not say."""
+    from megatron_ucp.formats import manifest as mf
+
+    wo = import_hf(saved["llama_bf16"], tmp_path / "wo", progress=False)
+    good = json.loads((wo / "manifest.json").read_text())
+    with monkeypatch.context() as m:
+        m.setattr(mf, "VERSION", 4)
+        with pytest.raises(UCPError, match=r"format version 5 is newer than this megatron-ucp "
+                                           r"understands \(4\); upgrade megatron-ucp"):
+            mf.read(wo)
+    ln = "decoder.final_layernorm.weight"
+
+    def edited(fn) -> dict:
+        d = json.loads(json.dumps(good))
+        fn(d)
+        return d
+
+    exp_avg = {**good["params"][ln]["tensors"]["param"], "key": f"{ln}/exp_avg"}
+    for bad, match in [
+            (edited(lambda d: d.update(version=4)), r"weights_only: is a field of format version 5"),
+            (edited(lambda d: d.update(weights_only="yes")), r"weights_only: expected bool"),
+            (edited(lambda d: d["params"][ln]["tensors"].update(exp_avg=exp_avg)),
+             rf"params\['{ln}'\].tensors: unknown field\(s\) \['exp_avg'\]"),
+            (edited(lambda d: d["params"][ln].update(step=3.0)),
+             rf"params\['{ln}'\].step: 3.0 in a weights-only checkpoint")]:
+        with pytest.raises(UCPError, match=match):
+            mf.Manifest.from_json(bad, "manifest.json")
+    # the full form has every state: without weights_only its missing moments are refused
+    with pytest.raises(UCPError, match=r"required field\(s\) \['exp_avg', 'exp_avg_sq'\] missing"):
+        mf.Manifest.from_json(edited(lambda d: d.pop("weights_only")), "manifest.json")
+    (wo / "manifest.json").write_text(json.dumps(edited(lambda d: d["params"][ln].update(dtype="float32"))))
+    with pytest.raises(UCPError, match=rf"tensor '{ln}/param' is BF16 \[32\] in the file's header, "
+                                       r"the checkpoint expects F32 \[32\]"):
+        open_source(wo).read(ln, "param", (0,), (32,))
+
+
+def test_weights_only_consumers(saved, tmp_path, capsys):
+    """inspect and verify say weights only; diff against the full form finds nothing (its zero rows
+    say why); reshard to universal keeps it weights only; export-hf gives the HF tensors bit for
+    bit; the Megatron-LM targets (which need optimizer state and hyper-parameters) refuse it by
+    name, before any work."""
+    from megatron_ucp.checks import diff, format_diff
+    from megatron_ucp.conversion import reshard, write_legacy, write_torch_dist
+    from megatron_ucp.layout import Layout
+
+    wo = tmp_path / "wo"
+    assert main(["import-hf", str(saved["llama_bf16"]), str(wo), "--no-progress"]) == 0
+    full = import_hf(saved["llama_bf16"], tmp_path / "full", progress=False, weights_only=False)
+    capsys.readouterr()
+    assert main(["inspect", str(wo)]) == 0
+    out = capsys.readouterr().out
+    assert "universal (format megatron-ucp v5)" in out
+    assert "optimizer    weights only, optimizer starts fresh (no optimizer state on disk" in out
+    assert main(["verify", str(wo)]) == 0
+    n = len(open_source(wo).manifest.params)
+    assert f"universal, weights only (no optimizer state), iteration 0, {n} parameters, {n} tensors " \
+           "verified" in capsys.readouterr().out
+    rows = diff(wo, full)
+    assert format_diff(rows).endswith("identical")
+    zeros = [r for r in rows if r.state in ("exp_avg", "exp_avg_sq")]
+    assert len(zeros) == 2 * n and all(r.note == "zero: weights only in A" for r in zeros)
+    summary = reshard(wo, tmp_path / "copy", progress=False)
+    assert summary.bytes_written == sum(p.stat().st_size for p in wo.iterdir())
+    assert open_source(tmp_path / "copy").manifest.weights_only
+    a = tensors(export(open_source(wo), tmp_path / "hf", "llama", progress=False))
+    b = tensors(saved["llama_bf16"])
+    assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in b)
+    for write in (write_legacy, write_torch_dist):
+        with pytest.raises(UCPError, match=r"a weights-only checkpoint \(no optimizer state, no "
+                                           r"optimizer hyper-parameters; manifest weights_only\).*"
+                                           r"Load it with megatron_ucp.load"):
+            write(wo, tmp_path / "mlm", Layout(dp=2), None, progress=False)
+        assert not (tmp_path / "mlm").exists()

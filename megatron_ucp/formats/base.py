@@ -11,17 +11,22 @@ their choices from it) and provides the members that entry declares (`FormatPack
 `check_package` is the test of it). No format package imports another: conventions several
 formats share live in shared modules (`megatron_common`, `tensor_transforms`, `manifest`).
 
+Every writer reads back what it wrote before its commit (`storage.staged_dir(..., check=...)`);
+`not_committed` is the error of that check, `check_same_params` the part all writers share.
+
 This module imports neither torch nor megatron-core: the CLI builds its parser from the registry
 without them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from megatron_ucp.errors import UCPError
 
 if TYPE_CHECKING:
     import argparse
@@ -178,3 +183,17 @@ def check_package(info: FormatInfo, package: ModuleType) -> list[str]:
         if has != declared:
             problems.append(f"{member}: {'declared, missing' if declared else 'present, undeclared'}")
     return problems
+
+
+def not_committed(out: Path, what: str) -> UCPError:
+    """The error of a writer whose read-back check of `out` (before the commit) failed."""
+    return UCPError(f"{out}: internal error, the written checkpoint {what}; nothing was committed. "
+                    "Please report it with the source checkpoint's manifest")
+
+
+def check_same_params(out: Path, have: Iterable[str], want: Iterable[str]) -> None:
+    """A written checkpoint holds exactly the source's parameters (`not_committed` otherwise)."""
+    have, want = set(have), set(want)
+    missing, extra = sorted(want - have), sorted(have - want)
+    if missing or extra:
+        raise not_committed(out, f"lacks parameter(s) {missing[:3]} / has unexpected {extra[:3]}")

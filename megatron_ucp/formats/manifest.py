@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
@@ -27,9 +26,10 @@ from megatron_ucp.storage import Location, location
 from megatron_ucp.storage.save_root import NotACheckpoint
 
 FORMAT = "megatron-ucp"
+# 5: `weights_only` (universal: the weights alone, no optimizer state; written as 5 only then);
 # 4: `te_state` (written as 4 only when present, else 3); 3: the manifest indexes every fragment;
 # 2: fragment pieces carry strides; 1: blocks of rows. All are still read.
-VERSION = 4
+VERSION = 5
 MANIFEST = "manifest.json"
 KINDS = ("fragments", "universal")
 
@@ -191,7 +191,9 @@ class ParamEntry:
         return d
 
     @classmethod
-    def from_json(cls, d, kind: str, n_files: int, check: _Check, path: str) -> ParamEntry:
+    def from_json(cls, d, kind: str, n_files: int, check: _Check, path: str,
+                  weights_only: bool = False) -> ParamEntry:
+        """weights_only: a weights-only universal manifest's entry (its `param` alone, step 0)."""
         if kind == "fragments" and _plain_fragment_entry(d):  # the common case, checked in one go
             spec = ParamSpec(d["name"], tuple(d["shape"]), d["dtype"], d["tp_axis"], d.get("tp_blocks", 1),
                              list(d.get("aliases", [])), d.get("vocab_rows", False), d.get("buffer", False),
@@ -219,9 +221,11 @@ class ParamEntry:
         step = d.get("step")
         if step is not None:
             step = check.typed(step, f"{path}.step", (int, float))
+        if weights_only and step != 0:  # (no optimizer state: nothing has stepped)
+            raise check.fail(f"{path}.step", f"{step} in a weights-only checkpoint, whose steps are 0")
         entry = cls(spec, step)
         if "tensors" in d:
-            check.obj(d["tensors"], f"{path}.tensors", states_of(spec))
+            check.obj(d["tensors"], f"{path}.tensors", ("param",) if weights_only else states_of(spec))
             entry.tensors = {}
             for s, t in d["tensors"].items():
                 check.obj(t, f"{path}.tensors.{s}", ("file", "key", "crc32"))
@@ -323,7 +327,8 @@ def _nonneg_ints(values) -> bool:
 
 _REQUIRED = ("format", "version", "kind", "iteration", "layout", "layout_world_size", "model",
              "params", "optimizer", "scheduler", "extra", "seed")
-_OPTIONAL = {"fragments": ("files", "bytes", "te_state"), "universal": ("converted_from", "te_state")}
+_OPTIONAL = {"fragments": ("files", "bytes", "te_state"),
+             "universal": ("converted_from", "te_state", "weights_only")}
 
 
 @dataclass
@@ -343,6 +348,7 @@ class Manifest:
     converted_from: dict | None = None  # universal: {"kind": ..., "path": ..., ...}
     version: int = VERSION
     te_state: dict | None = None  # Transformer Engine FP8 state (`te_state.write`), if any
+    weights_only: bool = False  # universal: each `param` alone, in its `dtype` (a load starts fresh)
 
     @classmethod
     def fragments(cls, *, iteration: int, layout: Layout, world_size: int, model: dict,
@@ -357,21 +363,23 @@ class Manifest:
         """A universal manifest with the run state of `header` (any source's manifest)."""
         return cls("universal", header.iteration, header.layout, header.layout_world_size,
                    header.model, params, header.optimizer, header.scheduler, header.extra,
-                   header.seed, converted_from=converted_from, te_state=header.te_state)
+                   header.seed, converted_from=converted_from, te_state=header.te_state,
+                   weights_only=header.weights_only)
 
     @property
     def true_vocab(self) -> int | None:
         return self.model.get("unpadded_vocab_size")
 
     def to_json(self) -> dict:
-        v = self.version if self.te_state else min(self.version, 3)
+        # the lowest version that has every field written, so older readers read what they can
+        v = 5 if self.weights_only else min(self.version, 4 if self.te_state else 3)
         d = {"format": FORMAT, "version": v, "kind": self.kind, "iteration": self.iteration,
              "layout": self.layout.to_json(), "layout_world_size": self.layout_world_size,
              "model": self.model, "params": {n: p.to_json() for n, p in self.params.items()},
              "optimizer": self.optimizer, "scheduler": self.scheduler, "extra": self.extra,
              "seed": self.seed}
         for k in _OPTIONAL[self.kind]:
-            if getattr(self, k) is not None:
+            if getattr(self, k) is not None and (k != "weights_only" or self.weights_only):
                 d[k] = getattr(self, k)
         return d
 
@@ -412,9 +420,12 @@ class Manifest:
             if len(files) != world:
                 raise check.fail("files", f"{len(files)} rank files for layout_world_size {world}")
         n_files = len(files) if files is not None else world  # default: rank_XXXXX per rank
+        weights_only = check.typed(d.get("weights_only", False), "weights_only", bool)
+        if weights_only and version < 5:
+            raise check.fail("weights_only", f"is a field of format version 5, the manifest says {version}")
         params = {}
         for name, p in check.typed(d["params"], "params", dict).items():
-            entry = ParamEntry.from_json(p, kind, n_files, check, f"params[{name!r}]")
+            entry = ParamEntry.from_json(p, kind, n_files, check, f"params[{name!r}]", weights_only)
             if entry.name != name:
                 raise check.fail(f"params[{name!r}].name", f"{entry.name!r} differs from its key")
             params[name] = entry
@@ -429,7 +440,8 @@ class Manifest:
                    check.typed(d["extra"], "extra", dict), check.typed(d["seed"], "seed", int),
                    files, check.typed(d.get("bytes"), "bytes", int, none=True),
                    check.typed(d.get("converted_from"), "converted_from", dict, none=True), version,
-                   None if d.get("te_state") is None else te_state.check_field(d["te_state"], check, version))
+                   None if d.get("te_state") is None else te_state.check_field(d["te_state"], check, version),
+                   weights_only)
 
 
 def iteration_dir_name(iteration: int) -> str:
@@ -439,20 +451,6 @@ def iteration_dir_name(iteration: int) -> str:
 # `extra` flag of an imported checkpoint without optimizer hyper-parameters (its param_groups are
 # []): a load keeps the run's own groups and LR schedule instead of refusing
 RUN_HYPERPARAMETERS = "run_hyperparameters"
-
-
-def not_committed(out: Path, what: str) -> UCPError:
-    """The error of a writer whose read-back check of `out` (before the commit) failed."""
-    return UCPError(f"{out}: internal error, the written checkpoint {what}; nothing was committed. "
-                    "Please report it with the source checkpoint's manifest")
-
-
-def check_same_params(out: Path, have: Iterable[str], want: Iterable[str]) -> None:
-    """A written checkpoint holds exactly the source's parameters (`not_committed` otherwise)."""
-    have, want = set(have), set(want)
-    missing, extra = sorted(want - have), sorted(have - want)
-    if missing or extra:
-        raise not_committed(out, f"lacks parameter(s) {missing[:3]} / has unexpected {extra[:3]}")
 
 
 def resolve(path: str | Path | Location) -> Location:

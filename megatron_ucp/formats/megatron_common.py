@@ -19,7 +19,7 @@ import torch
 
 from megatron_ucp import storage
 from megatron_ucp.errors import UCPError
-from megatron_ucp.formats.manifest import check_same_params, not_committed
+from megatron_ucp.formats.base import check_same_params, not_committed
 from megatron_ucp.formats.megatron_pickle import MEGATRON_HOLDS, unpickle
 from megatron_ucp.formats.megatron_te import te_unavailable
 from megatron_ucp.layout import Layout

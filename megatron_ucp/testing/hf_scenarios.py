@@ -54,7 +54,7 @@ def logits(st: tg.TrainState, tokens: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _write(t: torch.Tensor, path: str) -> None:
+def _write(t: torch.Tensor | dict, path: str) -> None:
     if dist.get_rank() == 0:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         torch.save(t, path)
@@ -76,21 +76,23 @@ def train_save_logits(layout: str, runs: list[dict], steps: int, tokens: list) -
     return out
 
 
-def _fresh_adam(st: tg.TrainState) -> bool:
-    """This rank's Adam state is new: both moments zero and step 0 for every shard it holds."""
+def _fresh_optimizer(st: tg.TrainState) -> bool:
+    """This rank's optimizer state is new: every state of its family (Adam's moments, SGD's
+    momentum, ...) zero and step 0 for every shard it holds."""
     index = OptimizerIndex(st.optimizer)
     for p in index.owner:
         if index.shard_range(p) is None:
             continue
         states, step = index.get(p)
-        if float(step) != 0.0 or states["exp_avg"].any() or states["exp_avg_sq"].any():
+        if float(step) != 0.0 or any(t.any() for k, t in states.items() if k != "param"):
             return False
     return True
 
 
 def load_logits(layout: str, runs: list[dict], tokens: list, train_steps: int = 1) -> list[dict]:
-    """For each run {cfg, load_dir[, logits][, tokens][, resave_dir][, train_steps]}: build at
-    `layout`, megatron_ucp.load, write the logits for the run's tokens (default `tokens`; PP1), save
+    """For each run {cfg, load_dir[, logits][, tokens][, weights][, resave_dir][, train_steps]}: build
+    at `layout`, megatron_ucp.load, write the logits for the run's tokens (default `tokens`; PP1) and
+    rank 0's model weights (`weights`), save
     the loaded state again (resave_dir), then train `train_steps` (the run's own if given) from it
     (a fresh optimizer for imports)."""
     out = []
@@ -100,12 +102,16 @@ def load_logits(layout: str, runs: list[dict], tokens: list, train_steps: int = 
         st.iteration = r.iteration
         if run.get("logits"):
             _write(logits(st, torch.tensor(run.get("tokens", tokens))), run["logits"])
-        fresh = _fresh_adam(st)
+        if run.get("weights"):  # rank 0's model weights (the training dtype), by local name
+            _write({n: p.detach().clone() for c in st.model for n, p in c.named_parameters()},
+                   run["weights"])
+        fresh = _fresh_optimizer(st)
         if run.get("resave_dir"):
             ucp.save(st.model, st.optimizer, st.scheduler, run["resave_dir"], st.iteration,
                      extra=r.extra, seed=st.config.seed, vocab_size=st.config.unpadded_vocab_size)
         losses = [tg.train_step(st) for _ in range(run.get("train_steps", train_steps))]
-        out.append({"iteration": r.iteration, "losses": losses, "fresh_adam": fresh,
+        out.append({"iteration": r.iteration, "losses": losses, "fresh_optimizer": fresh,
+                    "weights_only": r.fresh_optimizer,
                     "finite": all(math.isfinite(x) for x in losses)})
         _teardown()
     return out

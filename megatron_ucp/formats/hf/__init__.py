@@ -1,7 +1,8 @@
 """`hf`: Hugging Face transformers model directories (`config.json` + safetensors) of the
 architectures in the `archs` registry (`ARCHS`).
 
-Read as a source (weights as fp32 master weights, fresh optimizer state: `source.HFSource`;
+Read as a source (weights as fp32 master weights, fresh optimizer state, a weights-only manifest:
+`source.HFSource`;
 `megatron_ucp.conversion.import_hf`) and written from any source (`export.export`;
 `megatron_ucp.conversion.export_hf`). Each architecture's name map, refusals and config translation
 in both directions are its module in `archs`; the element order of fused tensors, which they share,
@@ -24,8 +25,8 @@ def detect(path: Path) -> bool:
     return is_hf_dir(path)
 
 
-def open_source(path: str | Path, **_: object) -> HFSource:
-    return HFSource(path)
+def open_source(path: str | Path, weights_only: bool = True, **_: object) -> HFSource:
+    return HFSource(path, weights_only=weights_only)
 
 
 write = export  # write(source, out, arch, ...): this format as a target

@@ -1,10 +1,12 @@
 """Read a Hugging Face transformers model directory as a source of universal tensors.
 
 The source holds the HF weights as fp32 master weights, zero Adam moments and Adam step 0 (HF
-directories carry no optimizer state); its manifest's `extra` says so (`fresh_optimizer`), so
-`megatron_ucp.load` starts a fresh optimizer from it at any layout with the run's own
-hyper-parameters and schedule. `megatron_ucp.conversion.import_hf` writes it as a universal
-checkpoint.
+directories carry no optimizer state). Its manifest is weights-only (`Manifest.weights_only`), so
+`megatron_ucp.conversion.import_hf` writes a weights-only universal checkpoint: the weights in
+their HF dtype and no optimizer state, from which `megatron_ucp.load` starts a fresh optimizer at
+any layout with the run's own hyper-parameters and schedule (`extra`: `fresh_optimizer`,
+`run_hyperparameters`). weights_only=False keeps the zero moments (the full form, which readers of
+format version 4 and older read).
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ class HFSource(ReadsFiles, Source):
 
     format = "hf"  # its name in the `formats` registry
 
-    def __init__(self, path: str | Path, **_: object):
+    def __init__(self, path: str | Path, weights_only: bool = True, **_: object):
         self.hf = HFDir(path)
         self.dir = self.hf.dir
         self.reader = self.hf.reader
@@ -137,7 +139,8 @@ class HFSource(ReadsFiles, Source):
         record = {"arch": self.arch, "path": where, "config": self.hf.config, "megatron": run}
         self.manifest = Manifest("universal", 0, Layout(), 1, model, params,
                                  {"param_groups": [], "grad_scaler": None}, None,
-                                 {FRESH: True, RUN_HYPERPARAMETERS: True, RECORD: record}, seed=1234)
+                                 {FRESH: True, RUN_HYPERPARAMETERS: True, RECORD: record}, seed=1234,
+                                 weights_only=weights_only)
         self.origin = {"kind": "hf", "path": where, "arch": self.arch}
         self._last: tuple[str, torch.Tensor] | None = None
 
@@ -187,8 +190,11 @@ class HFSource(ReadsFiles, Source):
         return True
 
     def _dtype(self, name: str) -> str:
-        """The model dtype recorded in the spec: the HF weights' (megatron runs may train in another)."""
-        return DTYPE_NAMES[ST_TO_DTYPE[self.hf.header(self.rules[name].hf[0])[0]]]
+        """The model dtype recorded in the spec: the HF weights' (megatron runs may train in
+        another). A tensor joined from HF tensors of different dtypes is float32, which holds each
+        exactly (a weights-only checkpoint stores the weight in this dtype)."""
+        dtypes = {self.hf.header(n)[0] for n in self.rules[name].hf}
+        return DTYPE_NAMES[ST_TO_DTYPE[dtypes.pop()]] if len(dtypes) == 1 else "float32"
 
     def step(self, name: str) -> float:
         return 0.0

@@ -11,8 +11,8 @@ from megatron_ucp import storage
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.base import Source
 from megatron_ucp.formats.manifest import Manifest
-from megatron_ucp.spec import contiguous_strides
-from megatron_ucp.storage import Reader, ReadsFiles, crc32, location
+from megatron_ucp.spec import ParamSpec, contiguous_strides, states_of
+from megatron_ucp.storage import DTYPE_TO_ST, NAME_TO_DTYPE, Reader, ReadsFiles, crc32, location
 
 RNG_FILE = "rng.safetensors"
 
@@ -26,6 +26,16 @@ def data_file_name(i: int) -> str:
 
 def rng_prefix(rank: int) -> str:
     return f"rank{rank:05d}"
+
+
+def stored_tensors(spec: ParamSpec, weights_only: bool) -> dict[str, torch.dtype]:
+    """The tensors a universal checkpoint holds for a parameter, state -> dtype: every state of its
+    optimizer family in fp32; in a weights-only checkpoint its weight alone, in the weight's own
+    dtype (`spec.dtype`: an import's bf16 weights as their bf16 bytes, which a read casts back to
+    exactly the fp32 master a full checkpoint holds)."""
+    if weights_only:
+        return {"param": NAME_TO_DTYPE[spec.dtype]}
+    return dict.fromkeys(states_of(spec), torch.float32)
 
 
 class UniversalSource(ReadsFiles, Source):
@@ -43,20 +53,29 @@ class UniversalSource(ReadsFiles, Source):
     def step(self, name: str) -> float:
         return self.manifest.params[name].step
 
+    def _fresh(self, name: str, state: str) -> bool:
+        """A state a weights-only checkpoint does not store: the fresh optimizer's, zero."""
+        p = self.manifest.params[name]
+        return self.manifest.weights_only and state not in p.tensors and state in p.states
+
     def read(self, name: str, state: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
         p = self.manifest.params[name]
+        if self._fresh(name, state):
+            return torch.zeros(shape, dtype=torch.float32)
         if state not in p.tensors:
             raise KeyError(f"{name} has no state {state!r}")
         entry = p.tensors[state]
         path = self.dir / entry.file
-        self.reader.check(path, entry.key, "F32", p.shape)  # full fp32 tensors, as the manifest says
+        dtype = stored_tensors(p.spec, self.manifest.weights_only)[state]
+        self.reader.check(path, entry.key, DTYPE_TO_ST[dtype], p.shape)  # as the manifest says
         if tuple(offset) == (0,) * len(offset) and tuple(shape) == p.shape:
             t = self.reader.read(path, entry.key)
-            if self.verify_checksums and crc32(t) != entry.crc32:
+            if self.verify_checksums and crc32(t) != entry.crc32:  # (of the stored bytes)
                 raise UCPError(f"{path}: checksum mismatch in tensor {entry.key!r}; the file is "
                                "corrupt: restore it or re-run `megatron-ucp convert`")
-            return t
-        return self.reader.read(path, entry.key, tuple(slice(o, o + n) for o, n in zip(offset, shape)))
+            return t.to(torch.float32)
+        box = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+        return self.reader.read(path, entry.key, box).to(torch.float32)
 
     def read_into(self, name: str, state: str, offset: tuple[int, ...], shape: tuple[int, ...],
                   out: torch.Tensor) -> None:
@@ -64,11 +83,16 @@ class UniversalSource(ReadsFiles, Source):
         of a local file's tensor is read straight into it (`Reader.read_into`), a whole tensor
         checked against its crc32 on the way."""
         p = self.manifest.params[name]
+        if self._fresh(name, state):
+            out.zero_()
+            return
         full, offset, shape = p.shape, tuple(offset), tuple(shape)
         # one run: the dims after the first partial one are whole, those before it are single rows
         k = next((i for i, (n, m) in enumerate(zip(shape, full)) if n != m), len(full))
         run = all(n == 1 for n in shape[:k]) and shape[k + 1:] == full[k + 1:]
-        if state not in p.tensors or not storage.has_local_files(self.dir) or not run:
+        # (a weight stored in another dtype than fp32 is read and cast)
+        if (state not in p.tensors or not storage.has_local_files(self.dir) or not run
+                or stored_tensors(p.spec, self.manifest.weights_only)[state] != torch.float32):
             out.copy_(self.read(name, state, offset, shape))
             return
         entry = p.tensors[state]
@@ -103,7 +127,8 @@ class UniversalSource(ReadsFiles, Source):
 
     def verify(self) -> int:
         """Read every tensor whole and check its crc32 and shape, and that the manifest lists
-        every tensor of the data files. Returns tensors checked."""
+        every tensor of the data files (a weights-only checkpoint: its weights). Returns tensors
+        checked."""
         self.check_files()
         n = 0
         for name, p in self.manifest.params.items():

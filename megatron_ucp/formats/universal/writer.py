@@ -3,6 +3,8 @@
 `params_XXXXX.safetensors` files hold `<name>/param`, `<name>/exp_avg`, `<name>/exp_avg_sq` at
 their full global shape; the manifest's `params[name].tensors[state]` gives file, key and crc32.
 `rng.safetensors` keeps the saving ranks' generator states (used only at the same layout).
+A weights-only source (`manifest.weights_only`: an import-hf) is written as `<name>/param` alone,
+in the weight's own dtype (`stored_tensors`), and no optimizer state.
 """
 
 from __future__ import annotations
@@ -19,13 +21,16 @@ from pathlib import Path
 import torch
 
 from megatron_ucp import te_state
+from megatron_ucp.errors import UCPError
 from megatron_ucp.formats import group_job
 from megatron_ucp.formats import manifest as mf
+from megatron_ucp.formats.base import check_same_params, not_committed
 from megatron_ucp.formats.manifest import Manifest, ParamEntry, TensorEntry
-from megatron_ucp.formats.universal.source import RNG_FILE, data_file_name, rng_prefix
+from megatron_ucp.formats.universal.source import RNG_FILE, data_file_name, rng_prefix, stored_tensors
 from megatron_ucp.progress import Progress, bar
-from megatron_ucp.spec import ParamSpec, states_of
+from megatron_ucp.spec import ParamSpec
 from megatron_ucp.storage import (
+    DTYPE_TO_ST,
     ByteRun,
     Location,
     Reader,
@@ -41,11 +46,34 @@ log = logging.getLogger(__name__)
 # function that checks them once copied and returns their crc32 (`leading_runs`)
 FullTensor = torch.Tensor | tuple[list[ByteRun], Callable[[], int]]
 ReadFull = Callable[[str, str], FullTensor]
+_CHECK_ELEMENTS = 1 << 24  # a weight's lossless-cast check goes this many elements at a time
 
 
-def _plan_files(params: dict[str, ParamSpec], max_file_bytes: int, workers: int) -> list[list[str]]:
+def _bytes(spec: ParamSpec, weights_only: bool) -> int:
+    """Bytes of a parameter's tensors in a data file."""
+    return sum(math.prod(spec.shape) * d.itemsize for d in stored_tensors(spec, weights_only).values())
+
+
+def _as_stored(name: str, full: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A weight (fp32, as every source reads it) in the dtype a weights-only checkpoint stores it
+    in, checked bit for bit to cast back to the same fp32 tensor: a load then gets exactly the
+    master weight the source gave, never a rounded one."""
+    if dtype == torch.float32:
+        return full
+    stored = full.to(dtype)
+    flat, back = full.contiguous().view(-1), stored.view(-1)
+    for i in range(0, flat.numel(), _CHECK_ELEMENTS):
+        part = slice(i, i + _CHECK_ELEMENTS)
+        if not torch.equal(back[part].to(torch.float32).view(torch.int32), flat[part].view(torch.int32)):
+            raise UCPError(f"internal error: {name}'s weight is not exactly {dtype} values, which its "
+                           "spec dtype says it is; nothing was committed. Please report it")
+    return stored
+
+
+def _plan_files(params: dict[str, ParamSpec], max_file_bytes: int, workers: int,
+                weights_only: bool = False) -> list[list[str]]:
     """Group parameters into data files in order; with workers, into at least `workers` files."""
-    sizes = {n: 4 * math.prod(spec.shape) * len(states_of(spec)) for n, spec in params.items()}
+    sizes = {n: _bytes(spec, weights_only) for n, spec in params.items()}
     limit = max_file_bytes
     if workers > 1:
         limit = min(limit, -(-sum(sizes.values()) // workers))
@@ -61,19 +89,22 @@ def _plan_files(params: dict[str, ParamSpec], max_file_bytes: int, workers: int)
 
 
 def _write_file(out_dir: Path, i: int, names: list[str], params: dict[str, ParamSpec],
-                read_full: ReadFull, progress=None) -> dict[str, dict[str, TensorEntry]]:
+                read_full: ReadFull, progress=None,
+                weights_only: bool = False) -> dict[str, dict[str, TensorEntry]]:
     """One data file. A writer thread checksums and writes each tensor while the next one is read
     (zlib and file writes release the GIL): at most two tensors are held, the one being written
     and the one just read. Runs of source bytes are copied file to file by the writer and checked
     by a checker thread while the writer copies the next ones (a check reads them from the page
     cache, where the copy left them)."""
     fname = data_file_name(i)
-    w = SafetensorsWriter(out_dir / fname, [(f"{n}/{s}", torch.float32, params[n].shape)
-                                            for n in names for s in states_of(params[n])])
+    stored = {n: stored_tensors(params[n], weights_only) for n in names}
+    w = SafetensorsWriter(out_dir / fname, [(f"{n}/{s}", dtype, params[n].shape)
+                                            for n in names for s, dtype in stored[n].items()])
     crcs: dict[tuple[str, str], int | Future] = {}
 
     def write_one(n: str, s: str, full: FullTensor) -> None:
         if isinstance(full, torch.Tensor):
+            full = _as_stored(n, full, stored[n][s])
             w.write(f"{n}/{s}", full)
             crcs[n, s] = crc32(full)
         else:
@@ -85,7 +116,7 @@ def _write_file(out_dir: Path, i: int, names: list[str], params: dict[str, Param
             ThreadPoolExecutor(1, thread_name_prefix="megatron-ucp-check") as checker:
         pending: Future | None = None
         for n in names:
-            for s in states_of(params[n]):
+            for s in stored[n]:
                 full = read_full(n, s)
                 if pending is not None:
                     pending.result()  # (its error, if any, raised here)
@@ -101,32 +132,34 @@ def _write_file(out_dir: Path, i: int, names: list[str], params: dict[str, Param
     return entries        # the next file's writes back until this one is on disk
 
 
-_FORKED: tuple | None = None  # what forked workers inherit: (out_dir, files, params, read_full)
+# what forked workers inherit: (out_dir, files, params, read_full, weights_only)
+_FORKED: tuple | None = None
 
 
 def _write_file_in_worker(i: int) -> dict[str, dict[str, TensorEntry]]:
     torch.set_num_threads(1)  # as DataLoader workers do: no OpenMP pool inherited across fork
-    out_dir, files, params, read_full = _FORKED
-    return _write_file(out_dir, i, files[i], params, read_full)
+    out_dir, files, params, read_full, weights_only = _FORKED
+    return _write_file(out_dir, i, files[i], params, read_full, weights_only=weights_only)
 
 
 def write_params(out_dir: Path, params: dict[str, ParamSpec], read_full: ReadFull,
-                 max_file_bytes: int = 2**31, progress=None,
-                 workers: int = 1) -> dict[str, dict[str, TensorEntry]]:
+                 max_file_bytes: int = 2**31, progress=None, workers: int = 1,
+                 weights_only: bool = False) -> dict[str, dict[str, TensorEntry]]:
     """Stream every parameter's states into data files; returns name -> {state: TensorEntry}.
 
     Only one tensor is in memory at a time per writer: each file's header is computed from the
     shapes first. workers > 1 writes files in forked processes, which inherit `read_full` and
-    its open (memory-mapped) sources, so nothing is pickled or read twice.
+    its open (memory-mapped) sources, so nothing is pickled or read twice. weights_only: each
+    parameter's weight alone, in its spec dtype (`stored_tensors`).
     """
     global _FORKED
-    files = _plan_files(params, max_file_bytes, workers)
+    files = _plan_files(params, max_file_bytes, workers, weights_only)
     if workers <= 1 or len(files) == 1:
         entries: dict[str, dict[str, TensorEntry]] = {}
         for i, names in enumerate(files):
-            entries.update(_write_file(out_dir, i, names, params, read_full, progress))
+            entries.update(_write_file(out_dir, i, names, params, read_full, progress, weights_only))
         return entries
-    _FORKED = (out_dir, files, params, read_full)
+    _FORKED = (out_dir, files, params, read_full, weights_only)
     try:
         ctx = multiprocessing.get_context("fork")
         with ProcessPoolExecutor(min(workers, len(files)), mp_context=ctx) as pool:
@@ -148,14 +181,16 @@ def _write_distributed(source, out: Path, specs: dict[str, ParamSpec], max_file_
     once with the manifest (in a store: its create-only put)."""
     import torch.distributed as dist
 
-    files = _plan_files(specs, max_file_bytes, max(workers, dist.get_world_size()))
-    sizes = [sum(4 * math.prod(specs[n].shape) * len(states_of(specs[n])) for n in names) for names in files]
+    weights_only = source.manifest.weights_only
+    files = _plan_files(specs, max_file_bytes, max(workers, dist.get_world_size()), weights_only)
+    sizes = [sum(_bytes(specs[n], weights_only) for n in names) for names in files]
 
     def write_share(partial: Path, mine: list[int]) -> tuple[dict, int]:
         entries: dict[str, dict[str, TensorEntry]] = {}
         for i in mine:
             entries.update(_write_file(partial, i, files[i], specs,
-                                       lambda n, s: _read_full(source, n, s, specs[n].shape)))
+                                       lambda n, s: _read_full(source, n, s, specs[n].shape),
+                                       weights_only=weights_only))
         return entries, source.bytes_read
 
     def finish(staged, results: list[tuple[dict, int]]) -> None:  # rank 0
@@ -196,29 +231,35 @@ def check_written(out_dir: Location, specs: dict[str, ParamSpec], source,
                   manifest: Manifest | None = None) -> None:
     """Before a universal directory is committed: its manifest (the one written there, or the one
     about to be, encoded and parsed back) parses (every field validated) and names exactly the
-    source's parameters, at their shapes and Adam steps; each state is one full fp32 tensor in its
-    file's header and no data file holds a tensor the manifest does not name. So every element of
-    every universal tensor is written exactly once."""
-    written = (mf.read(out_dir) if manifest is None else
-               Manifest.from_json(json.loads(mf.encode(manifest)), str(out_dir / mf.MANIFEST))).params
-    mf.check_same_params(out_dir, written, specs)
+    source's parameters, at their shapes and Adam steps; each state is one full tensor (fp32; a
+    weights-only checkpoint's weights in their dtype) in its file's header and no data file holds
+    a tensor the manifest does not name. So every element of every universal tensor is written
+    exactly once."""
+    back = (mf.read(out_dir) if manifest is None else
+            Manifest.from_json(json.loads(mf.encode(manifest)), str(out_dir / mf.MANIFEST)))
+    written, weights_only = back.params, source.manifest.weights_only
+    if back.weights_only != weights_only:
+        raise not_committed(out_dir, f"says weights_only {back.weights_only}, the source "
+                            f"{weights_only}")
+    check_same_params(out_dir, written, specs)
     reader, named = Reader(), {}
     for name, p in written.items():
         want = specs[name]
-        if p.shape != want.shape or set(p.tensors) != set(states_of(want)):
-            raise mf.not_committed(out_dir, f"has {name!r} as {list(p.shape)} {sorted(p.tensors)}, "
-                                   f"the source as {list(want.shape)} {sorted(states_of(want))}")
+        stored = stored_tensors(want, weights_only)
+        if p.shape != want.shape or set(p.tensors) != set(stored):
+            raise not_committed(out_dir, f"has {name!r} as {list(p.shape)} {sorted(p.tensors)}, "
+                                f"the source as {list(want.shape)} {sorted(stored)}")
         if p.step != source.step(name):
-            raise mf.not_committed(out_dir, f"has {name!r} at Adam step {p.step}, the source at "
-                                   f"{source.step(name)}")
-        for e in p.tensors.values():
-            reader.check(out_dir / e.file, e.key, "F32", p.shape)
+            raise not_committed(out_dir, f"has {name!r} at Adam step {p.step}, the source at "
+                                f"{source.step(name)}")
+        for s, e in p.tensors.items():
+            reader.check(out_dir / e.file, e.key, DTYPE_TO_ST[stored[s]], p.shape)
             named.setdefault(e.file, set()).add(e.key)
     for file, keys in named.items():
         stray = sorted(set(reader.open(out_dir / file).keys()) - keys)
         if stray:
-            raise mf.not_committed(out_dir, f"file {file} holds tensor(s) {stray[:3]} that no "
-                                   "manifest entry names")
+            raise not_committed(out_dir, f"file {file} holds tensor(s) {stray[:3]} that no "
+                                "manifest entry names")
 
 
 def _read_full(source, name: str, state: str, shape: tuple[int, ...]) -> FullTensor:
@@ -249,7 +290,7 @@ def write(source, out: str | Path, *, progress: Progress = True, max_file_bytes:
     with staged_dir(out, mf.MANIFEST, check=lambda d: check_written(d, specs, source)) as partial:
         try:
             entries = write_params(partial, specs, lambda n, s: _read_full(source, n, s, specs[n].shape),
-                                   max_file_bytes, done, workers)
+                                   max_file_bytes, done, workers, header.weights_only)
         finally:
             done.close()
         ranks = source.rng_ranks()
@@ -259,6 +300,7 @@ def write(source, out: str | Path, *, progress: Progress = True, max_file_bytes:
         manifest = Manifest.universal(header, params, source.origin)
         manifest.te_state = te_state.copy(source, partial)
         mf.write(partial, manifest)
-    log.info("%d parameters, %.1f MiB read, written to %s in %.2fs", len(params),
+    log.info("%d parameters%s, %.1f MiB read, written to %s in %.2fs", len(params),
+             " (weights only: no optimizer state)" if header.weights_only else "",
              source.bytes_read / 2**20, out, time.perf_counter() - t0)
     return out
