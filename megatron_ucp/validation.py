@@ -95,11 +95,28 @@ def model_config(model_chunks: list) -> dict:
         cfg["hybrid_layer_pattern"] = hybrid_layer_pattern(model)
     if getattr(model, "rotary_scaling", False):  # GPTModel's Llama 3 RoPE scaling (its factor: not kept)
         cfg["rope_scaling"] = True
+    cfg.update(_gpt_rotary(model, cfg))
     if cfg.get("num_query_groups") is None:
         cfg["num_query_groups"] = cfg.get("num_attention_heads")
     # megatron gives linear_qkv a bias if either flag is set (Megatron-LM sets both)
     cfg["add_qkv_bias"] = bool(cfg.get("add_bias_linear") or cfg.get("add_qkv_bias"))
     return cfg
+
+
+def _gpt_rotary(model, cfg: dict) -> dict:
+    """GPTModel's RoPE arguments its TransformerConfig does not hold, where they are not
+    megatron-core's defaults: the linear scaling (seq_len_interpolation_factor, Megatron-LM's
+    --rotary-seq-len-interpolation-factor) and the rotated fraction of a head (rotary_percent;
+    MLA's config has its own)."""
+    rotary = getattr(model, "rotary_pos_emb", None)
+    if rotary is None:  # no RoPE, or MLA's (inside its attention)
+        return {}
+    out = {}
+    if getattr(rotary, "seq_len_interpolation_factor", None) is not None:
+        out["seq_len_interpolation_factor"] = float(rotary.seq_len_interpolation_factor)
+    if "rotary_percent" not in cfg and float(getattr(model, "rotary_percent", 1.0)) != 1.0:
+        out["rotary_percent"] = float(model.rotary_percent)
+    return out
 
 
 def check_model_config(saved: dict, current: dict, where: str) -> None:

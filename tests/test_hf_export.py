@@ -154,8 +154,48 @@ LLAMA_3_1 = ("LlamaConfig", dict(
         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
     {**BASE, **ROTARY, "untie_embeddings": True, "vocab_size": 128, "unpadded_vocab_size": 100,
      "rotary_base": 500000, "rope_scaling": True, "rope_scaling_factor": 8.0})
-NATIVE_MODELS = {**NATIVE_NEW, "llama3.1": LLAMA_3_1}
-NATIVE_ARCH = {"llama3.1": "llama"}
+# linear and YaRN RoPE scaling for the llama-likes (issue 34), run for 32 tokens past an original
+# context of 8: transformers-made models and the megatron-core models they import as, whose RoPE
+# settings are the import's run record (Megatron-LM's flags: `rope_from_record`)
+SMALL_ROTARY = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=32,
+                    tie_word_embeddings=False, rms_norm_eps=1e-5)
+SMALL_ROTARY_CFG = {**BASE, **ROTARY, "untie_embeddings": True, "vocab_size": 128, "unpadded_vocab_size": 100}
+ROPE_VARIANTS = {
+    "llama_linear": ("LlamaConfig", dict(**SMALL_ROTARY, rope_parameters={
+        "rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}), SMALL_ROTARY_CFG),
+    # an explicit attention_factor (megatron-core's mscale that gives it), the range not rounded
+    "qwen2_yarn": ("Qwen2Config", dict(**SMALL_ROTARY, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8,
+        "attention_factor": 1.25, "beta_fast": 8.0, "beta_slow": 2.0, "truncate": False}),
+        {**SMALL_ROTARY_CFG, "extra": {"add_qkv_bias": True}}),
+    # transformers' inferred attention factor mscale(factor) / mscale(factor, mscale_all_dim)
+    "qwen3_yarn": ("Qwen3Config", dict(**SMALL_ROTARY, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 8,
+        "mscale": 1.0, "mscale_all_dim": 0.5}), {**SMALL_ROTARY_CFG, "qk_layernorm": True}),
+}
+NATIVE_MODELS = {**NATIVE_NEW, "llama3.1": LLAMA_3_1, **ROPE_VARIANTS}
+NATIVE_ARCH = {"llama3.1": "llama", "llama_linear": "llama", "qwen2_yarn": "qwen2", "qwen3_yarn": "qwen3"}
+LONG_TOKENS = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(9)).tolist()
+
+
+def native_tokens(name: str) -> list:
+    return LONG_TOKENS if name in ROPE_VARIANTS else NATIVE_TOKENS
+
+
+def rope_from_record(cfg: dict, imported: Path) -> dict:
+    """`cfg` with the RoPE settings the import recorded as Megatron-LM flags (`hf_import.megatron`)
+    as the tiny GPT takes them: GPTModel's seq_len_interpolation_factor, its YaRN config.yarn_*."""
+    from megatron_ucp.formats.megatron_common import YARN_FROM_ARGS
+
+    run = open_source(imported).manifest.extra["hf_import"]["megatron"]
+    out = {**cfg, "extra": dict(cfg.get("extra", {}))}
+    if run.get("rotary_seq_len_interpolation_factor") is not None:
+        out["seq_len_interpolation_factor"] = run["rotary_seq_len_interpolation_factor"]
+    if run.get("position_embedding_type") == "yarn":
+        out["position_embedding_type"] = "yarn"
+        out["extra"].update({attr: run[arg] for attr, arg, _ in YARN_FROM_ARGS})
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -189,11 +229,13 @@ def reloaded(runs) -> list[list[dict]]:
             for n, b in model.named_buffers():  # DeepSeek-V3's expert bias is a saved buffer
                 if n.endswith("e_score_correction_bias"):
                     b.normal_(0, 0.2)
-            torch.save(model.eval()(torch.tensor(NATIVE_TOKENS)).logits, runs / f"native_{a}.pt")
+            torch.save(model.eval()(torch.tensor(native_tokens(a))).logits, runs / f"native_{a}.pt")
         model.save_pretrained(runs / f"native_{a}")
         import_hf(runs / f"native_{a}", runs / f"native_{a}_imported", progress=False)
+        if a in ROPE_VARIANTS:
+            cfg = rope_from_record(cfg, runs / f"native_{a}_imported")
         todo.append({"cfg": cfg, "load_dir": str(runs / f"native_{a}_imported"),
-                     "logits": str(runs / f"native_{a}_megatron.pt"), "tokens": NATIVE_TOKENS,
+                     "logits": str(runs / f"native_{a}_megatron.pt"), "tokens": native_tokens(a),
                      "resave_dir": str(runs / f"native_{a}_resaved"),
                      "train_steps": 0 if a == "gpt_oss" else 1})
     # the same Llama in bf16, imported weights-only (the default) and in the full form (zero fp32
@@ -393,9 +435,10 @@ def test_weights_only_import_loads_as_the_full_form(runs, reloaded):
 def test_transformers_deepseek_v3_and_gpt_oss_in_megatron(runs, reloaded, arch, tmp_path):
     """A transformers-made DeepSeek-V3 / GPT-OSS / Nemotron-H (every tensor random: expert bias,
     sinks, router and expert biases, A_log, D, dt_bias) and a Llama 3.1 (llama3 RoPE scaling,
-    before refused) compute the same in megatron-core after import-hf and megatron_ucp.load at
-    TP1xDP2; megatron_ucp.save of it exports back to the same safetensors bit for bit, which
-    transformers runs to the megatron logits."""
+    before refused) and llama-likes with linear and YaRN RoPE scaling (before refused; 32 tokens
+    past an original context of 8) compute the same in megatron-core after import-hf and
+    megatron_ucp.load at TP1xDP2; megatron_ucp.save of it exports back to the same safetensors bit
+    for bit and the same rope_parameters, which transformers runs to the megatron logits."""
     from safetensors.torch import load_file
 
     result = [rank[len(ARCHS) + 1 + list(NATIVE_MODELS).index(arch)] for rank in reloaded]
@@ -403,7 +446,8 @@ def test_transformers_deepseek_v3_and_gpt_oss_in_megatron(runs, reloaded, arch, 
     want = torch.load(runs / f"native_{arch}.pt")
     megatron = torch.load(runs / f"native_{arch}_megatron.pt")[..., :100]
     diff = max_diff(megatron, want)
-    print(f"{arch} (transformers-made): import-hf -> megatron TP1xDP2 logits max abs diff {diff:.3g}")
+    print(f"{arch} (transformers-made): import-hf -> megatron TP1xDP2 logits max abs diff {diff:.3g}, "
+          f"relative {rel_diff(megatron, want):.3g}")
     REPORT[f"hf-import:{arch}-native"] = {"max_abs_logit_diff": diff,
                                          "max_rel_logit_diff": rel_diff(megatron, want)}
     assert rel_diff(megatron, want) <= REL_TOL
@@ -418,7 +462,7 @@ def test_transformers_deepseek_v3_and_gpt_oss_in_megatron(runs, reloaded, arch, 
     assert sorted(original) == sorted(got) and all(torch.equal(original[k], got[k]) for k in original)
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
-        hf = model(torch.tensor(NATIVE_TOKENS)).logits
+        hf = model(torch.tensor(native_tokens(arch))).logits
     REPORT[f"hf-export:{arch}-native"] = {"max_abs_logit_diff": max_diff(hf, megatron),
                                           "max_rel_logit_diff": rel_diff(hf, megatron)}
     assert rel_diff(hf, megatron) <= REL_TOL

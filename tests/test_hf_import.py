@@ -34,6 +34,8 @@ from megatron_ucp.spec import ParamSpec  # noqa: E402
 ROTARY = dict(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
               bos_token_id=1, eos_token_id=2)
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8,
+             "beta_fast": 16.0, "beta_slow": 2.0, "mscale": 1.0, "mscale_all_dim": 0.5, "truncate": False}
 # the test table: every architecture of the registry (archs.ARCHS) has a model here
 MODELS = {  # name -> (arch, config class, kwargs)
     "llama": ("llama", "LlamaConfig", {**ROTARY, "rope_theta": 50000.0}),
@@ -67,6 +69,13 @@ MODELS = {  # name -> (arch, config class, kwargs)
         "sliding_window": 4, "rope_parameters": {
             "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
             "original_max_position_embeddings": 4096, "truncate": False}}),
+    # linear RoPE scaling (megatron-core's seq_len_interpolation_factor) and a llama-like's YaRN
+    # (GPTModel's yarn: every field other than transformers' defaults, mscale / mscale_all_dim ratio)
+    "llama_linear": ("llama", "LlamaConfig", {**ROTARY, "rope_parameters": {
+        "rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}}),
+    # (transformers' YaRN needs a head_dim: Mixtral's default None fails it)
+    "mixtral_yarn": ("mixtral", "MixtralConfig", {**ROTARY, "num_local_experts": 3, "num_experts_per_tok": 2,
+                                                  "head_dim": 8, "rope_parameters": YARN_ROPE}),
     # hybrid: Mamba-2 (2 groups of state 8, 8 heads of 8), a MoE layer (sigmoid routing with
     # e_score_correction_bias, a shared expert, top-2 of 3 scaled by 2.5), attention, a relu2 MLP
     "nemotron_h": ("nemotron_h", "NemotronHConfig", dict(
@@ -248,8 +257,28 @@ def copy_with(src: Path, dst: Path, drop: str | None = None, add: dict | None = 
     (dict(add={"model.layers.0.self_attn.q_norm.weight": torch.ones(8)}), "have no place"),
     (dict(config={"hidden_act": "gelu"}), "hidden_act"),
     # (the refusal names the real field and its value: it said rope_type=None before)
-    (dict(config={"rope_parameters": {"rope_type": "linear", "rope_theta": 5e5, "factor": 8.0}}),
-     r"config.json rope_parameters.rope_type='linear': 'linear' RoPE scaling is not imported"),
+    (dict(config={"rope_parameters": {"rope_type": "dynamic", "rope_theta": 5e5, "factor": 8.0}}),
+     r"config.json rope_parameters.rope_type='dynamic': 'dynamic' RoPE scaling is not imported: "
+     "megatron-core has no dynamic NTK scaling"),
+    (dict(config={"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}}),
+     r"config.json rope_parameters.rope_type='dynamic'"),  # (transformers 4's spelling)
+    (dict(config={"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 4,
+                                      "long_factor": [2.0] * 4, "original_max_position_embeddings": 16}}),
+     r"config.json rope_parameters.rope_type='longrope': 'longrope' RoPE scaling is not imported: "
+     "megatron-core has no LongRoPE"),
+    (dict(config={"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 0.0}}),
+     r"config.json rope_parameters.factor=0.0: linear RoPE scaling divides the positions by a positive"),
+    # transformers' llama cannot apply a partial rotary (its default RoPE ignores the factor):
+    # megatron-core's rotary_percent would be another model
+    (dict(config={"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                      "partial_rotary_factor": 0.5}}),
+     r"config.json rope_parameters.partial_rotary_factor=0.5: transformers' llama rotates whole heads"),
+    (dict(config={"partial_rotary_factor": 0.5}),
+     r"config.json partial_rotary_factor=0.5: transformers' llama rotates whole heads"),
+    (dict(config={"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0}}),
+     # (transformers' original context: max_position_embeddings, not megatron-core's 8192)
+     r"config.json rope_parameters.original_max_position_embeddings=64: megatron-core's Llama 3"),
     (dict(config={"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
                                       "low_freq_factor": 2.0}}),
      r"config.json rope_parameters.low_freq_factor=2.0: megatron-core's Llama 3 RoPE scaling has "
@@ -424,6 +453,11 @@ def test_export_streams_one_tensor_at_a_time(saved, tmp_path):
     ("gpt_oss", dict(config={"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 1.0,
                                                  "attention_factor": 1.2}}),
      "rope_parameters.attention_factor.*does not scale YaRN's cos/sin when factor=1.0"),
+    ("gpt_oss", dict(config={"partial_rotary_factor": 0.5}),
+     "config.json partial_rotary_factor=0.5: transformers' GPT-OSS rotates whole heads"),
+    ("deepseek_v3", dict(config={"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4,
+                                                     "factor": 2.0}}),
+     "config.json rope_parameters.rope_type='linear': 'linear' RoPE scaling is not imported for DeepSeek-V3"),
     ("gpt_oss", dict(config={"swiglu_alpha": 1.5}), "config.json swiglu_alpha=1.5"),
     ("gpt_oss", dict(config={"attention_bias": False}), "config.json attention_bias=False"),
 ])
@@ -610,21 +644,94 @@ def test_gpt_oss_yarn_attention_factor_is_kept(saved, tmp_path):
     assert torch.allclose(want, got, rtol=1e-6, atol=1e-6) and not torch.allclose(want, plain, atol=1e-3)
 
 
+# per RoPE kind: its HF fields (but rope_theta), what the import records in the model config (from
+# megatron-core's rebuilt GPTModel) and in the run record (Megatron-LM's flags for the same model)
+ROPE_KINDS = {
+    "llama3": ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192},
+               {"rope_scaling": True}, {"use_rope_scaling": True, "rope_scaling_factor": 8.0}),
+    "linear": ({"rope_type": "linear", "factor": 2.5}, {"seq_len_interpolation_factor": 2.5},
+               {"rotary_seq_len_interpolation_factor": 2.5}),
+    "yarn": ({k: v for k, v in YARN_ROPE.items() if k != "rope_theta"},
+             {"position_embedding_type": "yarn", "yarn_rotary_scaling_factor": 4.0,
+              "yarn_original_max_position_embeddings": 8, "yarn_beta_fast": 16.0, "yarn_beta_slow": 2.0,
+              "yarn_mscale": 1.0, "yarn_mscale_all_dim": 0.5, "yarn_correction_range_round_to_int": False},
+             {"position_embedding_type": "yarn", "rotary_scaling_factor": 4.0,
+              "yarn_original_max_position_embeddings": 8, "yarn_beta_fast": 16.0, "yarn_beta_slow": 2.0,
+              "mscale": 1.0, "mscale_all_dim": 0.5, "yarn_correction_range_round_to_int": False}),
+}
+LONG_TOKENS = torch.randint(0, 100, (1, 24), generator=torch.Generator().manual_seed(4))
+
+
+@pytest.mark.parametrize("name, kind", [("llama", "llama3"), ("llama", "linear"), ("llama", "yarn"),
+                                        ("qwen2", "linear"), ("qwen3", "yarn"), ("mixtral", "linear"),
+                                        ("qwen3_moe", "yarn"), ("qwen3_moe", "llama3")])
 @pytest.mark.parametrize("spelling", ["transformers 5", "transformers 4"])
-def test_llama_3_1_rope_scaling_imports_and_exports(saved, tmp_path, spelling):
-    """Llama 3.1-3.3's RoPE scaling (rope_type llama3; refused before, as `rope_type=None`) imports
-    as megatron-core's GPTModel rope_scaling with its factor, in transformers 5's rope_parameters or
-    4's rope_scaling + rope_theta, and exports back as the same rope_parameters (the logits:
-    tests/test_hf_export.py, llama3.1)."""
-    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-              "original_max_position_embeddings": 8192}
-    config = ({"rope_parameters": {**llama3, "rope_theta": 5e5}} if spelling == "transformers 5" else
-              {"rope_parameters": None, "rope_scaling": llama3, "rope_theta": 5e5})
-    src = copy_with(saved["llama"], tmp_path / "src", config=config)
-    import_hf(src, tmp_path / "u", progress=False)
-    out = export(open_source(tmp_path / "u"), tmp_path / "hf", "llama", progress=False)
+def test_rope_scaling_imports_and_exports(saved, tmp_path, name, kind, spelling):
+    """Llama 3.1's llama3, linear and YaRN RoPE scaling (each refused before: llama3 as
+    `rope_type=None`) import for every llama-like as GPTModel's rope_scaling with its factor,
+    seq_len_interpolation_factor and YaRN (config.yarn_*), from transformers 5's rope_parameters or
+    4's rope_scaling (`type`) + rope_theta; the manifest records them (model config, run record),
+    and export-hf writes back the same rope_parameters, which transformers reads as it read the
+    source (the same logits past the original context; megatron-core's: tests/test_hf_export.py)."""
+    fields, model_record, run_record = ROPE_KINDS[kind]
+    config = ({"rope_parameters": {**fields, "rope_theta": 5e5}} if spelling == "transformers 5" else
+              {"rope_parameters": None, "rope_theta": 5e5,
+               "rope_scaling": {"type": kind, **{k: v for k, v in fields.items() if k != "rope_type"}}})
+    src = copy_with(saved[name], tmp_path / "src", config=config)
+    universal = import_hf(src, tmp_path / "u", progress=False)
+    manifest = open_source(universal).manifest
+    assert {k: manifest.model.get(k) for k in model_record} == model_record
+    assert {k: manifest.extra["hf_import"]["megatron"].get(k) for k in run_record} == run_record
+    out = export(open_source(universal), tmp_path / "hf", MODELS[name][0], progress=False)
     exported = json.loads((out / "config.json").read_text())
-    assert exported["rope_parameters"] == {**llama3, "rope_theta": 5e5}, exported["rope_parameters"]
+    assert exported["rope_parameters"] == {**fields, "rope_theta": 5e5}, exported["rope_parameters"]
+    if spelling == "transformers 4":
+        with torch.no_grad():
+            want = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)(LONG_TOKENS)
+            got = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(LONG_TOKENS)
+        assert torch.equal(want.logits, got.logits)
+
+
+@pytest.mark.parametrize("name, arch, change, field", [
+    ("llama", "llama", {"rotary_percent": 0.5}, "rotary_percent"),  # transformers rotates whole heads
+    ("llama", "llama", {"seq_len_interpolation_factor": 2.0, "rope_scaling": True},
+     "seq_len_interpolation_factor"),  # linear on top of Llama 3: no rope_parameters says it
+    ("mixtral_yarn", "mixtral", {"seq_len_interpolation_factor": 2.0}, "seq_len_interpolation_factor"),
+    ("mixtral_yarn", "mixtral", {"rope_scaling": True}, "rope_scaling"),
+    ("mixtral_yarn", "mixtral", {"rotary_percent": 0.5}, "rotary_percent"),
+    ("gpt_oss", "gpt_oss", {"seq_len_interpolation_factor": 2.0}, "seq_len_interpolation_factor"),
+    ("gpt_oss", "gpt_oss", {"rotary_percent": 0.5}, "rotary_percent"),
+    ("deepseek_v3", "deepseek_v3", {"seq_len_interpolation_factor": 2.0}, "seq_len_interpolation_factor"),
+])
+def test_rope_export_refuses_by_field(saved, tmp_path, name, arch, change, field):
+    """What transformers' RoPE cannot say (or megatron-core does not apply) is refused by name,
+    never exported as another RoPE."""
+    _assert_export_refused(saved, tmp_path, name, arch, change, field)
+
+
+def test_megatron_lm_linear_rope_exports(saved, tmp_path):
+    """A Megatron-LM run's --rotary-seq-len-interpolation-factor (exported as default RoPE before,
+    silently): the GPTModel rebuilt from its args records it, export-hf writes linear RoPE scaling;
+    the flag alone (`hints_from_args`) says it too."""
+    import argparse
+
+    from megatron_ucp.conversion import export_hf
+
+    src = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "torch_llama_tp2" / "ckpt", src)
+    for f in src.glob("iter_*/mp_rank_*/model_optim_rng.pt"):
+        state = torch.load(f, weights_only=False)
+        state["args"].rotary_seq_len_interpolation_factor = 2  # (Megatron-LM's flag is an int)
+        torch.save(state, f)
+    assert open_source(src).manifest.model["seq_len_interpolation_factor"] == 2.0
+    out = export_hf(src, tmp_path / "hf", "llama", progress=False)
+    linear = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
+    assert json.loads((out / "config.json").read_text())["rope_parameters"] == linear
+    hints = archs.hints_from_args(argparse.Namespace(swiglu=True, rotary_seq_len_interpolation_factor=2))
+    out = export(HFSource(saved["llama"]), tmp_path / "hf2", "llama", hints=hints, progress=False)
+    rope = json.loads((out / "config.json").read_text())["rope_parameters"]
+    assert rope == {**linear, "rope_theta": 50000.0}
 
 
 def test_llama_3_rope_scaling_without_its_factor_is_not_exported(saved, tmp_path):

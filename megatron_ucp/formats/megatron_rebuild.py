@@ -309,6 +309,8 @@ def _build_chunk(args, config, vp: int | None):
         rotary_base=getattr(args, "rotary_base", 10000),
         rope_scaling=getattr(args, "use_rope_scaling", False),
         rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0),
+        # linear RoPE scaling (--rotary-seq-len-interpolation-factor): megatron-core divides the positions
+        seq_len_interpolation_factor=getattr(args, "rotary_seq_len_interpolation_factor", None),
         vp_stage=vp,
     )
     for p in model.parameters():

@@ -70,10 +70,13 @@ class TinyGPTConfig:
     activation: str = ""
     normalization: str = "LayerNorm"
     position_embedding_type: str = "learned_absolute"
-    # GPTModel's RoPE settings: its base, and Llama 3's scaling (rope_scaling, its factor)
+    # GPTModel's RoPE settings: its base, Llama 3's scaling (rope_scaling, its factor), linear
+    # scaling (positions divided by seq_len_interpolation_factor), the rotated fraction of a head
     rotary_base: int | float = 10000
     rope_scaling: bool = False
     rope_scaling_factor: float = 8.0
+    seq_len_interpolation_factor: float | None = None
+    rotary_percent: float = 1.0
     add_bias_linear: bool = True
     untie_embeddings: bool = False
     qk_layernorm: bool = False
@@ -260,6 +263,8 @@ def build(cfg: TinyGPTConfig, layout: Layout) -> TrainState:
             position_embedding_type=cfg.position_embedding_type,
             rotary_base=cfg.rotary_base, rope_scaling=cfg.rope_scaling,
             rope_scaling_factor=cfg.rope_scaling_factor,
+            seq_len_interpolation_factor=cfg.seq_len_interpolation_factor,
+            rotary_percent=cfg.rotary_percent,
             vp_stage=vp,
         )
         model.cuda(torch.cuda.current_device())  # as Megatron-LM's get_model (a no-op on the shim)

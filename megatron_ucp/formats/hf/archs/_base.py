@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron_ucp.errors import UCPError
+from megatron_ucp.formats.megatron_common import YARN_FROM_ARGS
 
 if TYPE_CHECKING:  # (source imports this package)
     from megatron_ucp.formats.hf.source import HFDir
@@ -166,22 +167,23 @@ def check_rope_moe(arch: str, cfg: dict, hints: dict) -> None:
     require(arch, cfg, "gated_linear_unit", True, "HF {arch} has a gated MLP")
     if cfg.get("rotary_interleaved", False):
         raise fail(arch, "rotary_interleaved", True, "HF rotates the two halves of each head")
-    if float(hints.get("rotary_percent") or cfg.get("rotary_percent") or 1.0) != 1.0:
-        raise fail(arch, "rotary_percent", hints.get("rotary_percent") or cfg.get("rotary_percent"),
-                   "partial rotary embeddings are not exported")
+    check_whole_head_rotary(arch, cfg, hints)
     if hints.get("use_rope_scaling") or cfg.get("rope_scaling"):
         raise fail(arch, "rope_scaling", True, "Llama 3 RoPE scaling is not exported")
+    if linear_rope_factor(cfg, hints) is not None:
+        raise fail(arch, "seq_len_interpolation_factor", linear_rope_factor(cfg, hints),
+                   f"linear RoPE scaling is not exported for HF {arch}")
     if not cfg.get("num_moe_experts"):
         raise fail(arch, "num_moe_experts", cfg.get("num_moe_experts"), f"HF {arch} is a MoE model")
 
 
 def config_value(d: dict, field: str):
-    """A config.json field's value; `rope_parameters.<k>` also from transformers 4's rope_scaling."""
+    """A config.json field's value; `rope_parameters.<k>` as transformers reads it (`hf_rope`)."""
     head, _, key = field.partition(".")
     if not key:
         return d.get(field)
     if head == "rope_parameters":
-        return {**(d.get("rope_scaling") or {}), **(d.get("rope_parameters") or {})}.get(key)
+        return hf_rope(d).get(key)
     return (d.get(head) or {}).get(key)
 
 
@@ -192,7 +194,59 @@ def hints_from_args(args) -> dict:
     return {"activation": act, "rotary_base": getattr(args, "rotary_base", None),
             "rotary_percent": getattr(args, "rotary_percent", None),
             "use_rope_scaling": getattr(args, "use_rope_scaling", False),
-            "rope_scaling_factor": getattr(args, "rope_scaling_factor", None)}
+            "rope_scaling_factor": getattr(args, "rope_scaling_factor", None),
+            "rotary_seq_len_interpolation_factor": getattr(args, "rotary_seq_len_interpolation_factor", None)}
+
+
+# ----------------------------------------------------------------------------------- RoPE
+
+# the RoPE kinds transformers gives an original_max_position_embeddings (standardize_rope_params)
+ORIGINAL_CONTEXT_KINDS = ("llama3", "yarn", "longrope")
+
+
+def hf_rope(d: dict) -> dict:
+    """A config's RoPE settings as transformers 5 reads them (`standardize_rope_params`):
+    rope_parameters over transformers 4's rope_scaling, `type` as `rope_type`, the top-level
+    rope_theta and partial_rotary_factor where neither holds them, and a scaled kind's
+    original_max_position_embeddings: a top-level one first, else max_position_embeddings."""
+    rope = {**(d.get("rope_scaling") or {}), **(d.get("rope_parameters") or {})}
+    rope["rope_type"] = rope.get("rope_type") or rope.get("type") or "default"
+    for key in ("rope_theta", "partial_rotary_factor"):
+        if rope.get(key) is None and d.get(key) is not None:
+            rope[key] = d[key]
+    if rope["rope_type"] in ORIGINAL_CONTEXT_KINDS:
+        if d.get("original_max_position_embeddings") is not None:  # (transformers prefers it)
+            rope["original_max_position_embeddings"] = d["original_max_position_embeddings"]
+        elif rope.get("original_max_position_embeddings") is None:
+            rope["original_max_position_embeddings"] = d.get("max_position_embeddings")
+    return rope
+
+
+def refuse_partial_rotary(d: dict, refuse: Refuse, why: str) -> None:
+    """Refuse a partial_rotary_factor other than 1, naming where config.json sets it."""
+    inside = {**(d.get("rope_scaling") or {}), **(d.get("rope_parameters") or {})}
+    field = ("rope_parameters.partial_rotary_factor" if inside.get("partial_rotary_factor") is not None
+             else "partial_rotary_factor")
+    if float(hf_rope(d).get("partial_rotary_factor") or 1.0) != 1.0:
+        raise refuse(field, why)
+
+
+def linear_rope_factor(cfg: dict, hints: dict) -> float | None:
+    """GPTModel's seq_len_interpolation_factor (positions divided by it: transformers' linear RoPE
+    scaling): the model config's record, else Megatron-LM's --rotary-seq-len-interpolation-factor
+    or import-hf's record (`hints`)."""
+    factor = cfg.get("seq_len_interpolation_factor")
+    return factor if factor is not None else hints.get("rotary_seq_len_interpolation_factor")
+
+
+def check_whole_head_rotary(arch: str, cfg: dict, hints: dict) -> None:
+    """The HF architectures here rotate whole heads (transformers' apply_rotary_pos_emb has no
+    pass-through channels): refuse megatron-core's rotary_percent < 1."""
+    percent = hints.get("rotary_percent") or cfg.get("rotary_percent") or 1.0
+    if float(percent) != 1.0:
+        raise fail(arch, "rotary_percent", percent, f"HF {arch} rotates whole heads (transformers' "
+                   "apply_rotary_pos_emb has no pass-through channels); partial rotary embeddings "
+                   "are not exported")
 
 
 # ----------------------------------------------------------------------------------- YaRN
@@ -228,6 +282,55 @@ def hf_yarn(rope_theta: float, *, factor: float, original: int, beta_fast: float
     if transformers_yarn_scale(factor, mscale, mscale_all_dim) != wanted:
         rope["attention_factor"] = wanted
     return rope
+
+
+def yarn_rope(cfg: dict, rope_theta: float) -> dict:
+    """transformers' yarn rope_parameters of a GPTModel YaRN model (`position_embedding_type`
+    yarn: megatron-core's `config.yarn_*`)."""
+    rope = hf_yarn(rope_theta, factor=float(cfg["yarn_rotary_scaling_factor"]),
+                   original=cfg["yarn_original_max_position_embeddings"],
+                   beta_fast=float(cfg["yarn_beta_fast"]), beta_slow=float(cfg["yarn_beta_slow"]),
+                   mscale=float(cfg["yarn_mscale"]), mscale_all_dim=float(cfg["yarn_mscale_all_dim"]),
+                   truncate=bool(cfg["yarn_correction_range_round_to_int"]))
+    if (rope["mscale"], rope["mscale_all_dim"]) == (1.0, 0.0):  # megatron-core's defaults:
+        del rope["mscale"], rope["mscale_all_dim"]  # transformers' attention factor mscale(1)
+    return rope
+
+
+def check_yarn_record(arch: str, cfg: dict) -> None:
+    """A GPTModel YaRN model's config records the `config.yarn_*` GPTModel reads."""
+    missing = [attr for attr, _, _ in YARN_FROM_ARGS if attr not in cfg]
+    if missing:  # GPTModel cannot run YaRN without them: the record is damaged
+        raise fail(arch, missing[0], None, "a YaRN model's config records its yarn_* settings; "
+                   "this checkpoint's manifest lacks them")
+
+
+def yarn_args(d: dict, rope: dict, refuse: Refuse) -> dict:
+    """Megatron-LM's YaRN args (GPTModel's config.yarn_*, set by megatron_rebuild) for
+    transformers' yarn `rope` (`hf_rope`), read as transformers' _compute_yarn_parameters reads it:
+    every field maps to megatron-core's YarnRotaryEmbedding, which scales cos/sin as transformers
+    does (attention_factor: megatron-core's mscale(mscale) / mscale(mscale_all_dim))."""
+    original = rope.get("original_max_position_embeddings") or d["max_position_embeddings"]
+    factor = float(rope.get("factor") or d["max_position_embeddings"] / original)
+    # transformers' inferred scale: its ratio of both where both are non-zero, else mscale(f, 1),
+    # which is megatron-core's at (1, 0)
+    if rope.get("mscale") and rope.get("mscale_all_dim"):
+        mscale, mscale_all_dim = float(rope["mscale"]), float(rope["mscale_all_dim"])
+    else:
+        mscale, mscale_all_dim = 1.0, 0.0
+    given = rope.get("attention_factor")
+    if given is not None and given != megatron_yarn_scale(factor, mscale, mscale_all_dim):
+        if factor <= 1:
+            raise refuse("rope_parameters.attention_factor", f"megatron-core does not scale YaRN's "
+                         f"cos/sin when factor={factor} <= 1")
+        # any other factor a is mscale(f, (a - 1) / (0.1 ln f)) over mscale(f, 0) = 1
+        mscale, mscale_all_dim = (given - 1.0) / (0.1 * math.log(factor)), 0.0
+    return dict(position_embedding_type="yarn", rotary_scaling_factor=factor,
+                yarn_original_max_position_embeddings=int(original),
+                yarn_beta_fast=float(rope.get("beta_fast") or 32),
+                yarn_beta_slow=float(rope.get("beta_slow") or 1),
+                mscale=mscale, mscale_all_dim=mscale_all_dim,
+                yarn_correction_range_round_to_int=bool(rope.get("truncate", True)))
 
 
 # ------------------------------------------------------------------------- the architecture

@@ -12,11 +12,18 @@ from megatron_ucp.formats.hf.archs._base import (
     Rule,
     check_common,
     check_defaults,
+    check_whole_head_rotary,
+    check_yarn_record,
     fail,
     features,
     fill,
+    hf_rope,
+    linear_rope_factor,
     refuse_hybrid,
+    refuse_partial_rotary,
     require,
+    yarn_args,
+    yarn_rope,
 )
 from megatron_ucp.formats.tensor_transforms import Heads
 
@@ -113,10 +120,7 @@ class LlamaLike(HFArch):
                "hidden_act": "silu", "max_position_embeddings": cfg.get("max_sequence_length"),
                "rms_norm_eps": cfg.get("layernorm_epsilon", 1e-5),
                "attention_dropout": cfg.get("attention_dropout", 0.0),
-               "rope_parameters": {"rope_type": "default", "rope_theta": float(rope_theta)}}
-        if hints.get("use_rope_scaling") or cfg.get("rope_scaling"):
-            out["rope_parameters"] = {**LLAMA3_ROPE, "rope_type": "llama3", "rope_theta": float(rope_theta),
-                                      "factor": float(hints["rope_scaling_factor"])}
+               "rope_parameters": rope_parameters(cfg, float(rope_theta), hints)}
         if out["max_position_embeddings"] is None:  # unknown: transformers' default, as the source's
             del out["max_position_embeddings"]
         return out
@@ -126,17 +130,14 @@ class LlamaLike(HFArch):
     def args_of(self, d: dict, args: dict, refuse: Refuse, mtp_layers: int) -> tuple[dict, dict]:
         if d["hidden_act"] != "silu":
             raise refuse("hidden_act", "megatron-core's SwiGLU MLP uses silu")
-        theta, kind, partial = self.rope(d)
-        run = {"activation": "swiglu", "rotary_base": theta}
-        if kind == "llama3":  # Llama 3.1-3.3
-            scaling = {"use_rope_scaling": True, "rope_scaling_factor": llama3_factor(d, refuse)}
-            run.update(scaling)
-            args.update(scaling)
-        elif kind != "default":
-            raise refuse("rope_parameters.rope_type", f"{kind!r} RoPE scaling is not imported "
-                         "(default and llama3)")
-        if partial != 1.0:
-            raise refuse("partial_rotary_factor", "partial rotary embeddings are not imported")
+        rope = hf_rope(d)
+        theta = float(rope["rope_theta"])
+        refuse_partial_rotary(d, refuse, f"transformers' {self.name} rotates whole heads: its "
+                              "apply_rotary_pos_emb has no pass-through channels (its default RoPE "
+                              "ignores the factor, its scaled ones fail on it), so megatron-core's "
+                              "rotary_percent would compute another model")
+        scaling = rope_args(d, rope, refuse)
+        run = {"activation": "swiglu", "rotary_base": theta, **scaling}
         if d.get("use_sliding_window") or (self.window_without_flag and d.get("sliding_window")):
             raise refuse("sliding_window", "megatron-core's local attention has no sliding window")
         bias_attn, bias_mlp = bool(d.get("attention_bias")), bool(d.get("mlp_bias"))
@@ -159,6 +160,7 @@ class LlamaLike(HFArch):
                     position_embedding_type="rope", rotary_base=theta,
                     max_position_embeddings=d["max_position_embeddings"],
                     attention_dropout=d.get("attention_dropout", 0.0))
+        args.update(scaling)
         if self.qk_norm:
             args["qk_layernorm"] = True
         self.moe_args(d, args, refuse)
@@ -167,41 +169,85 @@ class LlamaLike(HFArch):
     def moe_args(self, d: dict, args: dict, refuse: Refuse) -> None:
         """A MoE architecture's settings in `args` (a dense one has none)."""
 
-    def rope(self, d: dict) -> tuple[float, str, float]:
-        """(rope_theta, rope_type, partial rotary factor) of a config of transformers 4 or 5."""
-        params = d.get("rope_parameters") or {}
-        scaling = d.get("rope_scaling") or {}
-        theta = params.get("rope_theta", d.get("rope_theta", self.hf_defaults["rope_theta"]))
-        kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-        partial = params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
-        return float(theta), kind, float(partial)
-
 
 def check_rotary(arch: str, cfg: dict, hints: dict) -> None:
-    """RMSNorm, SwiGLU, RoPE on whole heads, unscaled."""
-    require(arch, cfg, "position_embedding_type", "rope", "HF {arch} uses rotary position embeddings")
+    """RMSNorm, SwiGLU, RoPE on whole heads: default, Llama 3 scaling (rope_scaling), linear
+    (seq_len_interpolation_factor) or YaRN, one at a time (transformers' rope_parameters holds one)."""
+    yarn = cfg.get("position_embedding_type") == "yarn"
+    if yarn:
+        check_yarn_record(arch, cfg)
+    else:
+        require(arch, cfg, "position_embedding_type", "rope", "HF {arch} uses rotary position embeddings")
     require(arch, cfg, "normalization", "RMSNorm", "HF {arch} uses RMSNorm")
     require(arch, cfg, "gated_linear_unit", True, "HF {arch} has a SwiGLU MLP (gate_proj/up_proj)")
     if cfg.get("rotary_interleaved", False):
         raise fail(arch, "rotary_interleaved", True, "HF rotates the two halves of each head")
     if hints.get("activation") not in (None, "swiglu"):
         raise fail(arch, "activation", hints["activation"], f"HF {arch} needs SwiGLU (silu)")
-    if float(hints.get("rotary_percent") or cfg.get("rotary_percent") or 1.0) != 1.0:
-        raise fail(arch, "rotary_percent", hints.get("rotary_percent") or cfg.get("rotary_percent"),
-                   "partial rotary embeddings are not exported")
-    if (hints.get("use_rope_scaling") or cfg.get("rope_scaling")) and not hints.get("rope_scaling_factor"):
+    check_whole_head_rotary(arch, cfg, hints)
+    llama3, linear = hints.get("use_rope_scaling") or cfg.get("rope_scaling"), linear_rope_factor(cfg, hints)
+    if linear is not None and (yarn or llama3):
+        raise fail(arch, "seq_len_interpolation_factor", linear, "megatron-core's YaRN does not apply it"
+                   if yarn else "megatron-core applies it on top of Llama 3 RoPE scaling, which "
+                   "transformers' rope_parameters (one rope_type) cannot say")
+    if llama3 and yarn:
+        raise fail(arch, "rope_scaling", True, "megatron-core's YaRN does not apply Llama 3 RoPE scaling")
+    if llama3 and not hints.get("rope_scaling_factor"):
         raise fail(arch, "rope_scaling", True, "Llama 3 RoPE scaling's factor is not recorded: export "
                    "from a Megatron-LM checkpoint (its --rope-scaling-factor) or an import-hf one")
+
+
+def rope_parameters(cfg: dict, theta: float, hints: dict) -> dict:
+    """transformers' rope_parameters of a GPTModel's RoPE (`check_rotary` passed)."""
+    if cfg.get("position_embedding_type") == "yarn":
+        return yarn_rope(cfg, theta)
+    linear = linear_rope_factor(cfg, hints)
+    if linear is not None:
+        return {"rope_type": "linear", "rope_theta": theta, "factor": float(linear)}
+    if hints.get("use_rope_scaling") or cfg.get("rope_scaling"):
+        return {**LLAMA3_ROPE, "rope_type": "llama3", "rope_theta": theta,
+                "factor": float(hints["rope_scaling_factor"])}
+    return {"rope_type": "default", "rope_theta": theta}
+
+
+# why megatron-core runs none of transformers' other RoPE kinds
+NOT_IN_MEGATRON_CORE = {
+    "dynamic": "megatron-core has no dynamic NTK scaling (transformers recomputes the rotary base "
+               "for sequences past max_position_embeddings)",
+    "longrope": "megatron-core has no LongRoPE (per-frequency short_factor / long_factor)",
+}
+
+
+def rope_args(d: dict, rope: dict, refuse: Refuse) -> dict:
+    """The Megatron-LM args of a config's RoPE kind (`hf_rope`), also the import's run record:
+    llama3: GPTModel's rope_scaling and its factor; linear: GPTModel's seq_len_interpolation_factor
+    (megatron-core divides the positions by it, transformers the inverse frequencies: the same
+    angles); yarn: GPTModel's YaRN (`yarn_args`). Any other kind is refused by name."""
+    kind = rope["rope_type"]
+    if kind == "default":
+        return {}
+    if kind == "llama3":  # Llama 3.1-3.3
+        return {"use_rope_scaling": True, "rope_scaling_factor": llama3_factor(rope, refuse)}
+    if kind == "linear":
+        factor = rope.get("factor")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+            raise refuse("rope_parameters.factor", "linear RoPE scaling divides the positions by a "
+                         "positive factor")
+        return {"rotary_seq_len_interpolation_factor": float(factor)}
+    if kind == "yarn":
+        return yarn_args(d, rope, refuse)
+    why = NOT_IN_MEGATRON_CORE.get(kind, "megatron-core's GPTModel has no such RoPE")
+    raise refuse("rope_parameters.rope_type", f"{kind!r} RoPE scaling is not imported: {why} "
+                 "(imported: default, llama3, linear, yarn)")
 
 
 # megatron-core's Llama 3 RoPE scaling (RotaryEmbedding._apply_scaling) fixes these three
 LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-def llama3_factor(d: dict, refuse: Refuse) -> float:
-    """The factor of a config's llama3 RoPE scaling (transformers 5's rope_parameters or 4's
-    rope_scaling), refused by field where megatron-core's fixed settings differ."""
-    rope = {**(d.get("rope_scaling") or {}), **(d.get("rope_parameters") or {})}
+def llama3_factor(rope: dict, refuse: Refuse) -> float:
+    """The factor of a config's llama3 RoPE scaling (`hf_rope`: transformers 5's rope_parameters
+    or 4's rope_scaling), refused by field where megatron-core's fixed settings differ."""
     for k, fixed in LLAMA3_ROPE.items():
         if float(rope.get(k, fixed)) != fixed:
             raise refuse(f"rope_parameters.{k}", f"megatron-core's Llama 3 RoPE scaling has {k}={fixed:g} "

@@ -29,10 +29,12 @@ from megatron_ucp.formats.hf.archs._base import (
     fail,
     features,
     fill,
+    hf_rope,
     hf_yarn,
     megatron_yarn_scale,
     moe_layers,
     refuse_hybrid,
+    refuse_partial_rotary,
     require,
     transformers_yarn_scale,
     yarn_mscale,
@@ -265,13 +267,10 @@ class DeepseekV3(HFArch):
 
 def mla_args(d: dict, refuse: Refuse) -> tuple[float, dict]:
     """rope_theta and megatron-core's MLA settings (its rope_type: rope or yarn) of config `d`."""
-    params = d.get("rope_parameters") or {}
-    scaling = d.get("rope_scaling") or {}
-    rope = {**scaling, **params}
-    theta = float(rope.get("rope_theta", d["rope_theta"]))
-    kind = rope.get("rope_type") or rope.get("type") or "default"
-    if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise refuse("partial_rotary_factor", "partial rotary embeddings are not imported")
+    rope = hf_rope(d)
+    theta, kind = float(rope["rope_theta"]), rope["rope_type"]
+    refuse_partial_rotary(d, refuse, "DeepSeek-V3's rotary part of a head is qk_rope_head_dim; "
+                          "transformers' DeepSeek-V3 rotates all of it")
     mla = dict(multi_latent_attention=True, q_lora_rank=d["q_lora_rank"], kv_lora_rank=d["kv_lora_rank"],
                qk_head_dim=d["qk_nope_head_dim"], qk_pos_emb_head_dim=d["qk_rope_head_dim"],
                v_head_dim=d["v_head_dim"], rotary_base=theta, qk_layernorm=True)
@@ -295,7 +294,8 @@ def mla_args(d: dict, refuse: Refuse) -> tuple[float, dict]:
     elif kind == "default":  # megatron-core's MLA still scales the softmax by mscale_all_dim
         mla.update(rope_type="rope", mscale_all_dim=0.0)
     else:
-        raise refuse("rope_type", f"{kind!r} RoPE scaling is not imported (default and yarn)")
+        raise refuse("rope_parameters.rope_type", f"{kind!r} RoPE scaling is not imported for "
+                     "DeepSeek-V3 (default and yarn: megatron-core's MLA rope_type rope and yarn)")
     return theta, mla
 
 

@@ -20,17 +20,19 @@ from megatron_ucp.formats.hf.archs._base import (
     check_common,
     check_defaults,
     check_rope_moe,
+    check_yarn_record,
     differs,
     fail,
     features,
     fill,
-    hf_yarn,
-    megatron_yarn_scale,
+    hf_rope,
     refuse_hybrid,
+    refuse_partial_rotary,
     require,
+    yarn_args,
+    yarn_rope,
 )
 from megatron_ucp.formats.hf.archs._llama_like import GLOBAL
-from megatron_ucp.formats.megatron_common import YARN_FROM_ARGS
 from megatron_ucp.formats.tensor_transforms import Heads
 
 QUICK_GELU = "megatron.core.fusions.fused_bias_geglu.quick_gelu"
@@ -86,10 +88,7 @@ class GptOss(HFArch):
         refuse_hybrid(arch, cfg)
         check_common(arch, cfg, allowed=("window_size", "softmax_type"))
         if get("position_embedding_type") == "yarn":
-            missing = [attr for attr, _, _ in YARN_FROM_ARGS if attr not in cfg]
-            if missing:  # GPTModel cannot run YaRN without them: the record is damaged
-                raise fail(arch, missing[0], None, "a YaRN model's config records its yarn_* settings; "
-                           "this checkpoint's manifest lacks them")
+            check_yarn_record(arch, cfg)
         else:
             require(arch, cfg, "position_embedding_type", "rope", "HF {arch} uses rotary position embeddings")
         check_rope_moe(arch, cfg, hints)
@@ -141,14 +140,7 @@ class GptOss(HFArch):
                "attention_dropout": get("attention_dropout", 0.0), "output_router_logits": False,
                "router_aux_loss_coef": get("moe_aux_loss_coeff") or 0.0}
         if get("position_embedding_type") == "yarn":  # GPT-OSS's own: factor 32 of 4096, truncate false
-            rope = hf_yarn(rope_theta, factor=float(cfg["yarn_rotary_scaling_factor"]),
-                           original=cfg["yarn_original_max_position_embeddings"],
-                           beta_fast=float(cfg["yarn_beta_fast"]), beta_slow=float(cfg["yarn_beta_slow"]),
-                           mscale=float(cfg["yarn_mscale"]), mscale_all_dim=float(cfg["yarn_mscale_all_dim"]),
-                           truncate=bool(cfg["yarn_correction_range_round_to_int"]))
-            if (rope["mscale"], rope["mscale_all_dim"]) == (1.0, 0.0):  # megatron-core's defaults:
-                del rope["mscale"], rope["mscale_all_dim"]  # transformers' attention factor mscale(1)
-            out["rope_parameters"] = rope
+            out["rope_parameters"] = yarn_rope(cfg, rope_theta)
         if out["max_position_embeddings"] is None:
             del out["max_position_embeddings"]
         return out
@@ -157,14 +149,13 @@ class GptOss(HFArch):
 
     def args_of(self, d: dict, args: dict, refuse: Refuse, mtp_layers: int) -> tuple[dict, dict]:
         """Learnable sinks, sliding windows, biases everywhere, clamped SwiGLU, default RoPE or YaRN."""
-        rope = {**(d.get("rope_scaling") or {}), **(d.get("rope_parameters") or {})}
-        theta = float(rope.get("rope_theta", d["rope_theta"]))
-        kind = rope.get("rope_type") or rope.get("type") or "default"
+        rope = hf_rope(d)
+        theta, kind = float(rope["rope_theta"]), rope["rope_type"]
         if kind not in ("default", "yarn"):
             raise refuse("rope_parameters.rope_type", f"{kind!r} RoPE scaling is not imported for "
                          "GPT-OSS (default and yarn)")
-        if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise refuse("partial_rotary_factor", "partial rotary embeddings are not imported")
+        refuse_partial_rotary(d, refuse, "transformers' GPT-OSS rotates whole heads (its "
+                              "_apply_rotary_emb has no pass-through channels)")
         if not d["attention_bias"]:
             raise refuse("attention_bias", "GPT-OSS's experts have biases, and megatron-core's "
                          "add_bias_linear puts biases on every linear layer or none")
@@ -196,9 +187,12 @@ class GptOss(HFArch):
                     num_experts=d["num_local_experts"], moe_router_topk=d["num_experts_per_tok"],
                     moe_ffn_hidden_size=d["intermediate_size"],
                     moe_aux_loss_coeff=float(d.get("router_aux_loss_coef") or 0.0))
-        if kind == "yarn":
-            args.update(yarn_args(d, rope, refuse))
-        return args, {"activation": "quick_geglu", "rotary_base": theta}
+        run = {"activation": "quick_geglu", "rotary_base": theta}
+        if kind == "yarn":  # (the run record: the Megatron-LM flags, --position-embedding-type yarn ...)
+            yarn = yarn_args(d, rope, refuse)
+            args.update(yarn)
+            run.update(yarn)
+        return args, run
 
 
 def layer_types(cfg: dict) -> list[str]:
@@ -228,32 +222,6 @@ def window_skip_freq(types: list[str]) -> int | list[int] | None:
         if sliding == [(i + 1) % n != 0 for i in range(len(sliding))]:
             return n
     return [int(x) for x in sliding]
-
-
-def yarn_args(d: dict, rope: dict, refuse: Refuse) -> dict:
-    """Megatron-LM's YaRN args (GPTModel's config.yarn_*, set by megatron_rebuild) for
-    transformers' yarn `rope`, read as transformers' _compute_yarn_parameters reads it."""
-    original = rope.get("original_max_position_embeddings") or d["max_position_embeddings"]
-    factor = float(rope.get("factor") or d["max_position_embeddings"] / original)
-    # transformers' inferred scale: its ratio of both where both are non-zero, else mscale(f, 1),
-    # which is megatron-core's at (1, 0)
-    if rope.get("mscale") and rope.get("mscale_all_dim"):
-        mscale, mscale_all_dim = float(rope["mscale"]), float(rope["mscale_all_dim"])
-    else:
-        mscale, mscale_all_dim = 1.0, 0.0
-    given = rope.get("attention_factor")
-    if given is not None and given != megatron_yarn_scale(factor, mscale, mscale_all_dim):
-        if factor <= 1:
-            raise refuse("rope_parameters.attention_factor", f"megatron-core does not scale YaRN's "
-                         f"cos/sin when factor={factor} <= 1")
-        # any other factor a is mscale(f, (a - 1) / (0.1 ln f)) over mscale(f, 0) = 1
-        mscale, mscale_all_dim = (given - 1.0) / (0.1 * math.log(factor)), 0.0
-    return dict(position_embedding_type="yarn", rotary_scaling_factor=factor,
-                yarn_original_max_position_embeddings=int(original),
-                yarn_beta_fast=float(rope.get("beta_fast") or 32),
-                yarn_beta_slow=float(rope.get("beta_slow") or 1),
-                mscale=mscale, mscale_all_dim=mscale_all_dim,
-                yarn_correction_range_round_to_int=bool(rope.get("truncate", True)))
 
 
 ARCH = GptOss()
