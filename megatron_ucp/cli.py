@@ -130,7 +130,8 @@ def _add_other_imports(sub) -> None:
     p = sub.add_parser("import-hf", help="a Hugging Face transformers model directory -> universal "
                        "directory, weights only (in the HF dtype; no optimizer state on disk: a "
                        "load starts the optimizer fresh)")
-    p.add_argument("hf_dir", help="save_pretrained output: config.json and *.safetensors")
+    p.add_argument("hf_dir", help="save_pretrained output: config.json and *.safetensors (blockwise "
+                   "FP8 weights, DeepSeek-V3 / Kimi-K2 style, are dequantized to fp32)")
     p.add_argument("universal_dir", help="new output directory")
     p.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
     p = sub.add_parser("import-deepspeed", help="a DeepSpeed universal checkpoint folder "
@@ -157,8 +158,13 @@ def _add_export_hf(sub) -> None:
     p.add_argument("--arch", required=True, choices=HF_ARCHS, metavar="ARCH",  # (metavar: lazy choices)
                    help="the transformers architecture to write (the model must match it exactly): "
                    "%(choices)s")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32", "bfloat16", "float16", "float32"],
-                   default=None, help="weight dtype (default: the checkpoint's model dtype)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32", "bfloat16", "float16", "float32", "fp8"],
+                   default=None, help="weight dtype (default: the checkpoint's model dtype); fp8: the "
+                   "linear weights as blockwise FP8 (e4m3 + weight_scale_inv, DeepSeek-V3's form), the "
+                   "rest bf16")
+    p.add_argument("--fp8-block-size", type=int, nargs=2, default=None, metavar=("ROWS", "COLS"),
+                   help="--dtype fp8's blocks (default: those of the FP8 HF model import-hf read, else "
+                   "128 128)")
     p.add_argument("--max-shard-bytes", type=int, default=5 * 10**9,
                    help="largest safetensors shard (default 5e9 bytes, as save_pretrained)")
     p.add_argument("--vocab-size", type=int, default=None, help="true vocabulary: embedding rows "
@@ -283,7 +289,8 @@ def _run(args, progress, distributed: bool) -> int:
                              max_shard_bytes=args.max_shard_bytes, progress=progress,
                              vocab_size=args.vocab_size, rope_theta=args.rope_theta,
                              activation=args.activation, trust_pickle=args.trust_pickle,
-                             distributed=distributed)
+                             distributed=distributed,
+                             fp8_block_size=tuple(args.fp8_block_size) if args.fp8_block_size else None)
     elif args.command == "import-hf":
         conversion.import_hf(args.hf_dir, args.universal_dir, progress=progress)
     elif args.command == "import-deepspeed":

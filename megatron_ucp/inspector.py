@@ -42,6 +42,7 @@ def inspect(path: str | Path, trust_pickle: bool = False) -> str:
         f"extra        {m.extra}",
         *optimizer_lines(m),
         *fp8_lines(m),
+        *hf_weight_lines(m),
         "",
     ]
     width = max([64, *map(len, params)])  # MTP and expert names run past 64
@@ -91,6 +92,17 @@ def fp8_lines(m: mf.Manifest) -> list[str]:
     if others:
         out.append(f"             also {', '.join(others)}")
     return out
+
+
+def hf_weight_lines(m: mf.Manifest) -> list[str]:
+    """How import-hf read quantized HF weights (its record's `quantization`): FP8 dequantized."""
+    record = m.extra.get("hf_import") if isinstance(m.extra, dict) else None
+    q = record.get("quantization") if isinstance(record, dict) else None
+    if not isinstance(q, dict):
+        return []
+    rows, cols = q.get("weight_block_size") or ("?", "?")
+    return [f"hf weights   {q.get('fp8_tensors')} blockwise FP8 ({q.get('fmt')}) tensors in {rows}x{cols} "
+            f"blocks, dequantized to {q.get('dequantized_to')} by import-hf"]
 
 
 def features(cfg: dict) -> list[str]:

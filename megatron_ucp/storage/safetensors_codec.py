@@ -24,6 +24,9 @@ DTYPE_TO_ST = {
     torch.int64: "I64",
     torch.int32: "I32",
     torch.uint8: "U8",
+    # blockwise FP8 Hugging Face weights (formats/hf/fp8.py); e5m2 so that its refusal is the HF reader's
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
 }
 ST_TO_DTYPE = {v: k for k, v in DTYPE_TO_ST.items()}
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}

@@ -2,9 +2,11 @@
 
 Writes `config.json`, `generation_config.json`, `model-0000i-of-0000n.safetensors` shards and
 `model.safetensors.index.json`. The model weights are the fp32 master weights cast to the chosen
-dtype (what megatron-core's optimizer writes into the model). Optimizer state is not exported:
+dtype (what megatron-core's optimizer writes into the model); dtype fp8 writes the linear weights
+as blockwise FP8 (DeepSeek-V3's form, `fp8`) and the rest in bf16. Optimizer state is not exported:
 HF directories have none. Tensors are streamed: one universal tensor is read, split into its HF
-tensors, written and dropped before the next, so peak memory is about the largest tensor.
+tensors, written and dropped before the next, so peak memory is about the largest tensor (an FP8
+one: a few fp32 copies of it while it is quantized).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from megatron_ucp import storage
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats import group_job
 from megatron_ucp.formats import tensor_transforms as transforms
-from megatron_ucp.formats.hf import archs
+from megatron_ucp.formats.hf import archs, fp8
 from megatron_ucp.formats.hf.archs import Rule
 from megatron_ucp.formats.manifest import Manifest
 from megatron_ucp.progress import Progress, bar
@@ -41,6 +43,7 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # torch's / HF's names
+FP8 = "fp8"  # the dtype choice writing blockwise FP8 linear weights (the rest in bf16)
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 GENERATION_FILE = "generation_config.json"
@@ -55,9 +58,11 @@ class Planned:
 
     rule: Rule
     shape: tuple[int, ...]
-    outputs: list[tuple[str, tuple[int, ...]]]
+    outputs: list[tuple[str, tuple[int, ...]]]  # an FP8 weight is followed by its scale_inv
     shards: list[int]  # the shard file of each output
-    dtype: torch.dtype  # of its HF tensors: the export's, fp32 for `archs.keeps_fp32`
+    dtype: torch.dtype  # its HF tensors before writing: the export's, fp32 for `archs.keeps_fp32`
+    dtypes: list[torch.dtype]  # of each output as written
+    fp8_block: tuple[int, int] | None = None  # its HF tensors are quantized in these blocks
 
 
 def shard_name(i: int, n: int) -> str:
@@ -81,12 +86,14 @@ def true_vocab(manifest: Manifest, override: int | None) -> int:
 
 
 def plan(arch: str, manifest: Manifest, vocab: int, dtype: torch.dtype,
-         max_shard_bytes: int) -> tuple[list[Planned], int]:
+         max_shard_bytes: int, fp8_block: tuple[int, int] | None = None) -> tuple[list[Planned], int]:
     """Every universal tensor's HF tensors and shard, in write order; and the number of shards.
+    fp8_block: the linear weights (`HFArch.fp8_quantized`) become FP8 in these blocks.
 
     Refuses a checkpoint lacking a tensor the architecture needs, or holding one it has no place
     for (never a silent drop)."""
-    rules = archs.get(arch).rules(manifest.model)
+    hf_arch = archs.get(arch)
+    rules = hf_arch.rules(manifest.model)
     wanted = {r.megatron for r in rules}
     missing = [r.megatron for r in rules if r.megatron not in manifest.params]
     if missing:
@@ -99,8 +106,8 @@ def plan(arch: str, manifest: Manifest, vocab: int, dtype: torch.dtype,
     heads = transforms.Heads.of(manifest.model)
     out, shard, used = [], 0, 0
     for r in rules:
-        tensor_dtype = torch.float32 if archs.keeps_fp32(r.megatron) else dtype
-        size = torch.empty((), dtype=tensor_dtype).element_size()
+        block = fp8_block if fp8_block is not None and hf_arch.fp8_quantized(r) else None
+        tensor_dtype = torch.float32 if archs.keeps_fp32(r.megatron) or block else dtype
         spec = manifest.params[r.megatron].spec
         shape = (vocab, *spec.shape[1:]) if spec.vocab_rows else spec.shape
         shapes = transforms.hf_shapes(r.kind, shape, heads, len(r.hf))
@@ -108,17 +115,24 @@ def plan(arch: str, manifest: Manifest, vocab: int, dtype: torch.dtype,
             transforms.check_qkv_rows(shape[0], heads, f"parameter {r.megatron}")
         if r.slot:  # experts stacked in one HF tensor: written with the last expert's rule
             if r.slot[0] != r.slot[1] - 1:
-                out.append(Planned(r, shape, [], [], tensor_dtype))
+                out.append(Planned(r, shape, [], [], tensor_dtype, [], block))
                 continue
             shapes = [(r.slot[1], *s) for s in shapes]
+        outputs, dtypes = [], []
+        for name, s in zip(r.hf, shapes):
+            outputs.append((name, s))
+            dtypes.append(fp8.FP8_DTYPE if block else tensor_dtype)
+            if block:
+                outputs.append((fp8.scale_name(name), fp8.scale_shape(s, block)))
+                dtypes.append(torch.float32)
         shards = []
-        for s in shapes:
-            nbytes = size * int(torch.Size(s).numel())
+        for (_, s), d in zip(outputs, dtypes):
+            nbytes = d.itemsize * math.prod(s)
             if used and used + nbytes > max_shard_bytes:  # a tensor larger than a shard goes alone
                 shard, used = shard + 1, 0
             used += nbytes
             shards.append(shard)
-        out.append(Planned(r, shape, list(zip(r.hf, shapes)), shards, tensor_dtype))
+        out.append(Planned(r, shape, outputs, shards, tensor_dtype, dtypes, block))
     return out, shard + 1
 
 
@@ -166,8 +180,8 @@ def check_written(out_dir: Path, planned: list[Planned], n_shards: int) -> None:
     """Before the directory is committed: the index names exactly the planned tensors, and each
     shard's header holds exactly its tensors at the planned dtype and shape."""
     index = json.loads((out_dir / INDEX_FILE).read_text())["weight_map"]
-    expected = {name: (shard_name(s, n_shards), shape, p.dtype)
-                for p in planned for (name, shape), s in zip(p.outputs, p.shards)}
+    expected = {name: (shard_name(s, n_shards), shape, d)
+                for p in planned for (name, shape), s, d in zip(p.outputs, p.shards, p.dtypes)}
     if set(index) != set(expected):
         raise UCPError(f"{out_dir}: internal error, the index names other tensors than planned; "
                        "nothing was committed")
@@ -187,12 +201,16 @@ def check_written(out_dir: Path, planned: list[Planned], n_shards: int) -> None:
 def export(source, out: str | Path, arch: str, *, dtype: str | None = None,
            max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress: Progress = True,
            vocab_size: int | None = None, rope_theta: float | None = None,
-           activation: str | None = None, hints: dict | None = None, distributed: bool = False) -> Path:
+           activation: str | None = None, hints: dict | None = None, distributed: bool = False,
+           fp8_block_size: tuple[int, int] | None = None) -> Path:
     """Write the model of `source` (any `formats.open_source` source) as HF `arch` to the new
     directory `out`; returns it.
 
     dtype: "fp32", "bf16" or "fp16", or torch's names float32, bfloat16, float16 (default: the
-    checkpoint's model dtype). vocab_size: the true vocabulary (default: the checkpoint's record,
+    checkpoint's model dtype); or "fp8": the linear weights transformers' FP8 quantizer replaces
+    as blockwise e4m3 + weight_scale_inv (`fp8`), the rest bf16, config.json's quantization_config
+    DeepSeek-V3's. fp8_block_size: its (rows, cols) blocks (default: those of the FP8 HF model
+    import-hf read, else 128 x 128). vocab_size: the true vocabulary (default: the checkpoint's record,
     else every embedding row). rope_theta: default
     the model config's rotary_base, else 10000. activation: the run's MLP activation ("swiglu",
     "gelu", "openai_gelu"; megatron_ucp.save does not record it): default the Megatron-LM args',
@@ -215,16 +233,20 @@ def export(source, out: str | Path, arch: str, *, dtype: str | None = None,
         saved = manifest.params[EMBEDDING].spec.dtype
         dtype = next(k for k, v in DTYPES.items() if DTYPE_NAMES[v] == saved)
     dtype = DTYPE_ALIASES.get(dtype, dtype)
-    if dtype not in DTYPES:
-        raise UCPError(f"unknown dtype {dtype!r}; choose one of {[*DTYPES, *DTYPE_ALIASES]}")
-    torch_dtype = DTYPES[dtype]
-    planned, n_shards = plan(arch, manifest, vocab, torch_dtype, max_shard_bytes)
+    if dtype not in (*DTYPES, FP8):
+        raise UCPError(f"unknown dtype {dtype!r}; choose one of {[*DTYPES, *DTYPE_ALIASES, FP8]}")
+    block = fp8_block(hf_arch, model, manifest, dtype, fp8_block_size)
+    torch_dtype = torch.bfloat16 if dtype == FP8 else DTYPES[dtype]
+    planned, n_shards = plan(arch, manifest, vocab, torch_dtype, max_shard_bytes, block)
     if model.get("max_sequence_length") is None:  # an import-hf checkpoint of a RoPE model
         model["max_sequence_length"] = (_import_record(manifest).get("config") or {}).get(
             "max_position_embeddings")
     config = hf_arch.hf_config(model, vocab=vocab, dtype=DTYPE_NAMES[torch_dtype],
                                rope_theta=rope_base(manifest, hints, rope_theta), hints=hints,
                                tokens=_token_ids(manifest, arch))
+    if block is not None:
+        config["quantization_config"] = fp8.quantization_config(block)
+        _note_partial_blocks(planned, block)
     if distributed:
         return _export_distributed(source, out, planned, n_shards, config)
     done = bar(progress, len(planned), f"{source.origin.get('kind', source.format)} -> hf {arch}",
@@ -239,6 +261,39 @@ def export(source, out: str | Path, arch: str, *, dtype: str | None = None,
              sum(len(p.outputs) for p in planned), total / 2**20, n_shards, arch, out,
              time.perf_counter() - t0)
     return out
+
+
+def fp8_block(hf_arch: archs.HFArch, model: dict, manifest: Manifest, dtype: str,
+              block: tuple[int, int] | None) -> tuple[int, int] | None:
+    """The FP8 blocks of an export of `dtype` (None: not FP8): the given ones, else those of the FP8
+    HF model import-hf read (so that its export gives back its bytes), else DeepSeek-V3's 128 x 128.
+    Refuses an architecture whose FP8 form transformers cannot load (`HFArch.fp8_refusal`)."""
+    if dtype != FP8:
+        if block is not None:
+            raise UCPError(f"an FP8 block size ({list(block)}) is for dtype fp8 only, not {dtype}")
+        return None
+    why = hf_arch.fp8_refusal(model)
+    if why:
+        raise UCPError(f"cannot export as HF {hf_arch.name} with dtype fp8: {why}")
+    if block is None:
+        recorded = (_import_record(manifest).get("quantization") or {}).get("weight_block_size")
+        block = tuple(recorded) if recorded else fp8.DEFAULT_BLOCK
+    if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+        raise UCPError(f"FP8 block size {list(block)}: needs two positive sizes (rows, cols)")
+    return (block[0], block[1])
+
+
+def _note_partial_blocks(planned: list[Planned], block: tuple[int, int]) -> None:
+    """Say which FP8 weights end in partial blocks (a dimension `block` does not divide): valid
+    DeepSeek-V3 form, but transformers 5.23's CPU dequantization (Fp8Dequantize, its loading
+    without a GPU) derives the block from the scale grid's shape and misreads them."""
+    partial = [name for p in planned if p.fp8_block for (name, shape), d in zip(p.outputs, p.dtypes)
+               if d == fp8.FP8_DTYPE and fp8.partial_blocks(shape, block)]
+    if partial:
+        log.warning("%d FP8 weight(s) end in partial %dx%d blocks (e.g. %s), as DeepSeek-V3's "
+                    "kv_a_proj_with_mqa: transformers 5.23's CPU dequantization derives the block from "
+                    "the scale grid and misreads them (its GPU FP8Linear takes it from the config)",
+                    len(partial), *block, partial[0])
 
 
 def _write_metadata(out_dir: Location, planned: list[Planned], n_shards: int, total: int, config: dict,
@@ -261,8 +316,8 @@ def _export_distributed(source, out: Path, planned: list[Planned], n_shards: int
 
     shard_bytes = [0] * n_shards
     for p in planned:
-        for (_, shape), shard in zip(p.outputs, p.shards):
-            shard_bytes[shard] += math.prod(shape) * p.dtype.itemsize
+        for (_, shape), shard, d in zip(p.outputs, p.shards, p.dtypes):
+            shard_bytes[shard] += math.prod(shape) * d.itemsize
 
     def write_share(partial: Path, mine: list[int]) -> int:
         return write_shards(partial, source, planned, n_shards, None, shards=set(mine))
@@ -319,13 +374,13 @@ def write_shards(out_dir: Path, source, planned: list[Planned], n_shards: int,
                 continue
             parts = [torch.stack(slices) for slices in zip(*experts)]
             experts = []
-        for (name, _), shard, part in zip(p.outputs, p.shards, parts):
+        for (name, _), shard, tensor in zip(p.outputs, p.shards, _encode(p, parts)):
             if shards is not None and shard not in shards:
                 continue
             if shard not in writers:
                 writers[shard] = _open_shard(out_dir, planned, shard, n_shards)
-            writers[shard].write(name, part.to(p.dtype).contiguous())
-            total += part.numel() * p.dtype.itemsize
+            writers[shard].write(name, tensor)
+            total += tensor.numel() * tensor.element_size()
             if writers[shard].complete:
                 writers.pop(shard).close()
         if done is not None:
@@ -336,6 +391,17 @@ def write_shards(out_dir: Path, source, planned: list[Planned], n_shards: int,
     return total
 
 
+def _encode(p: Planned, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors written for `p`'s HF tensors `parts`: each in its dtype, or an FP8 weight and its
+    scale_inv."""
+    if p.fp8_block is None:
+        return [part.to(p.dtype).contiguous() for part in parts]
+    out = []
+    for (name, _), part in zip(p.outputs[::2], parts):
+        out += fp8.quantize(part, p.fp8_block, f"{name} (from {p.rule.megatron})")
+    return out
+
+
 def generation_config(config: dict) -> dict:
     """generation_config.json as transformers derives it from a model config."""
     return {"_from_model_config": True,
@@ -344,8 +410,8 @@ def generation_config(config: dict) -> dict:
 
 
 def _open_shard(out_dir: Path, planned: list[Planned], shard: int, n_shards: int) -> SafetensorsWriter:
-    entries = [(name, p.dtype, shape) for p in planned
-               for (name, shape), s in zip(p.outputs, p.shards) if s == shard]
+    entries = [(name, d, shape) for p in planned
+               for (name, shape), s, d in zip(p.outputs, p.shards, p.dtypes) if s == shard]
     # transformers refuses safetensors files whose metadata names another framework
     return SafetensorsWriter(out_dir / shard_name(shard, n_shards), entries, {"format": "pt"})
 

@@ -6,7 +6,9 @@ directories carry no optimizer state). Its manifest is weights-only (`Manifest.w
 their HF dtype and no optimizer state, from which `megatron_ucp.load` starts a fresh optimizer at
 any layout with the run's own hyper-parameters and schedule (`extra`: `fresh_optimizer`,
 `run_hyperparameters`). weights_only=False keeps the zero moments (the full form, which readers of
-format version 4 and older read).
+format version 4 and older read). Blockwise FP8 weights (DeepSeek-V3/R1, Kimi-K2: F8_E4M3 with a
+`weight_scale_inv` per block, `fp8`) are dequantized to fp32 as they are read (their spec dtype:
+float32); the manifest's record says so.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats import tensor_transforms as transforms
 from megatron_ucp.formats.base import Source
-from megatron_ucp.formats.hf import archs
+from megatron_ucp.formats.hf import archs, fp8
 from megatron_ucp.formats.manifest import RUN_HYPERPARAMETERS, Manifest, ParamEntry
 from megatron_ucp.formats.megatron_rebuild import import_specs
 from megatron_ucp.layout import Layout
@@ -39,6 +41,7 @@ log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
+FLOAT_ST = ("F32", "BF16", "F16")  # the float weights read as they are
 FRESH = "fresh_optimizer"  # manifest `extra` key: the optimizer state is new (zero moments, step 0)
 RECORD = "hf_import"  # manifest `extra` key: where the weights came from (arch, HF config)
 
@@ -64,6 +67,7 @@ class HFDir(ReadsFiles):
             raise UCPError(f"{self.dir / CONFIG_FILE}: cannot read it ({e})") from e
         self.reader = Reader()
         self.where = self._index()
+        self.fp8 = fp8.scheme_of(self.config, str(self.dir))  # None: no quantization_config
 
     def _index(self) -> dict[str, Path]:
         index = self.dir / INDEX_FILE
@@ -102,11 +106,19 @@ class HFDir(ReadsFiles):
     def tensor(self, name: str) -> torch.Tensor:
         return self.reader.read(self.where[name], name)
 
+    def weight(self, name: str) -> torch.Tensor:
+        """Tensor `name`'s values: an FP8 weight dequantized to fp32 with its scale_inv (checked by
+        HFSource), any other as stored."""
+        t = self.tensor(name)
+        if t.dtype != fp8.FP8_DTYPE:
+            return t
+        return fp8.dequantize(t, self.tensor(fp8.scale_name(name)), self.fp8.block)
+
     def stacked(self, name: str) -> torch.Tensor:
         """A tensor of all experts of a layer (GPT-OSS), kept while its experts are read in turn."""
         if getattr(self, "_stacked", (None,))[0] != name:
             self._stacked = (None, None)  # drop the previous one first
-            self._stacked = (name, self.tensor(name))
+            self._stacked = (name, self.weight(name))
         return self._stacked[1]
 
 
@@ -133,10 +145,13 @@ class HFSource(ReadsFiles, Source):
         if set(self.rules) != set(specs):  # the name map disagrees with megatron-core's model
             raise UCPError(f"internal error: HF {self.arch} name map and megatron-core's model "
                            f"differ: {sorted(set(self.rules) ^ set(specs))[:4]}; please report it")
+        self.fp8_tensors: set[str] = set()  # the FP8 weights, dequantized on read
         self.ignored = self._check_tensors(specs)
         params = {n: ParamEntry(ParamSpec(**{**vars(s), "dtype": self._dtype(n)}), 0.0)
                   for n, s in specs.items()}
         record = {"arch": self.arch, "path": where, "config": self.hf.config, "megatron": run}
+        if self.hf.fp8 is not None:
+            record["quantization"] = self.hf.fp8.record(len(self.fp8_tensors))
         self.manifest = Manifest("universal", 0, Layout(), 1, model, params,
                                  {"param_groups": [], "grad_scaler": None}, None,
                                  {FRESH: True, RUN_HYPERPARAMETERS: True, RECORD: record}, seed=1234,
@@ -161,14 +176,14 @@ class HFSource(ReadsFiles, Source):
                     raise UCPError(f"{self.dir}: tensor {hf_name!r} has shape {list(got)}, but "
                                    f"config.json implies {list(shape)}; the weights do not match "
                                    "the config")
-                if dtype not in ("F32", "BF16", "F16"):
-                    raise UCPError(f"{self.dir}: tensor {hf_name!r} is {dtype}; only F32, BF16 "
-                                   "and F16 weights are imported (dequantize first)")
                 used.add(hf_name)
+                if self._check_dtype(hf_name, dtype, got):
+                    used.add(fp8.scale_name(hf_name))
         skipped, unknown = [], []
         for hf_name in self.hf.where:
             if hf_name in used:
                 continue
+            self._refuse_stray_scale(hf_name)
             if any(re.search(p, hf_name) for p in self.hf_arch.ignored_hf):
                 skipped.append(hf_name)
             elif hf_name == "lm_head.weight" and self._tied_copy(hf_name):
@@ -181,10 +196,39 @@ class HFSource(ReadsFiles, Source):
                            "refusing to drop them (is config.json the weights' own config?)")
         return skipped
 
+    def _check_dtype(self, name: str, dtype: str, shape: tuple[int, ...]) -> bool:
+        """A weight's dtype is imported: a float, or blockwise FP8 with its scale_inv (True)."""
+        where = f"{self.dir} ({self.hf.where[name].name})"
+        if dtype in FLOAT_ST:
+            return False
+        if dtype != fp8.FP8_ST:
+            raise UCPError(f"{where}: tensor {name!r} is {dtype}; only F32, BF16 and F16 weights and "
+                           f"blockwise FP8 ones ({fp8.FP8_ST} with a weight_scale_inv per block) are "
+                           "imported (dequantize first)")
+        scale = fp8.scale_name(name)
+        fp8.check_weight(self.hf.fp8, name, shape, self.hf.header(scale) if scale in self.hf.where else None,
+                         where)
+        self.fp8_tensors.add(name)  # (GPT-OSS: once per expert of a stacked tensor)
+        return True
+
+    def _refuse_stray_scale(self, name: str) -> None:
+        """A scale with no FP8 weight of this scheme to apply to: never dropped silently."""
+        where = f"{self.dir} ({self.hf.where[name].name})"
+        weight = name.removesuffix(fp8.SCALE_SUFFIX)
+        dtype = self.hf.header(weight)[0] if weight in self.hf.where else None
+        if name.endswith(fp8.SCALE_SUFFIX) and dtype not in (None, fp8.FP8_ST):
+            raise UCPError(f"{where}: tensor {name!r} scales {weight!r}, which is {dtype}, not "
+                           f"{fp8.FP8_ST}; a scale of an unquantized weight would be silently ignored")
+        if fp8.other_scheme(name):
+            raise UCPError(f"{where}: tensor {name!r} belongs to another FP8 scheme (static activation "
+                           "or per-tensor weight scales); only blockwise FP8 (quantization_config."
+                           "activation_scheme 'dynamic', weight_block_size [rows, cols], weight_scale_inv "
+                           "per block) is dequantized on import")
+
     def _tied_copy(self, name: str) -> bool:
         """A tied model's lm_head saved anyway: fine if it is the embedding's copy."""
         emb = self.rules["embedding.word_embeddings.weight"].hf[0]
-        if not torch.equal(self.hf.tensor(name), self.hf.tensor(emb)):
+        if not torch.equal(self.hf.weight(name), self.hf.weight(emb)):
             raise UCPError(f"{self.dir}: config.json says tie_word_embeddings, but {name} differs "
                            f"from {emb}; fix the config (tie_word_embeddings: false)")
         return True
@@ -192,8 +236,11 @@ class HFSource(ReadsFiles, Source):
     def _dtype(self, name: str) -> str:
         """The model dtype recorded in the spec: the HF weights' (megatron runs may train in
         another). A tensor joined from HF tensors of different dtypes is float32, which holds each
-        exactly (a weights-only checkpoint stores the weight in this dtype)."""
+        exactly (a weights-only checkpoint stores the weight in this dtype); so is a dequantized FP8
+        weight (e4m3 times an fp32 block scale is an fp32 value, not a bf16 one)."""
         dtypes = {self.hf.header(n)[0] for n in self.rules[name].hf}
+        if fp8.FP8_ST in dtypes:
+            return "float32"
         return DTYPE_NAMES[ST_TO_DTYPE[dtypes.pop()]] if len(dtypes) == 1 else "float32"
 
     def step(self, name: str) -> float:
@@ -209,7 +256,7 @@ class HFSource(ReadsFiles, Source):
             if rule.slot:
                 parts = [self.hf.stacked(n)[rule.slot[0]].to(torch.float32) for n in rule.hf]
             else:
-                parts = [self.hf.tensor(n).to(torch.float32) for n in rule.hf]
+                parts = [self.hf.weight(n).to(torch.float32) for n in rule.hf]
             self._last = (name, transforms.join(rule.kind, parts, self.heads, name))
         return self._last[1][box]
 

@@ -36,6 +36,12 @@ ROTARY_INV_FREQ = r"\.rotary_emb\.inv_freq$"
 # expert bias in fp32, and transformers keeps DeepSeek-V3's e_score_correction_bias in fp32
 # (_keep_in_fp32_modules_strict): routing compares sums of it with sigmoid scores
 KEEP_FP32 = (r"\.mlp\.router\.expert_bias$",)
+# the weights of megatron-core's linear layers (either spec's names; MLA's projections, Mamba's
+# in_proj / out_proj): in HF models nn.Linear modules (or experts of them), which transformers'
+# FP8 quantizer (replace_with_fp8_linear) makes FP8Linear / FP8Experts. Not: the embedding, the
+# output layer (transformers keeps lm_head), routers (their own modules), DeepSeek's MTP eh_proj
+# (transformers builds no MTP layer), norms and biases
+FP8_LINEAR = r"\.(linear_\w+|in_proj|out_proj)\.weight$"
 # `refuse(field, why)` of `HFArch.megatron_args`: the UCPError naming a config.json field
 Refuse = Callable[[str, str], UCPError]
 
@@ -365,6 +371,15 @@ class HFArch:
         """Refuse a megatron model (manifest `model`, plus Megatron-LM args `hints` when known)
         that this architecture cannot represent exactly, naming the config field."""
         raise NotImplementedError
+
+    def fp8_quantized(self, rule: Rule) -> bool:
+        """Whether export-hf --dtype fp8 writes `rule`'s HF tensors as blockwise FP8: the linear
+        weights transformers' FP8 quantizer replaces (`FP8_LINEAR`)."""
+        return re.search(FP8_LINEAR, rule.megatron) is not None
+
+    def fp8_refusal(self, cfg: dict) -> str | None:
+        """Why transformers cannot load this model (config `cfg`) with FP8 weights, or None."""
+        return None
 
     def hf_config(self, cfg: dict, *, vocab: int, dtype: str, rope_theta: float,
                   hints: dict, tokens: dict) -> dict:

@@ -80,6 +80,11 @@ class GPT2(HFArch):
         if hints.get("activation") not in (None, "gelu", "openai_gelu"):
             raise fail(arch, "activation", hints["activation"], "HF gpt2 has a GELU MLP")
 
+    def fp8_refusal(self, cfg: dict) -> str | None:
+        return ("GPT-2's linear layers are transformers Conv1D modules, which its FP8 quantizer does "
+                "not replace (replace_with_fp8_linear takes nn.Linear only): no GPT-2 layer holds FP8 "
+                "weights in transformers")
+
     def config_fields(self, cfg: dict, *, rope_theta: float, hints: dict, tokens: dict) -> dict:
         return {"n_positions": cfg["max_sequence_length"], "n_embd": cfg["hidden_size"],
                 "n_layer": cfg["num_layers"], "n_head": Heads.of(cfg).heads,

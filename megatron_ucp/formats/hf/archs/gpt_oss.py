@@ -83,6 +83,10 @@ class GptOss(HFArch):
 
     # ------------------------------------------------------------------ export
 
+    def fp8_refusal(self, cfg: dict) -> str | None:
+        return ("GPT-OSS's experts have biases, which transformers' FP8 experts do not (5.23's "
+                "FP8Experts asserts has_bias is False); GPT-OSS's own weights are MXFP4, another scheme")
+
     def check_exportable(self, cfg: dict, hints: dict) -> None:
         arch, get = self.name, cfg.get
         refuse_hybrid(arch, cfg)

@@ -153,6 +153,13 @@ class NemotronH(HFArch):
                        f"the {shapes[m + 'norm.weight'][0]} channels of {m}norm.weight")
         return {"mamba_num_heads": heads, "mamba_conv_kernel": shapes[m + "conv1d.weight"][-1]}
 
+    def fp8_refusal(self, cfg: dict) -> str | None:
+        if "E" in megatron_pattern(cfg):
+            return (f"hybrid_layer_pattern={cfg.get('hybrid_layer_pattern')!r} has MoE layers (E), and "
+                    "transformers 5.23 cannot build FP8 experts for Nemotron-H (FP8Experts reads "
+                    "config.hidden_act, which NemotronHConfig has not)")
+        return None
+
     def check_exportable(self, cfg: dict, hints: dict) -> None:
         arch, get = self.name, cfg.get
         check_common(arch, cfg)
