@@ -34,7 +34,7 @@ _ENTRIES = (
     # fsdp_dtensor, torch_dcp (FSDP runs): read only
     FormatInfo("megatron_fsdp", "megatron_ucp.formats.megatron_fsdp", run_args=True),
     # Megatron-Bridge torch_dist saves (run_config.yaml instead of args): before megatron_torch_dist
-    FormatInfo("megatron_bridge", "megatron_ucp.formats.megatron_bridge", target="bridge", writes=True,
+    FormatInfo("megatron_bridge", "megatron_ucp.formats.megatron_dist.bridge", target="bridge", writes=True,
                run_args=True),
     FormatInfo("megatron_torch_dist", "megatron_ucp.formats.megatron_dist", target="torch_dist",
                writes=True, run_args=True, import_command="import-torch-dist"),

@@ -90,8 +90,7 @@ def write(source, save_dir: str | Path, target: Layout, args_template, *,
     sizes become the target's (`megatron_common.target_args`). rng_state: one rng list (Megatron's
     `rng_state` of one rank) for every (PP, TP) shard, or {(pp_rank, tp_rank): list}; None: no
     rng_state (resume with --no-load-rng). num_floating_point_operations_so_far: None writes 0.0.
-    flavor: what the training code that resumes it needs besides the torch_dist files (default
-    Megatron-LM's: the args in the common state); Megatron-Bridge's is `megatron_bridge.writer`'s.
+    flavor: what the code that resumes it needs besides the tensors (default Megatron-LM's, `Flavor`).
     """
     flavor = flavor or Flavor()
     t0 = time.perf_counter()
@@ -132,7 +131,7 @@ def write(source, save_dir: str | Path, target: Layout, args_template, *,
               "content_metadata": content}
     if hybrid_layer_pattern(args):  # the buffers follow this release's Mamba parameter order
         common[UCP_COMMON_KEY] = {"mamba_conv1d_module": mamba_conv1d_is_module()}
-    if flavor.record_world_size:
+    if flavor.record_world_size:  # (where no args say it)
         common.setdefault(UCP_COMMON_KEY, {})["world_size"] = target.world_size
 
     read_back = export_check(check_export, source, flavor.reader, args)  # tensors, FP8 state
@@ -158,8 +157,7 @@ class Flavor:
 
     saved_by: str = "Megatron-LM"
     args_in_common: bool = True  # Megatron-LM's args in the common state
-    # the target's world size in the common state's megatron-ucp record (where no args say it)
-    record_world_size: bool = False
+    record_world_size: bool = False  # the target's world size in the common state's megatron-ucp record
     reader: type = TorchDistSource  # the source class that reads it back before the commit
     # files(iteration dir, save root, target args, optimizer sharding, rng written) writes the rest
     files: Callable[[Path, Path, object, str, bool], None] | None = None

@@ -21,8 +21,14 @@ from pathlib import Path
 import torch
 
 from megatron_ucp.errors import UCPError
-from megatron_ucp.formats.megatron_bridge.config import BRIDGE_RUN, RUN_CONFIG, TRACKER_STATE, TRAIN_STATE
 from megatron_ucp.formats.megatron_dist import writer as torch_dist
+from megatron_ucp.formats.megatron_dist.bridge.config import (
+    BRIDGE_RUN,
+    RUN_CONFIG,
+    TRACKER_STATE,
+    TRAIN_STATE,
+)
+from megatron_ucp.formats.megatron_dist.bridge.reader import BridgeSource
 from megatron_ucp.layout import Layout
 
 # model settings that describe the layout, set to the target's (Megatron-LM arg -> Bridge field)
@@ -73,8 +79,6 @@ def write(source, save_dir: str | Path, target: Layout, args_template, *, shardi
             src = Path(run["dir"]) / name
             if src.is_dir():
                 shutil.copytree(src, iter_dir / name)
-
-    from megatron_ucp.formats.megatron_bridge import BridgeSource
 
     flavor = torch_dist.Flavor(saved_by="Megatron-Bridge", args_in_common=False, record_world_size=True,
                                reader=BridgeSource,

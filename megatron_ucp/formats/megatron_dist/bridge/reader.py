@@ -1,7 +1,5 @@
-"""`megatron_bridge`: NVIDIA Megatron-Bridge `torch_dist` checkpoints (its `pretrain()` and
-`save_megatron_model`), read at any layout through the torch_dist reader: the same megatron-core
-`dist_checkpointing` keys and DistributedOptimizer forms as Megatron-LM's, the run described by
-`run_config.yaml` and `train_state.pt` instead of Megatron-LM's args (`config`)."""
+"""Megatron-Bridge torch_dist checkpoints as a source: the torch_dist reader over the Megatron-LM
+style args of the Bridge run (`config`)."""
 
 from __future__ import annotations
 
@@ -10,19 +8,17 @@ from pathlib import Path
 
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.dcp_reader import DistReader
-from megatron_ucp.formats.megatron_bridge.config import (
+from megatron_ucp.formats.megatron_common import resolve_iteration, torch_load
+from megatron_ucp.formats.megatron_dist.bridge.config import (
     BRIDGE_RUN,
     RUN_CONFIG,
     read_run_config,
     read_train_state,
     run_args,
 )
-from megatron_ucp.formats.megatron_common import holds_checkpoint, resolve_iteration
 from megatron_ucp.formats.megatron_dist.layout import COMMON_FILE, COMMON_STATE_KEY, UCP_COMMON_KEY
 from megatron_ucp.formats.megatron_dist.layout import is_iteration as is_torch_dist
 from megatron_ucp.formats.megatron_dist.reader import TorchDistSource
-from megatron_ucp.formats.megatron_dist.reader import run_fields as torch_dist_run_fields
-from megatron_ucp.progress import Progress
 
 NAME = "megatron_bridge"
 WRITER_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")  # one per saving rank (and writer thread)
@@ -33,17 +29,11 @@ def is_iteration(path: Path) -> bool:
     return is_torch_dist(path) and (path / RUN_CONFIG).is_file()
 
 
-def detect(path: Path) -> bool:
-    return holds_checkpoint(path, is_iteration)
-
-
 def read_common(load_dir: str | Path, trust_pickle: bool = False) -> tuple[Path, dict, object]:
     """(iteration directory, the common state, Megatron-LM style args of the Bridge run)."""
     ckpt, _ = resolve_iteration(load_dir, is_iteration, "Megatron-Bridge torch_dist")
     reader = DistReader(ckpt, trust_pickle=trust_pickle)
     if (ckpt / COMMON_FILE).exists():
-        from megatron_ucp.formats.megatron_common import torch_load
-
         common = torch_load(ckpt / COMMON_FILE, "the checkpoint is incomplete", trust_pickle)
     elif COMMON_STATE_KEY in reader.meta:
         common = reader.obj(COMMON_STATE_KEY)
@@ -77,22 +67,3 @@ class BridgeSource(TorchDistSource):
     read_common = staticmethod(read_common)
 
 
-def open_source(path: str | Path, progress: Progress = True, trust_pickle: bool = False,
-                **_: object) -> BridgeSource:
-    return BridgeSource(path, progress, trust_pickle)
-
-
-def run_fields(load_dir: str | Path, trust_pickle: bool = False):
-    return torch_dist_run_fields(load_dir, trust_pickle, read=read_common)
-
-
-SOURCES = (BridgeSource,)
-
-
-def write(source, save_dir: str | Path, target, args_template, **options) -> Path:
-    from megatron_ucp.formats.megatron_bridge.writer import write as write_bridge
-
-    return write_bridge(source, save_dir, target, args_template, **options)
-
-
-__all__ = ["NAME", "SOURCES", "detect", "open_source", "run_fields", "write", "BridgeSource", "read_common"]
