@@ -174,3 +174,19 @@ def test_bridge_resumes_the_written_checkpoint_at_another_layout(universal, tmp_
     differ = [k for k in t1 if not torch.equal(t1[k], t2[k])]
     assert not differ, differ[:5]
     assert json.dumps(m2["extra"]["consumed_samples"]) == "16"
+
+
+def test_model_only_checkpoint_is_a_weights_only_source(universal, tmp_path, capsys):
+    """Bridge's save without optimizer state (the llama_dp2 run again, save_optim=False): a
+    weights-only source, each weight the bf16 one the optimizer-state run holds at the same
+    iteration (the same deterministic run), from which a load starts the optimizer fresh."""
+    src = fixture("llama_dp2_model_only")
+    assert cli(["inspect", str(src)]) == 0
+    assert "weights only" in capsys.readouterr().out
+    out = reshard(src, tmp_path / "u", progress=False).output
+    manifest, tensors = universal_tensors(out)
+    assert manifest["weights_only"] and manifest["iteration"] == 4
+    assert {k.rsplit("/", 1)[1] for k in tensors} == {"param"}
+    _, full = universal_tensors(universal["llama_dp2"])
+    for key, weight in tensors.items():
+        assert weight.dtype == torch.bfloat16 and torch.equal(weight, full[key].to(torch.bfloat16)), key

@@ -72,8 +72,10 @@ from megatron_ucp.formats.megatron_dist.layout import (
 from megatron_ucp.formats.megatron_te import dist_states, te_required
 from megatron_ucp.progress import Progress
 from megatron_ucp.spec import OPTIMIZER_STATES, STATES, ParamSpec
+from megatron_ucp.storage import DTYPE_NAMES
 
 log = logging.getLogger(__name__)
+MODEL_ONLY = "model_only"  # (sharding) a save without optimizer state
 
 
 def read_common(load_dir: str | Path, trust_pickle: bool = False) -> tuple[Path, dict, object]:
@@ -121,6 +123,9 @@ class TorchDistSource(ReadsDcp, Source):
         ckpt, common, args = self.read_common(load_dir, trust_pickle)
         self.dir, self.args = ckpt, args  # the run's args
         self.reader = reader = DistReader(ckpt, trust_pickle=trust_pickle)
+        if not any(OPTIMIZER_KEY.match(k) for k in reader.meta):
+            self._model_only(common, args)  # --no-save-optim, Bridge's save_megatron_model
+            return
         opt = common.get("optimizer") or {}
         sharding = opt.get("param_state_sharding_type") or (common.get("content_metadata") or {}).get(
             "distrib_optim_sharding_type")
@@ -196,6 +201,30 @@ class TorchDistSource(ReadsDcp, Source):
         self._last: tuple[tuple[str, str], torch.Tensor] | None = None
         log.info("planned %d parameters of %s (%s) in %.2fs", len(self.plan), ckpt, sharding,
                  time.perf_counter() - t0)
+
+    def _model_only(self, common: dict, args) -> None:
+        """A save without optimizer state: a weights-only source (`Manifest.weights_only`), each
+        weight in its stored dtype, from which a load starts the optimizer fresh (as from import-hf)."""
+        from megatron_ucp.formats.manifest import RUN_HYPERPARAMETERS
+
+        self.sharding, self._objects, self.chain = MODEL_ONLY, {}, {}
+        self.plan, model_cfg = plan_model(args, self._objects)
+        check_names(self.reader, self.plan, MODEL_ONLY)
+        lay = layout(args)
+        self.origin = {"kind": f"{self.saved_by} torch_dist (model only)", "path": str(self.dir)}
+        self.manifest = Manifest(
+            "universal", int(common.get("iteration", getattr(args, "iteration", 0))), lay,
+            lay.world_size, model_cfg,
+            {n: ParamEntry(ParamSpec.from_json(
+                {**p.spec, "dtype": DTYPE_NAMES[self.reader.meta[p.key].properties.dtype]}), 0.0)
+             for n, p in self.plan.items()},
+            {"param_groups": [], "grad_scaler": None}, None,
+            {"consumed_samples": int(getattr(args, "consumed_train_samples", 0) or 0),
+             RUN_HYPERPARAMETERS: True},
+            int(getattr(args, "seed", 1234)), weights_only=True)
+        self._last = None
+        log.info("planned %d parameters of %s (model only: the optimizer starts fresh)", len(self.plan),
+                 self.dir)
 
     def read(self, name: str, state: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
         if self._last is None or self._last[0] != (name, state):
@@ -436,6 +465,10 @@ def _read_full(reader: DistReader, p: Param, state: str, sharding: str,
             raise UCPError(f"{reader.dir}: buffer {p.key!r} is {stored.dtype} but the model built "
                            f"from args keeps it in {p.buffer_dtype}")
         return stored.float().contiguous()
+    if sharding == MODEL_ONLY:
+        if state != "param":  # (a weights-only source: the reader of its form serves zeros)
+            raise UCPError(f"internal: a model-only checkpoint has no optimizer state {state!r}")
+        return p.stored(reader.tensor).float().contiguous()
     if sharding == LAYER_WISE:
         t = p.stored(lambda key: reader.tensor(layer_wise_key(chain, state, key))).clone()
     elif sharding == "fully_reshardable":
