@@ -81,7 +81,8 @@ def _add_verify_diff(sub) -> None:
 def _add_reshard(sub) -> None:
     """reshard: its target formats are the registry's (`formats.TARGETS`)."""
     megatron = [t for t, name in formats.TARGETS.items() if formats.FORMATS[name].run_args]
-    p = sub.add_parser("reshard", help="any checkpoint (megatron-ucp, Megatron-LM torch or torch_dist) "
+    p = sub.add_parser("reshard", help="any checkpoint (megatron-ucp, Megatron-LM torch or torch_dist, "
+                       "Megatron-Bridge) "
                        "-> universal directory, checked against a target layout")
     p.add_argument("--load", required=True, help="source checkpoint (format detected)")
     p.add_argument("--save", required=True, help="new output directory")
@@ -92,8 +93,9 @@ def _add_reshard(sub) -> None:
     p.add_argument("--target-format", choices=list(formats.TARGETS), default="universal",
                    help="universal (default; layout-free, megatron_ucp.load or Megatron-LM "
                    "--universal-checkpoint), or a Megatron-LM checkpoint at the target layout: "
-                   f"{' or '.join(f'{t} (--ckpt-format {t})' for t in megatron)}; those need "
-                   "a Megatron-LM source")
+                   f"{' or '.join(f'{t} (--ckpt-format {t})' for t in megatron if t != 'bridge')}, "
+                   "or a Megatron-Bridge torch_dist save (bridge); those need a Megatron-LM or "
+                   "Bridge source (a bridge target: a Bridge source)")
     p.add_argument("--workers", type=int, default=1,
                    help="processes writing the universal data files (forked; default 1)")
     p.add_argument("--target-first-stage-layers", type=int, default=None,

@@ -11,6 +11,7 @@ one: a few fp32 copies of it while it is quantized).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -93,7 +94,9 @@ def plan(arch: str, manifest: Manifest, vocab: int, dtype: torch.dtype,
     Refuses a checkpoint lacking a tensor the architecture needs, or holding one it has no place
     for (never a silent drop)."""
     hf_arch = archs.get(arch)
-    rules = hf_arch.rules(manifest.model)
+    renames = hf_arch.release_names(_token_ids(manifest, arch))
+    rules = [dataclasses.replace(r, hf=tuple(renames.get(n, n) for n in r.hf))
+             for r in hf_arch.rules(manifest.model)]
     wanted = {r.megatron for r in rules}
     missing = [r.megatron for r in rules if r.megatron not in manifest.params]
     if missing:

@@ -67,7 +67,16 @@ class HFDir(ReadsFiles):
             raise UCPError(f"{self.dir / CONFIG_FILE}: cannot read it ({e})") from e
         self.reader = Reader()
         self.where = self._index()
+        self.stored: dict[str, str] = {}  # a name as the importer reads it -> as the file spells it
         self.fp8 = fp8.scheme_of(self.config, str(self.dir))  # None: no quantization_config
+
+    def rename(self, renames: dict[str, str]) -> None:
+        """Read tensor `old` as `new` ({old: new}: another transformers release's spelling of it),
+        where the directory holds `old` and not `new`."""
+        for old, new in renames.items():
+            if old in self.where and new not in self.where:
+                self.where[new] = self.where.pop(old)
+                self.stored[new] = old
 
     def _index(self) -> dict[str, Path]:
         index = self.dir / INDEX_FILE
@@ -100,11 +109,11 @@ class HFDir(ReadsFiles):
 
     def header(self, name: str) -> tuple[str, tuple[int, ...]]:
         """(safetensors dtype, shape) of tensor `name`."""
-        view = self.reader.open(self.where[name]).get_slice(name)
+        view = self.reader.open(self.where[name]).get_slice(self.stored.get(name, name))
         return view.get_dtype(), tuple(view.get_shape())
 
     def tensor(self, name: str) -> torch.Tensor:
-        return self.reader.read(self.where[name], name)
+        return self.reader.read(self.where[name], self.stored.get(name, name))
 
     def weight(self, name: str) -> torch.Tensor:
         """Tensor `name`'s values: an FP8 weight dequantized to fp32 with its scale_inv (checked by

@@ -357,6 +357,11 @@ class HFArch:
     # export-hf writes those of the model import-hf read, if any
     recorded_hf: tuple[str, ...] = ()
 
+    def release_names(self, recorded: dict) -> dict[str, str]:
+        """HF tensor renames {name: as written} of an export in the transformers release spelling of
+        the model import-hf read (`recorded`: its `recorded_hf` settings); {}: this release's."""
+        return {}
+
     # ------------------------------------------------------------------ export (megatron -> HF)
 
     def rules(self, cfg: dict) -> list[Rule]:

@@ -38,6 +38,11 @@ if TYPE_CHECKING:  # (source imports this package)
 log = logging.getLogger(__name__)
 
 LAYERS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}  # symbol -> HF
+# transformers 5.12.1's layers_block_type names (5.23.0: linear_attention, full_attention), read too
+RELEASE_LAYERS = {"mamba": "M", "attention": "*"}
+# transformers 5.12.1 saves the embedding as `backbone.embedding.weight` (its conversion mapping's
+# reverse); 5.23.0 as `backbone.embeddings.weight`
+RELEASE_NAMES = {"backbone.embedding.weight": "backbone.embeddings.weight"}
 SQUARED_RELU = "megatron.core.activations.squared_relu"
 # megatron-core's Mamba mixer normalizes its gated output with this eps, whatever layernorm_epsilon
 MAMBA_NORM_EPS = 1e-5
@@ -111,7 +116,10 @@ class NemotronH(HFArch):
         "topk_group": 1, "norm_topk_prob": True, "intermediate_size": 21504, "num_nextn_predict_layers": 0}
     ignored_hf = ()
     # the Mamba scan's chunk length changes no result beyond rounding: export-hf writes import-hf's
-    recorded_hf = ("chunk_size",)
+    recorded_hf = ("chunk_size", "layers_block_type")
+
+    def release_names(self, recorded: dict) -> dict[str, str]:
+        return {new: old for old, new in RELEASE_NAMES.items()} if old_spelling(recorded) else {}
 
     def rules(self, cfg: dict) -> list[Rule]:
         feats = features(cfg)
@@ -223,7 +231,9 @@ class NemotronH(HFArch):
     def config_fields(self, cfg: dict, *, rope_theta: float, hints: dict, tokens: dict) -> dict:
         h, get = Heads.of(cfg), cfg.get
         pattern = megatron_pattern(cfg)
-        out = {"hidden_size": cfg["hidden_size"], "layers_block_type": [LAYERS[c] for c in pattern],
+        names = {v: k for k, v in RELEASE_LAYERS.items()} if old_spelling(tokens) else {}
+        out = {"hidden_size": cfg["hidden_size"],
+               "layers_block_type": [names.get(c, LAYERS[c]) for c in pattern],
                "num_attention_heads": h.heads, "num_key_value_heads": h.groups, "head_dim": h.head_dim,
                "attention_bias": False, "attention_dropout": get("attention_dropout", 0.0),
                "sliding_window": None, "intermediate_size": cfg["ffn_hidden_size"], "mlp_hidden_act": "relu2",
@@ -254,9 +264,11 @@ class NemotronH(HFArch):
     # ------------------------------------------------------------------ import
 
     def import_config(self, hf_dir: HFDir) -> dict:
-        """transformers' Nemotron-H never ties lm_head to the embedding, whatever
+        """Tensors of another transformers release's spelling read as this one's (`RELEASE_NAMES`).
+        transformers' Nemotron-H never ties lm_head to the embedding, whatever
         tie_word_embeddings says: a tied config whose lm_head differs from the embedding is an
         untied model (one whose lm_head is the embedding's copy imports tied)."""
+        hf_dir.rename(RELEASE_NAMES)
         config = hf_dir.config
         head, emb = "lm_head.weight", "backbone.embeddings.weight"
         if (config.get("tie_word_embeddings") and head in hf_dir.where and emb in hf_dir.where
@@ -305,6 +317,12 @@ class NemotronH(HFArch):
         return args, {"activation": "squared_relu"}
 
 
+def old_spelling(recorded: dict) -> bool:
+    """The imported model was written by transformers 5.12.1 (its layer type names): an export of
+    it keeps that spelling, which its release reads (5.12.1 refuses 5.23.0's)."""
+    return bool(set(recorded.get("layers_block_type") or ()) & set(RELEASE_LAYERS))
+
+
 def hf_pattern(d: dict, refuse: Refuse) -> str:
     """megatron-core's hybrid layer pattern of a Nemotron-H config (layers_block_type, or the older
     hybrid_override_pattern)."""
@@ -314,7 +332,7 @@ def hf_pattern(d: dict, refuse: Refuse) -> str:
         if not isinstance(pattern, str) or not pattern:
             raise refuse("layers_block_type", "a Nemotron-H config.json lists its layers")
         types = [LAYERS.get(c, c) for c in pattern]
-    symbols = {v: k for k, v in LAYERS.items()}
+    symbols = {**{v: k for k, v in LAYERS.items()}, **RELEASE_LAYERS}
     odd = sorted({t for t in types if t not in symbols}, key=str)
     if odd:
         raise refuse("layers_block_type", f"layer type(s) {odd}: megatron-core's hybrid model has "
