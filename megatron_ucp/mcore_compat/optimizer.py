@@ -8,6 +8,8 @@ Checked the same in 0.16 and 0.19.
 
 from __future__ import annotations
 
+import torch
+
 
 def param_range(optimizer, param) -> tuple[int, int]:
     """[start, end) of `param`'s flattened elements this rank's DistributedOptimizer shard holds
@@ -70,3 +72,40 @@ def replace_hybrid_param_split(split) -> None:
     from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 
     HybridDeviceOptimizer._get_sub_optimizer_param_groups = split
+
+
+def torch_adam_resume_fixes() -> None:
+    """Two megatron-core 0.19.2 DistributedOptimizer load steps on the torch-Adam path (taken only
+    without TE and Apex: a CPU run, e.g. Megatron-Bridge's own training loop under
+    `testing.bridge_cpu`; with TE's or Apex's Adam on a GPU the step lives in the param
+    groups). sharded_state_dict(is_loading=True) first calls
+    its state_dict(), which asserts one Adam step over the optimizer's states: a fresh optimizer has
+    none, so every resume fails before anything is read. The states are allocated first, as
+    megatron-core's own dummy initialisation does."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer.sharded_state_dict
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, *args, **kwargs):
+        if is_loading and not self.optimizer.state:
+            init_optimizer_states(self)
+        return original(self, model_sharded_state_dict, is_loading, *args, **kwargs)
+
+    DistributedOptimizer.sharded_state_dict = sharded_state_dict
+
+    # ... and on that path a dp_reshardable load first sets each parameter's `step` tensor from the
+    # loaded param groups, then copies every state tensor of the bucket over it, `step` included,
+    # from the sharded state dict made before the load (the dummy step): every resume restarts Adam's
+    # bias correction at step 1. The step the param groups hold is kept.
+    set_states = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def keep_loaded_step(self, model_param, tensors):
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state.get(self.optimizer.param_groups[group_index]["params"][group_order], {})
+        step = state.get("step")
+        kept = step.clone() if isinstance(step, torch.Tensor) else None
+        set_states(self, model_param, tensors)
+        if kept is not None:
+            state["step"].copy_(kept)
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = keep_loaded_step

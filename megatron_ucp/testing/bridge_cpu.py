@@ -10,7 +10,8 @@ piece stands in for (none touches Bridge's checkpoint, model or optimizer code):
 * NVIDIA Resiliency Extension: `training/pretrain.py` imports `nvidia_resiliency_ext.inprocess` for a
   type hint; the index's newest NVRx (0.4.1) breaks megatron-core 0.19's version check (no
   `__version__`), so it is not installed and a placeholder is served to that one import.
-* megatron-core's torch-Adam path of a DistributedOptimizer load (`_allocate_adam_states_before_a_load`).
+* megatron-core 0.19.2's torch-Adam path of a DistributedOptimizer load (`mcore_compat.optimizer.
+  torch_adam_resume_fixes`).
 * the dataset helper's build step (`compile_helpers`, run by Bridge's initialize): megatron-core's
   wheel ships the helper prebuilt but not its Makefile; the prebuilt one is imported instead.
 * `local_gpt_provider(provider)`: Bridge's GPTModelProvider defaults to TE's layer spec
@@ -25,8 +26,6 @@ import builtins
 import importlib
 import importlib.util
 import types
-
-import torch
 
 FUSIONS_OFF = ("apply_rope_fusion", "persist_layer_norm", "bias_activation_fusion", "masked_softmax_fusion",
                "bias_dropout_fusion", "gradient_accumulation_fusion", "moe_permute_fusion",
@@ -57,48 +56,12 @@ def install() -> None:
             importlib.import_module(module)
     finally:
         builtins.__import__ = real_import
-    _allocate_adam_states_before_a_load()
+    from megatron_ucp.mcore_compat.optimizer import torch_adam_resume_fixes
+
+    torch_adam_resume_fixes()
     # megatron-core's wheel ships the dataset helper prebuilt but not its Makefile
     importlib.import_module("megatron.core.datasets.helpers_cpp")
     importlib.import_module("megatron.bridge.training.initialize").compile_helpers = lambda: None
-
-
-def _allocate_adam_states_before_a_load() -> None:
-    """Two megatron-core 0.19.2 DistributedOptimizer load steps on the torch-Adam path (taken only
-    without TE and Apex, i.e. here; with TE's or Apex's Adam on a GPU the step lives in the param
-    groups). sharded_state_dict(is_loading=True) first calls
-    its state_dict(), which asserts one Adam step over the optimizer's states: a fresh optimizer has
-    none, so every resume fails before anything is read. The states are allocated first, as
-    megatron-core's own dummy initialisation does."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    from megatron_ucp.mcore_compat.optimizer import init_optimizer_states
-
-    original = DistributedOptimizer.sharded_state_dict
-
-    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, *args, **kwargs):
-        if is_loading and not self.optimizer.state:
-            init_optimizer_states(self)
-        return original(self, model_sharded_state_dict, is_loading, *args, **kwargs)
-
-    DistributedOptimizer.sharded_state_dict = sharded_state_dict
-
-    # ... and on that path a dp_reshardable load first sets each parameter's `step` tensor from the
-    # loaded param groups, then copies every state tensor of the bucket over it, `step` included,
-    # from the sharded state dict made before the load (the dummy step): every resume restarts Adam's
-    # bias correction at step 1. The step the param groups hold is kept.
-    set_states = DistributedOptimizer._set_main_param_and_optimizer_states
-
-    def keep_loaded_step(self, model_param, tensors):
-        group_index, group_order = self.model_param_group_index_map[model_param]
-        state = self.optimizer.state.get(self.optimizer.param_groups[group_index]["params"][group_order], {})
-        step = state.get("step")
-        kept = step.clone() if isinstance(step, torch.Tensor) else None
-        set_states(self, model_param, tensors)
-        if kept is not None:
-            state["step"].copy_(kept)
-
-    DistributedOptimizer._set_main_param_and_optimizer_states = keep_loaded_step
 
 
 def _placeholder_te() -> types.ModuleType:

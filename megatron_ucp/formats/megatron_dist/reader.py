@@ -69,13 +69,12 @@ from megatron_ucp.formats.megatron_dist.layout import (
     saved_mamba_conv1d_module,
     state_key,
 )
+from megatron_ucp.formats.megatron_dist.model_only import MODEL_ONLY, model_only
 from megatron_ucp.formats.megatron_te import dist_states, te_required
 from megatron_ucp.progress import Progress
 from megatron_ucp.spec import OPTIMIZER_STATES, STATES, ParamSpec
-from megatron_ucp.storage import DTYPE_NAMES
 
 log = logging.getLogger(__name__)
-MODEL_ONLY = "model_only"  # (sharding) a save without optimizer state
 
 
 def read_common(load_dir: str | Path, trust_pickle: bool = False) -> tuple[Path, dict, object]:
@@ -124,13 +123,9 @@ class TorchDistSource(ReadsDcp, Source):
         self.dir, self.args = ckpt, args  # the run's args
         self.reader = reader = DistReader(ckpt, trust_pickle=trust_pickle)
         if not any(OPTIMIZER_KEY.match(k) for k in reader.meta):
-            self._model_only(common, args)  # --no-save-optim, Bridge's save_megatron_model
-            return
+            return model_only(self, common, args, check_names)  # --no-save-optim, Bridge's
         opt = common.get("optimizer") or {}
-        sharding = opt.get("param_state_sharding_type") or (common.get("content_metadata") or {}).get(
-            "distrib_optim_sharding_type")
-        if getattr(args, "use_layer_wise_distributed_optimizer", False):
-            sharding = LAYER_WISE  # (its content_metadata says dp_reshardable, its state is not)
+        sharding = _sharding_of(common, args)
         if sharding not in (*READ_SHARDINGS, LAYER_WISE):
             raise UCPError(f"{ckpt}: optimizer sharding {sharding!r} is not supported (expected "
                            f"one of {', '.join(READ_SHARDINGS)} from --use-distributed-optimizer)")
@@ -202,30 +197,6 @@ class TorchDistSource(ReadsDcp, Source):
         log.info("planned %d parameters of %s (%s) in %.2fs", len(self.plan), ckpt, sharding,
                  time.perf_counter() - t0)
 
-    def _model_only(self, common: dict, args) -> None:
-        """A save without optimizer state: a weights-only source (`Manifest.weights_only`), each
-        weight in its stored dtype, from which a load starts the optimizer fresh (as from import-hf)."""
-        from megatron_ucp.formats.manifest import RUN_HYPERPARAMETERS
-
-        self.sharding, self._objects, self.chain = MODEL_ONLY, {}, {}
-        self.plan, model_cfg = plan_model(args, self._objects)
-        check_names(self.reader, self.plan, MODEL_ONLY)
-        lay = layout(args)
-        self.origin = {"kind": f"{self.saved_by} torch_dist (model only)", "path": str(self.dir)}
-        self.manifest = Manifest(
-            "universal", int(common.get("iteration", getattr(args, "iteration", 0))), lay,
-            lay.world_size, model_cfg,
-            {n: ParamEntry(ParamSpec.from_json(
-                {**p.spec, "dtype": DTYPE_NAMES[self.reader.meta[p.key].properties.dtype]}), 0.0)
-             for n, p in self.plan.items()},
-            {"param_groups": [], "grad_scaler": None}, None,
-            {"consumed_samples": int(getattr(args, "consumed_train_samples", 0) or 0),
-             RUN_HYPERPARAMETERS: True},
-            int(getattr(args, "seed", 1234)), weights_only=True)
-        self._last = None
-        log.info("planned %d parameters of %s (model only: the optimizer starts fresh)", len(self.plan),
-                 self.dir)
-
     def read(self, name: str, state: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
         if self._last is None or self._last[0] != (name, state):
             self._last = ((name, state), _read_full(self.reader, self.plan[name], state, self.sharding,
@@ -258,6 +229,14 @@ def run_fields(load_dir: str | Path, trust_pickle: bool = False, read=read_commo
     return RunFields(args=args, layout=layout(args), rng_state=rng or None,
                      rng_by_position=rng or None, num_floating_point_operations_so_far=common.get(
                          "num_floating_point_operations_so_far"))
+
+
+def _sharding_of(common: dict, args) -> str | None:
+    """The optimizer form the common state names (a LayerWise run's: its own)."""
+    if getattr(args, "use_layer_wise_distributed_optimizer", False):
+        return LAYER_WISE  # (its content_metadata says dp_reshardable, its state is not)
+    return (common.get("optimizer") or {}).get("param_state_sharding_type") or (
+        common.get("content_metadata") or {}).get("distrib_optim_sharding_type")
 
 
 def check_names(reader: DistReader, plan: dict[str, Param], sharding: str) -> None:
