@@ -17,6 +17,7 @@ _EXPORTS = {
     "import_hf": "megatron_ucp.conversion",
     "import_deepspeed": "megatron_ucp.conversion",
     "export_hf": "megatron_ucp.conversion",
+    "export_hf_weights": "megatron_ucp.hf_stream",
     "check_layout": "megatron_ucp.validation",
     "inspect": "megatron_ucp.inspector",
     "Layout": "megatron_ucp.layout",

@@ -140,3 +140,12 @@ def test_bench_object_store(tmp_path):
     assert all(opened >= 1 for opened in res["files_opened_per_rank"])
     assert all(1 <= req <= 8 * opened for req, opened in
                zip(res["requests_per_rank_per_load"], res["files_opened_per_rank"]))
+
+
+def test_bench_stream(tmp_path):
+    out = tmp_path / "stream.json"
+    run_bench("bench_stream.py", "--layout", "tp2", "--num-layers", "2", "--hidden-size", "64",
+              "--ffn-hidden-size", "128", "--num-attention-heads", "4", "--vocab-size", "256",
+              "--workdir", str(tmp_path), "--json", str(out))
+    res = json.loads(out.read_text())
+    assert res["exported_bytes"] == res["hf_bytes"] > 0 and res["ratio"] > 0

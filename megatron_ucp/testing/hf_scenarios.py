@@ -115,3 +115,40 @@ def load_logits(layout: str, runs: list[dict], tokens: list, train_steps: int = 
                     "finite": all(math.isfinite(x) for x in losses)})
         _teardown()
     return out
+
+
+def stream_and_save(layout: str, runs: list[dict], steps: int) -> list[dict]:
+    """For each run {cfg, arch, save_dir, stream}: train `steps`, save with megatron_ucp.save, then
+    stream the live model's HF weights (`megatron_ucp.export_hf_weights`, bf16); rank 0 writes what it
+    received to `stream` (safetensors). Returns the seconds of the save and of the stream, the
+    tensor bytes streamed and how much the stream raised this process's peak RSS."""
+    import resource
+    import time
+
+    from safetensors.torch import save_file
+
+    out = []
+    for run in runs:
+        st = setup(layout, run["cfg"])
+        for _ in range(steps):
+            tg.train_step(st)
+        t0 = time.perf_counter()
+        ucp.save(st.model, st.optimizer, st.scheduler, run["save_dir"], st.iteration,
+                 seed=st.config.seed, vocab_size=st.config.unpadded_vocab_size)
+        saved = time.perf_counter() - t0
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        t0 = time.perf_counter()
+        total, got = 0, {}
+        for name, tensor in ucp.export_hf_weights(st.model, run["arch"], dtype="bf16",
+                                                  vocab_size=st.config.unpadded_vocab_size):
+            total += tensor.numel() * tensor.element_size()
+            if run.get("stream"):  # (a benchmark keeps nothing: an engine would copy and drop it)
+                got[name] = tensor
+        seconds = time.perf_counter() - t0
+        rss_growth = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak) * 1024
+        if dist.get_rank() == 0 and run.get("stream"):
+            save_file(got, run["stream"])
+        out.append({"seconds": seconds, "save_seconds": saved, "bytes": total,
+                    "peak_rss_growth": rss_growth})
+        _teardown()
+    return out

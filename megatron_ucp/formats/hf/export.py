@@ -16,7 +16,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -201,33 +201,14 @@ def check_written(out_dir: Path, planned: list[Planned], n_shards: int) -> None:
             raise UCPError(f"{out_dir}: internal error, {file} holds unplanned {sorted(stray)[:3]}")
 
 
-def export(source, out: str | Path, arch: str, *, dtype: str | None = None,
-           max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress: Progress = True,
-           vocab_size: int | None = None, rope_theta: float | None = None,
-           activation: str | None = None, hints: dict | None = None, distributed: bool = False,
-           fp8_block_size: tuple[int, int] | None = None) -> Path:
-    """Write the model of `source` (any `formats.open_source` source) as HF `arch` to the new
-    directory `out`; returns it.
-
-    dtype: "fp32", "bf16" or "fp16", or torch's names float32, bfloat16, float16 (default: the
-    checkpoint's model dtype); or "fp8": the linear weights transformers' FP8 quantizer replaces
-    as blockwise e4m3 + weight_scale_inv (`fp8`), the rest bf16, config.json's quantization_config
-    DeepSeek-V3's. fp8_block_size: its (rows, cols) blocks (default: those of the FP8 HF model
-    import-hf read, else 128 x 128). vocab_size: the true vocabulary (default: the checkpoint's record,
-    else every embedding row). rope_theta: default
-    the model config's rotary_base, else 10000. activation: the run's MLP activation ("swiglu",
-    "gelu", "openai_gelu"; megatron_ucp.save does not record it): default the Megatron-LM args',
-    else import-hf's record, else megatron-core's default (gelu; swiglu for gated MLPs).
-    hints: Megatron-LM args facts (`archs.hints_from_args`) the model config lacks.
-    distributed: every process of the initialized process group (torchrun) calls this; each writes
-    a balanced set of the shards, rank 0 commits once (`_export_distributed`): the same bytes.
-    """
-    t0 = time.perf_counter()
+def prepare(manifest: Manifest, arch: str, *, dtype: str | None = None,
+            max_shard_bytes: int = DEFAULT_SHARD_BYTES, vocab_size: int | None = None,
+            rope_theta: float | None = None, activation: str | None = None, hints: dict | None = None,
+            fp8_block_size: tuple[int, int] | None = None) -> tuple[list[Planned], int, dict]:
+    """(the planned HF tensors, the number of shards, config.json) of an export of the model that
+    `manifest` describes as HF `arch` (the arguments: `export`'s), refusing what it cannot hold."""
     hf_arch = archs.get(arch)
-    out, manifest = location(out), source.manifest
     hints = run_hints(manifest, hints or {}, activation)
-    if max_shard_bytes <= 0:
-        raise UCPError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     model = dict(manifest.model)  # and what the parameter shapes show that it does not record
     model.update(hf_arch.model_from_shapes(model, {n: p.spec.shape for n, p in manifest.params.items()}))
     hf_arch.check_exportable(model, hints)
@@ -250,6 +231,37 @@ def export(source, out: str | Path, arch: str, *, dtype: str | None = None,
     if block is not None:
         config["quantization_config"] = fp8.quantization_config(block)
         _note_partial_blocks(planned, block)
+    return planned, n_shards, config
+
+
+def export(source, out: str | Path, arch: str, *, dtype: str | None = None,
+           max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress: Progress = True,
+           vocab_size: int | None = None, rope_theta: float | None = None,
+           activation: str | None = None, hints: dict | None = None, distributed: bool = False,
+           fp8_block_size: tuple[int, int] | None = None) -> Path:
+    """Write the model of `source` (any `formats.open_source` source) as HF `arch` to the new
+    directory `out`; returns it.
+
+    dtype: "fp32", "bf16" or "fp16", or torch's names float32, bfloat16, float16 (default: the
+    checkpoint's model dtype); or "fp8": the linear weights transformers' FP8 quantizer replaces
+    as blockwise e4m3 + weight_scale_inv (`fp8`), the rest bf16, config.json's quantization_config
+    DeepSeek-V3's. fp8_block_size: its (rows, cols) blocks (default: those of the FP8 HF model
+    import-hf read, else 128 x 128). vocab_size: the true vocabulary (default: the checkpoint's record,
+    else every embedding row). rope_theta: default
+    the model config's rotary_base, else 10000. activation: the run's MLP activation ("swiglu",
+    "gelu", "openai_gelu"; megatron_ucp.save does not record it): default the Megatron-LM args',
+    else import-hf's record, else megatron-core's default (gelu; swiglu for gated MLPs).
+    hints: Megatron-LM args facts (`archs.hints_from_args`) the model config lacks.
+    distributed: every process of the initialized process group (torchrun) calls this; each writes
+    a balanced set of the shards, rank 0 commits once (`_export_distributed`): the same bytes.
+    """
+    t0 = time.perf_counter()
+    out = location(out)
+    if max_shard_bytes <= 0:
+        raise UCPError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    planned, n_shards, config = prepare(source.manifest, arch, dtype=dtype, max_shard_bytes=max_shard_bytes,
+                                        vocab_size=vocab_size, rope_theta=rope_theta, activation=activation,
+                                        hints=hints, fp8_block_size=fp8_block_size)
     if distributed:
         return _export_distributed(source, out, planned, n_shards, config)
     done = bar(progress, len(planned), f"{source.origin.get('kind', source.format)} -> hf {arch}",
@@ -352,17 +364,15 @@ def _needed(planned: list[Planned], shards: set[int] | None) -> list[bool]:
     return out
 
 
-def write_shards(out_dir: Path, source, planned: list[Planned], n_shards: int,
-                 done, shards: set[int] | None = None) -> int:
-    """Stream the planned tensors into their shard files: read one universal tensor, split it,
-    write its HF tensors, drop it. shards: only these shard files (a distributed export's share;
-    a tensor none of whose outputs go there is not read). Returns the bytes written."""
+def hf_tensors(source, planned: list[Planned], needed: list[bool] | None = None,
+               done=None) -> Iterator[tuple[str, int, torch.Tensor]]:
+    """(HF name, shard, tensor) of the planned tensors, in write order: read one universal tensor,
+    split it, encode its HF tensors, drop it (a stacked HF tensor: once its last expert is read).
+    needed: per planned tensor, whether to read it (default all)."""
     heads = transforms.Heads.of(source.manifest.model)
-    writers: dict[int, SafetensorsWriter] = {}  # (shards are planned in write order: at most two open)
-    total = 0
     experts: list[list[torch.Tensor]] = []  # the slices of a stacked HF tensor read so far
-    for p, needed in zip(planned, _needed(planned, shards)):
-        if not needed:
+    for p, want in zip(planned, needed or [True] * len(planned)):
+        if not want:
             if done is not None:
                 done.update(1)
             continue
@@ -378,16 +388,27 @@ def write_shards(out_dir: Path, source, planned: list[Planned], n_shards: int,
             parts = [torch.stack(slices) for slices in zip(*experts)]
             experts = []
         for (name, _), shard, tensor in zip(p.outputs, p.shards, _encode(p, parts)):
-            if shards is not None and shard not in shards:
-                continue
-            if shard not in writers:
-                writers[shard] = _open_shard(out_dir, planned, shard, n_shards)
-            writers[shard].write(name, tensor)
-            total += tensor.numel() * tensor.element_size()
-            if writers[shard].complete:
-                writers.pop(shard).close()
+            yield name, shard, tensor
         if done is not None:
             done.update(1)
+
+
+def write_shards(out_dir: Path, source, planned: list[Planned], n_shards: int,
+                 done, shards: set[int] | None = None) -> int:
+    """Stream the planned tensors into their shard files (`hf_tensors`). shards: only these shard
+    files (a distributed export's share; a tensor none of whose outputs go there is not read).
+    Returns the bytes written."""
+    writers: dict[int, SafetensorsWriter] = {}  # (shards are planned in write order: at most two open)
+    total = 0
+    for name, shard, tensor in hf_tensors(source, planned, _needed(planned, shards), done):
+        if shards is not None and shard not in shards:
+            continue
+        if shard not in writers:
+            writers[shard] = _open_shard(out_dir, planned, shard, n_shards)
+        writers[shard].write(name, tensor)
+        total += tensor.numel() * tensor.element_size()
+        if writers[shard].complete:
+            writers.pop(shard).close()
     if writers:
         raise UCPError(f"{out_dir}: internal error, shard(s) {sorted(writers)} not complete; nothing "
                        "was committed")
