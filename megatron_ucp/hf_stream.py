@@ -112,7 +112,9 @@ class LiveModel(Source):
                 buf = torch.empty(pc.shape, dtype=dtype, device=device)
             dist.broadcast(buf.view(torch.uint8), src=owner)
             full[tuple(slice(o, o + n) for o, n in zip(pc.offset, pc.shape))] = buf.cpu()
-        return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))].float()
+        # (in the model's dtype, not fp32: the export casts each HF tensor to its own dtype, and an
+        # fp32 copy would double the peak of a bf16 run's largest tensor)
+        return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
     def step(self, name: str) -> float:
         return 0.0
