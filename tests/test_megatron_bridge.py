@@ -114,21 +114,26 @@ def test_written_at_another_layout_reads_back_bitwise(universal, tmp_path, name,
 
 
 def test_refusals(tmp_path):
-    """A Bridge checkpoint without its run config, a run config of an optimizer not read, a Bridge
-    target from a source with no Bridge run: each named."""
+    """A Bridge checkpoint without its run config, a run config of an activation or an optimizer
+    not read, a Bridge target from a source with no Bridge run: each named."""
     broken = tmp_path / "no_config"
     shutil.copytree(fixture("llama_dp2"), broken)
     (broken / "iter_0000004" / "run_config.yaml").unlink()
     with pytest.raises(UCPError, match="run_config.yaml is missing"):
         formats.open_source(broken)
-    lion = tmp_path / "lion"
-    shutil.copytree(fixture("llama_dp2"), lion)
-    cfg_path = lion / "iter_0000004" / "run_config.yaml"
+    relu = tmp_path / "relu"
+    shutil.copytree(fixture("llama_dp2"), relu)
+    cfg_path = relu / "iter_0000004" / "run_config.yaml"
     cfg = yaml.safe_load(cfg_path.read_text())
     cfg["model"]["activation_func"]["_target_"] = "torch.nn.functional.relu"
     cfg_path.write_text(yaml.safe_dump(cfg))
     with pytest.raises(UCPError, match=r"model.activation_func torch.nn.functional.relu"):
-        formats.open_source(lion)
+        formats.open_source(relu)
+    cfg["model"]["activation_func"]["_target_"] = "torch.nn.functional.silu"
+    cfg["optimizer"]["optimizer"] = "lion"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    with pytest.raises(UCPError, match=r"optimizer.optimizer='lion'"):
+        formats.open_source(relu)
     mlm = ROOT / "tests" / "fixtures" / "megatron_lm_v019" / "torch_dist_tp2_dp2" / "ckpt"
     with pytest.raises(UCPError, match="needs a Bridge run's config"):
         reshard(mlm, tmp_path / "b", Layout(tp=1, dp=1), "bridge", progress=False)

@@ -39,8 +39,9 @@ ACTIVATIONS = {("torch.nn.functional.silu", True): "swiglu",
 # Bridge spec functions that build megatron-core's local layers (the others build TE's)
 LOCAL_SPECS = re.compile(r"(^|\.)local_layer_spec$|get_gpt_layer_local_spec$")
 DTYPES = {"torch.float32": torch.float32, "torch.bfloat16": torch.bfloat16, "torch.float16": torch.float16}
-# Bridge optimizer settings Megatron-LM names otherwise
-OPTIMIZERS_READ = ("adam", "sgd")
+# Bridge runs whose optimizer state is read: Adam in megatron-core's DistributedOptimizer (a Muon /
+# Lion run's LayerWise optimizer is mapped for Megatron-LM's args only)
+OPTIMIZERS_READ = ("adam",)
 
 
 def read_run_config(ckpt: Path) -> dict:
