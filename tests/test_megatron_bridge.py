@@ -89,8 +89,12 @@ def test_written_at_another_layout_reads_back_bitwise(universal, tmp_path, name,
     """A Bridge target at another layout: Bridge's files (run_config.yaml at the target's layout and
     optimizer form, train_state.pt, the trackers, the tokenizer directory), no Megatron-LM args, and
     the same universal tensors bitwise."""
+    src = tmp_path / "src"  # (with tokenizer files: Bridge's NullTokenizer left its directory empty,
+    shutil.copytree(fixture(name), src)  # which git does not keep)
+    (src / "iter_0000004" / "tokenizer").mkdir(exist_ok=True)
+    (src / "iter_0000004" / "tokenizer" / "tokenizer.json").write_text('{"model": {}}')
     out = tmp_path / "bridge"
-    reshard(fixture(name), out, target, "bridge", progress=False, optim_sharding=sharding)
+    reshard(src, out, target, "bridge", progress=False, optim_sharding=sharding)
     it = out / "iter_0000004"
     cfg = yaml.safe_load((it / "run_config.yaml").read_text())
     assert (cfg["model"]["tensor_model_parallel_size"], cfg["model"]["expert_model_parallel_size"]) == (
@@ -100,7 +104,7 @@ def test_written_at_another_layout_reads_back_bitwise(universal, tmp_path, name,
     assert int(state["step"]) == 4 and int(state["consumed_train_samples"]) == 16
     assert (out / "latest_train_state.pt").is_file()
     assert (out / "latest_checkpointed_iteration.txt").read_text() == "4"
-    assert (it / "tokenizer").is_dir()
+    assert (it / "tokenizer" / "tokenizer.json").read_text() == '{"model": {}}'
     assert "args" not in torch.load(it / "common.pt", weights_only=False)
     again = reshard(out, tmp_path / "u", progress=False).output
     m1, t1 = universal_tensors(universal[name])
