@@ -27,7 +27,7 @@ from megatron_ucp.formats.base import Source
 from megatron_ucp.formats.hf.export import FP8, hf_tensors, prepare
 from megatron_ucp.formats.manifest import Manifest, ParamEntry
 from megatron_ucp.layout import Layout
-from megatron_ucp.param_spec import local_params
+from megatron_ucp.param_spec import first_replica, local_params
 from megatron_ucp.spec import ParamSpec, Piece
 from megatron_ucp.validation import model_config
 
@@ -62,15 +62,11 @@ class LiveModel(Source):
     format = "live"
 
     def __init__(self, model_chunks: list, vocab_size: int | None):
-        from megatron.core import parallel_state as ps
-
-        dense_first = ps.get_data_parallel_rank(with_context_parallel=True) == 0
-        expert_first = ps.get_expert_data_parallel_rank() == 0
+        holds = first_replica()
         self._local: dict[str, list[tuple[Piece, torch.Tensor]]] = {}
         specs: dict[str, dict] = {}
         for lp in local_params(model_chunks):
-            first = expert_first if getattr(lp.param, "allreduce", True) is False else dense_first
-            if not (lp.canonical and first):
+            if not (lp.canonical and holds(lp)):
                 continue
             region = lp.region(lp.param.detach())
             self._local.setdefault(lp.spec.name, []).extend((pc, region) for pc in lp.pieces)
@@ -90,6 +86,9 @@ class LiveModel(Source):
                                  {**model_config(model_chunks), "unpadded_vocab_size": vocab_size},
                                  params, {"param_groups": [], "grad_scaler": None}, None, {})
         self.dir, self.origin = "(live model)", {"kind": "live model"}
+        # (pieces go as bytes: every backend broadcasts uint8; NCCL from the device)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+            else torch.device("cpu")
 
     def read(self, name: str, state: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
         if state != "param":
@@ -99,9 +98,7 @@ class LiveModel(Source):
         full = torch.empty(spec.shape, dtype=dtype)
         mine = iter(self._local.get(name, []))
         rank = dist.get_rank()
-        # (as bytes: every backend broadcasts uint8; NCCL from the device)
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
-            else torch.device("cpu")
+        device = self.device
         for owner, pc in self.pieces[name]:
             if owner == rank:
                 _, region = next(mine)

@@ -466,3 +466,14 @@ def local_params(model_chunks: list) -> list[LocalParam]:
             raise UCPError(f"parameters {missing} are not declared by the model's "
                            "sharded_state_dict(); megatron-ucp cannot tell how they are split")
     return out
+
+
+def first_replica():
+    """`holds(lp)`: whether this rank is the first data-parallel replica of `lp`'s model-parallel
+    position (expert parameters: of the expert data-parallel group), the one whose pieces a save or
+    a gather takes (DP replicas hold the same)."""
+    from megatron.core import parallel_state as ps
+
+    dense = ps.get_data_parallel_rank(with_context_parallel=True) == 0
+    expert = ps.get_expert_data_parallel_rank() == 0
+    return lambda lp: expert if getattr(lp.param, "allreduce", True) is False else dense

@@ -50,7 +50,7 @@ from megatron_ucp.gc_pause import paused_gc
 from megatron_ucp.layout import Layout
 from megatron_ucp.mcore_compat.schedules import have_transformer_engine
 from megatron_ucp.optimizer_state import OptimizerIndex
-from megatron_ucp.param_spec import local_params
+from megatron_ucp.param_spec import first_replica, local_params
 from megatron_ucp.staging import HostStager, collective_device, steps_to_floats
 from megatron_ucp.storage import Location, location
 from megatron_ucp.validation import model_config
@@ -216,8 +216,6 @@ def _capture(params: list, specs: list[dict], index: OptimizerIndex,
         steps.append(step)
     for f, step in zip(fragments, steps_to_floats(steps)):
         f.step = step
-    from megatron.core import parallel_state as ps
-
     # Device state -> host, once. A synchronous save on the CPU writes the optimizer's own tensors
     # (training waits for it); an asynchronous one writes copies while training goes on.
     flat = [t for f in fragments for t in f.tensors.values()]
@@ -226,10 +224,8 @@ def _capture(params: list, specs: list[dict], index: OptimizerIndex,
         f.tensors = {s: t if (t := next(staged)).dtype == torch.float32 else t.float() for s in f.tensors}
     # The specs this rank adds to the fragment index at commit: the first data-parallel replica of
     # its model-parallel position (DP replicas hold the same).
-    dense_first = ps.get_data_parallel_rank(with_context_parallel=True) == 0
-    expert_first = ps.get_expert_data_parallel_rank() == 0
-    mine = [spec for lp, spec in zip(params, specs)
-            if (expert_first if getattr(lp.param, "allreduce", True) is False else dense_first)]
+    holds = first_replica()
+    mine = [spec for lp, spec in zip(params, specs) if holds(lp)]
     return fragments, mine
 
 

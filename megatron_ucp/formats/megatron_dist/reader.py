@@ -77,23 +77,27 @@ from megatron_ucp.spec import OPTIMIZER_STATES, STATES, ParamSpec
 log = logging.getLogger(__name__)
 
 
-def read_common(load_dir: str | Path, trust_pickle: bool = False) -> tuple[Path, dict, object]:
-    """(iteration directory, the common state, the run's args). The common state is `common.pt`
+def load_common(ckpt: Path, trust_pickle: bool = False) -> tuple[dict, Path]:
+    """(the common state of iteration directory `ckpt`, where it was read): `common.pt`
     (megatron-core <= 0.18) or, without that file, the `common_state` object in the .distcp files
     (0.19)."""
-    ckpt, _ = resolve_iteration(load_dir, is_iteration, "--ckpt-format torch_dist")
     where = ckpt / COMMON_FILE
-    if not where.exists():
-        reader = DistReader(ckpt, trust_pickle=trust_pickle)
-        if COMMON_STATE_KEY not in reader.meta:
-            raise UCPError(f"{ckpt}: neither {COMMON_FILE} nor the object {COMMON_STATE_KEY!r} "
-                           "(megatron-core 0.19) is there; the checkpoint is incomplete: copy "
-                           f"{COMMON_FILE} back or convert another iteration")
-        where = ckpt / f"{COMMON_STATE_KEY} (in the .distcp files)"
-        common = reader.obj(COMMON_STATE_KEY)
-        common = common[0] if isinstance(common, list) and len(common) == 1 else common
-    else:
-        common = torch_load(where, "the checkpoint is incomplete", trust_pickle)
+    if where.exists():
+        return torch_load(where, "the checkpoint is incomplete", trust_pickle), where
+    reader = DistReader(ckpt, trust_pickle=trust_pickle)
+    if COMMON_STATE_KEY not in reader.meta:
+        raise UCPError(f"{ckpt}: neither {COMMON_FILE} nor the object {COMMON_STATE_KEY!r} "
+                       "(megatron-core 0.19) is there; the checkpoint is incomplete: copy "
+                       f"{COMMON_FILE} back or convert another iteration")
+    common = reader.obj(COMMON_STATE_KEY)
+    return (common[0] if isinstance(common, list) and len(common) == 1 else common,
+            ckpt / f"{COMMON_STATE_KEY} (in the .distcp files)")
+
+
+def read_common(load_dir: str | Path, trust_pickle: bool = False) -> tuple[Path, dict, object]:
+    """(iteration directory, the common state, the run's args)."""
+    ckpt, _ = resolve_iteration(load_dir, is_iteration, "--ckpt-format torch_dist")
+    common, where = load_common(ckpt, trust_pickle)
     args = common.get("args") if isinstance(common, dict) else None
     if args is None:
         if (ckpt / "train_state.pt").exists() or (ckpt.parent / "latest_train_state.pt").exists():

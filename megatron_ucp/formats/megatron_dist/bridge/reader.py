@@ -8,7 +8,7 @@ from pathlib import Path
 
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.dcp_reader import DistReader
-from megatron_ucp.formats.megatron_common import resolve_iteration, torch_load
+from megatron_ucp.formats.megatron_common import resolve_iteration
 from megatron_ucp.formats.megatron_dist.bridge.config import (
     BRIDGE_RUN,
     RUN_CONFIG,
@@ -16,9 +16,9 @@ from megatron_ucp.formats.megatron_dist.bridge.config import (
     read_train_state,
     run_args,
 )
-from megatron_ucp.formats.megatron_dist.layout import COMMON_FILE, COMMON_STATE_KEY, UCP_COMMON_KEY
+from megatron_ucp.formats.megatron_dist.layout import UCP_COMMON_KEY
 from megatron_ucp.formats.megatron_dist.layout import is_iteration as is_torch_dist
-from megatron_ucp.formats.megatron_dist.reader import TorchDistSource
+from megatron_ucp.formats.megatron_dist.reader import TorchDistSource, load_common
 
 NAME = "megatron_bridge"
 WRITER_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")  # one per saving rank (and writer thread)
@@ -32,15 +32,8 @@ def is_iteration(path: Path) -> bool:
 def read_common(load_dir: str | Path, trust_pickle: bool = False) -> tuple[Path, dict, object]:
     """(iteration directory, the common state, Megatron-LM style args of the Bridge run)."""
     ckpt, _ = resolve_iteration(load_dir, is_iteration, "Megatron-Bridge torch_dist")
+    common, _ = load_common(ckpt, trust_pickle)
     reader = DistReader(ckpt, trust_pickle=trust_pickle)
-    if (ckpt / COMMON_FILE).exists():
-        common = torch_load(ckpt / COMMON_FILE, "the checkpoint is incomplete", trust_pickle)
-    elif COMMON_STATE_KEY in reader.meta:
-        common = reader.obj(COMMON_STATE_KEY)
-        common = common[0] if isinstance(common, list) and len(common) == 1 else common
-    else:
-        raise UCPError(f"{ckpt}: neither {COMMON_FILE} nor the object {COMMON_STATE_KEY!r} is there; "
-                       "the checkpoint is incomplete")
     vocab = next((reader.shape(k)[0] for k in EMBEDDING_KEYS if k in reader.meta), None)
     # the world size: megatron-ucp's writer records it; in Bridge's own saves every rank of a
     # distributed-optimizer run owns an optimizer shard and writes a file (`__<rank>_<n>.distcp`)
