@@ -293,6 +293,10 @@ def copy_with(src: Path, dst: Path, drop: str | None = None, add: dict | None = 
      "low_freq_factor=1 fixed"),
     (dict(config={"attention_bias": True}), "attention_bias"),
     (dict(config={"model_type": "bert"}), "model_type 'bert' is not supported"),
+    # families megatron-core has no model of are refused with what it lacks (before: "not supported")
+    (dict(config={"model_type": "gemma2"}), "model_type 'gemma2' is not imported: megatron-core has no "
+     "model with an RMSNorm of weight 1 \\+ w .* post_feedforward_layernorm"),
+    (dict(config={"model_type": "falcon_h1"}), "model_type 'falcon_h1' is not imported: .*side by side"),
 ])
 def test_import_refuses(saved, tmp_path, change, message):
     bad = copy_with(saved["llama"], tmp_path / "bad", **change)

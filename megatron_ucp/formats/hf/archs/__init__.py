@@ -31,6 +31,25 @@ from megatron_ucp.formats.hf.archs._base import HFArch, Rule, hints_from_args, k
 REGISTRY: dict[str, HFArch] = {module.ARCH.name: module.ARCH for module in (
     llama, qwen2, mixtral, gpt2, qwen3, qwen3_moe, deepseek_v3, gpt_oss, nemotron_h)}
 ARCHS = tuple(REGISTRY)  # names: transformers' model_type, export-hf --arch
+# model types users bring that no megatron-core model (0.16.1 .. 0.19.2, GPTModel or MambaModel)
+# computes, and what it lacks: refused by name, never imported as a near relative. (Bridge trains
+# Gemma with modules of its own, on Transformer Engine: megatron-core has none of them.)
+_GEMMA = ("an RMSNorm of weight 1 + w (megatron-core's layernorm_zero_centered_gamma exists for "
+          "Transformer Engine's norm only), the embedding scaled by sqrt(hidden_size) before the "
+          "first layer, tied to an unscaled output layer")
+_GEMMA2 = (_GEMMA + ", norms after attention and after the MLP (post_attention_layernorm, "
+           "post_feedforward_layernorm: megatron-core's TransformerLayer has none), "
+           "query_pre_attn_scalar, attention and final logit soft-capping")
+UNSUPPORTED: dict[str, str] = {
+    "gemma": _GEMMA,
+    "gemma2": _GEMMA2,
+    "gemma3_text": _GEMMA2 + ", a RoPE base per layer type (rope_parameters.sliding_attention / "
+                   "full_attention)",
+    "gemma3": "the Gemma 3 language model (" + _GEMMA2 + ") with a vision tower",
+    "falcon_h1": ("attention and Mamba-2 side by side in every layer (MambaModel stacks them), and "
+                  "muP multipliers (embedding_multiplier, lm_head_multiplier, ssm_multipliers, "
+                  "mlp_multipliers, attention_in/out_multiplier)"),
+}
 
 
 def get(name: str) -> HFArch:
@@ -43,10 +62,14 @@ def get(name: str) -> HFArch:
 def of_hf_config(config: dict, where: str) -> HFArch:
     """The architecture of an HF config.json (its model_type), which import-hf reads."""
     name = config.get("model_type")
+    if name in UNSUPPORTED:
+        raise UCPError(f"{where}: config.json model_type {name!r} is not imported: megatron-core has no "
+                       f"model with {UNSUPPORTED[name]}. import-hf reads {', '.join(ARCHS)}")
     if name not in REGISTRY:
         raise UCPError(f"{where}: config.json model_type {name!r} is not supported; import-hf reads "
                        f"{', '.join(ARCHS)}")
     return REGISTRY[name]
 
 
-__all__ = ["ARCHS", "REGISTRY", "HFArch", "Rule", "get", "of_hf_config", "hints_from_args", "keeps_fp32"]
+__all__ = ["ARCHS", "REGISTRY", "UNSUPPORTED", "HFArch", "Rule", "get", "of_hf_config", "hints_from_args",
+           "keeps_fp32"]
