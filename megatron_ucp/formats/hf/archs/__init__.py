@@ -1,7 +1,8 @@
 """Hugging Face architectures, one module each: its name map (universal name -> HF names and
 transform), what it refuses to export, its config.json (export-hf) and the megatron-core model of
 a config.json (import-hf). `_base` holds what they share and the `HFArch` hooks; `_llama_like`
-the rotary decoder Llama, Qwen2, Qwen3, Mixtral and Qwen3-MoE build on; the element order of fused
+the rotary decoder Llama, Qwen2, Qwen3, Mixtral and Qwen3-MoE build on (GLM-4.5 takes its
+attention and DeepSeek-V3's MoE layers); the element order of fused
 tensors is in `formats.tensor_transforms`.
 
 The registry below is the one list of architectures: `export-hf --arch` offers it, import-hf
@@ -9,7 +10,8 @@ finds a config.json's `model_type` in it, and the tests fail for an architecture
 rows. Adding an architecture: its module here (an `HFArch` subclass as `ARCH`), its entry in
 `REGISTRY`, a transformers model of it in tests/test_hf_import.py `MODELS` with its expected
 tensors in tests/oracles.py `hf_expected` (split by hand, independently of this package), and a
-megatron-core run of it in tests/test_hf_export.py `CFGS` (or `NATIVE_NEW`).
+megatron-core run of it in tests/test_hf_export.py `CFGS` (or `NATIVE_NEW`). An architecture
+megatron-core cannot build is refused by import-hf naming what is missing (`UNIMPORTABLE`).
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ from __future__ import annotations
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.hf.archs import (
     deepseek_v3,
+    glm4_moe,
     gpt2,
     gpt_oss,
     llama,
     mixtral,
     nemotron_h,
+    olmoe,
     qwen2,
     qwen3,
     qwen3_moe,
@@ -29,8 +33,10 @@ from megatron_ucp.formats.hf.archs import (
 from megatron_ucp.formats.hf.archs._base import HFArch, Rule, hints_from_args, keeps_fp32
 
 REGISTRY: dict[str, HFArch] = {module.ARCH.name: module.ARCH for module in (
-    llama, qwen2, mixtral, gpt2, qwen3, qwen3_moe, deepseek_v3, gpt_oss, nemotron_h)}
+    llama, qwen2, mixtral, gpt2, qwen3, qwen3_moe, deepseek_v3, glm4_moe, gpt_oss, nemotron_h)}
 ARCHS = tuple(REGISTRY)  # names: transformers' model_type, export-hf --arch
+# model_types import-hf knows and refuses, naming what megatron-core cannot build (their modules)
+UNIMPORTABLE = {olmoe.NAME: olmoe.refusal}
 
 
 def get(name: str) -> HFArch:
@@ -43,6 +49,8 @@ def get(name: str) -> HFArch:
 def of_hf_config(config: dict, where: str) -> HFArch:
     """The architecture of an HF config.json (its model_type), which import-hf reads."""
     name = config.get("model_type")
+    if name in UNIMPORTABLE:
+        raise UNIMPORTABLE[name](config, where)
     if name not in REGISTRY:
         raise UCPError(f"{where}: config.json model_type {name!r} is not supported; import-hf reads "
                        f"{', '.join(ARCHS)}")
