@@ -607,6 +607,22 @@ def test_glm4_moe_partial_rotary_is_megatron_cores(tmp_path, monkeypatch, factor
         dist.destroy_process_group()
 
 
+def test_glm4_moe_mtp_layer_without_copies(saved, tmp_path):
+    """GLM-4.6 stores its MTP layer without the copies of the embedding and output layer that
+    GLM-4.5's (and DeepSeek-V3's) repeat: it imports as the same model, bit for bit, and exports
+    in GLM-4.5's layout (the copies written)."""
+    full = with_mtp(saved["glm4_moe"], tmp_path / "full")
+    bare = copy_with(copy_with(full, tmp_path / "a", drop="model.layers.2.embed_tokens.weight"),
+                     tmp_path / "bare", drop="model.layers.2.shared_head.head.weight")
+    _, want = oracles.universal_tensors(import_hf(full, tmp_path / "u_full", progress=False))
+    manifest, got = oracles.universal_tensors(import_hf(bare, tmp_path / "u_bare", progress=False))
+    assert manifest["params"]["mtp.layers.0.eh_proj.weight"] and sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    out = tensors(export(open_source(tmp_path / "u_bare"), tmp_path / "hf", "glm4_moe", progress=False))
+    a = tensors(full)
+    assert sorted(out) == sorted(a) and all(torch.equal(out[k], a[k]) for k in a)
+
+
 def test_olmoe_import_refuses_by_name(tmp_path):
     """OLMoE's q_norm / k_norm normalize the whole q and k projections, megatron-core's QK-norm
     each head: import-hf refuses it naming those parameters, and clip_qkv, and writes nothing."""

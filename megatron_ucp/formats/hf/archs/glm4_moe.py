@@ -16,6 +16,8 @@ Qwen3's q_norm / k_norm, DeepSeek-V3's MoE, expert and MTP entries (`deepseek_v3
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from megatron_ucp.formats.hf.archs._base import (
     ROTARY_INV_FREQ,
     Entry,
@@ -32,6 +34,9 @@ from megatron_ucp.formats.hf.archs._llama_like import ATTENTION, DENSE_MLP
 from megatron_ucp.formats.hf.archs.deepseek_v3 import DeepseekV3, sigmoid_moe_fields
 from megatron_ucp.formats.hf.archs.qwen3 import QK_NORM
 from megatron_ucp.formats.tensor_transforms import Heads
+
+if TYPE_CHECKING:  # (source imports this package)
+    from megatron_ucp.formats.hf.source import HFDir
 
 
 def with_layer_prefixes(entries: list[Entry]) -> list[Entry]:
@@ -109,6 +114,18 @@ class Glm4Moe(DeepseekV3):
         return out
 
     # ------------------------------------------------------------------ import
+
+    def import_config(self, hf_dir: HFDir) -> dict:
+        """GLM-4.5's checkpoints repeat the embedding and output layer in each MTP layer
+        (embed_tokens, shared_head.head), as DeepSeek-V3's do; GLM-4.6's leave them out: those are
+        read as the model's own (export-hf writes the copies)."""
+        d = hf_dir.config
+        first = d.get("num_hidden_layers", 0)
+        head = "model.embed_tokens.weight" if d.get("tie_word_embeddings") else "lm_head.weight"
+        for k in range(self.mtp_layers_held(d, hf_dir.where)):
+            hf_dir.alias(f"model.layers.{first + k}.embed_tokens.weight", "model.embed_tokens.weight")
+            hf_dir.alias(f"model.layers.{first + k}.shared_head.head.weight", head)
+        return d
 
     def args_of(self, d: dict, args: dict, refuse: Refuse, mtp_layers: int) -> tuple[dict, dict]:
         """Llama's attention with q/k/v biases, QK-norm, partial RoPE; DeepSeek-V3's MoE layers and
