@@ -73,9 +73,10 @@ MODELS = {  # name -> (arch, config class, kwargs)
         "n_shared_experts": 2, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2,
         "topk_group": 1, "routed_scaling_factor": 2.5, "first_k_dense_replace": 1}),
     # GLM-4.5-Air's shape: no QK-norm; a quarter of each head rotated, every layer MoE, one shared
-    # expert, top-1 (not normalized)
+    # expert, top-1 (not normalized), tied embeddings
     "glm4_moe_air": ("glm4_moe", "Glm4MoeConfig", {
         **ROTARY, "head_dim": 16, "attention_bias": True, "use_qk_norm": False, "moe_intermediate_size": 16,
+        "tie_word_embeddings": True,
         "n_routed_experts": 3, "num_experts_per_tok": 1, "norm_topk_prob": False, "first_k_dense_replace": 0,
         "rope_parameters": {"rope_type": "default", "rope_theta": 5e5, "partial_rotary_factor": 0.25}}),
     # sinks, a sliding window on every other layer, fused experts with biases, clamped SwiGLU
