@@ -870,7 +870,7 @@ def split_qkv(t: torch.Tensor, heads: int, groups: int) -> tuple[torch.Tensor, t
 def hf_expected(master: dict[str, torch.Tensor], arch: str, heads: int, groups: int, vocab: int
                 ) -> dict[str, torch.Tensor]:
     """The tensors a transformers `arch` (llama, qwen2, mixtral, qwen3, qwen3_moe, gpt2, deepseek_v3,
-    gpt_oss or nemotron_h) checkpoint of the
+    glm4_moe, gpt_oss or nemotron_h) checkpoint of the
     megatron-core GPT with full master weights `master` (universal names) holds, by the textbook
     correspondences:
     megatron's fused linear_qkv rows are per query group [q heads of the group; k; v] (head_dim
@@ -947,6 +947,8 @@ def hf_expected(master: dict[str, torch.Tensor], arch: str, heads: int, groups: 
                 out[h + f"{theirs}.bias"] = master[m + f"{mine}.bias"]
     elif arch == "deepseek_v3":
         out.update(_deepseek_v3_expected(master, vocab, len(layers)))
+    elif arch == "glm4_moe":
+        out.update(_glm4_moe_expected(master, heads, groups, vocab, len(layers)))
     elif arch == "gpt_oss":
         out.update(_gpt_oss_expected(master, heads, groups, vocab, layers))
     elif arch == "nemotron_h":
@@ -954,6 +956,33 @@ def hf_expected(master: dict[str, torch.Tensor], arch: str, heads: int, groups: 
     else:
         raise ValueError(arch)
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def _glm4_moe_expected(master: dict[str, torch.Tensor], heads: int, groups: int, vocab: int,
+                       layers: int) -> dict:
+    """GLM-4.5's tensors: Llama's attention (linear_qkv per query group [q heads; k; v], weight
+    and bias; o_proj without bias) with Qwen3's q_norm / k_norm, and DeepSeek-V3's MoE, dense MLP
+    and MTP tensors (MTP layer k is decoder layer `layers + k`)."""
+    attention = {k: v for k, v in master.items() if ".self_attention." in k}
+    out = _deepseek_v3_expected({k: v for k, v in master.items() if k not in attention}, vocab, layers)
+    for name, t in attention.items():
+        parts = name.split(".")
+        if parts[0] == "decoder":
+            h, rest = f"model.layers.{parts[2]}.", parts[4:]
+        else:  # mtp.layers.<k>.transformer_layer.self_attention.
+            h, rest = f"model.layers.{layers + int(parts[2])}.", parts[5:]
+        suffix = ".".join(rest)
+        if suffix in ("linear_qkv.weight", "linear_qkv.bias"):
+            kind = rest[1]
+            q, k, v = split_qkv(t, heads, groups)
+            out.update({h + f"self_attn.q_proj.{kind}": q, h + f"self_attn.k_proj.{kind}": k,
+                        h + f"self_attn.v_proj.{kind}": v})
+        else:
+            out[h + {"linear_qkv.layer_norm_weight": "input_layernorm.weight",
+                     "linear_proj.weight": "self_attn.o_proj.weight",
+                     "q_layernorm.weight": "self_attn.q_norm.weight",
+                     "k_layernorm.weight": "self_attn.k_norm.weight"}[suffix]] = t
+    return out
 
 
 # DeepSeek-V3: megatron-core's MLA / MoE names and DeepSeek's, one for one

@@ -28,7 +28,7 @@ from megatron_ucp.testing.launch import launch  # noqa: E402
 HF_SCENARIOS = "megatron_ucp.testing.hf_scenarios"
 TOL = 1e-4  # fp32 logits, max abs difference
 REL_TOL = 1e-5  # DeepSeek-V3, GPT-OSS, Nemotron-H: max abs difference / max abs logit
-REL_ARCHS = ("deepseek_v3", "nemotron_h")
+REL_ARCHS = ("deepseek_v3", "glm4_moe", "nemotron_h")
 TRUE_VOCAB = 250  # the model pads it to 256 (vocab rows 250..255 must not be exported)
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
             vocab_size=256, unpadded_vocab_size=TRUE_VOCAB, seq_length=32, micro_batch_size=2,
@@ -51,6 +51,14 @@ NEMOTRON_H_MEGATRON = {
         "mamba_state_dim": 8, "mamba_head_dim": 16, "mamba_num_groups": 2, "moe_ffn_hidden_size": 32,
         "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
         "moe_router_topk_scaling_factor": 2.5, "moe_shared_expert_intermediate_size": 64}}
+# GLM-4.5: GQA with q/k/v biases (none on o_proj), QK-norm, RoPE on half of each head
+# (rotary_percent), the first layer dense, sigmoid routing with expert bias over 2 expert groups
+# (top-1 group), 2 shared experts, top-2 of 4 scaled by 2.5
+GLM4_MOE_MEGATRON = {"qk_layernorm": True, "num_experts": 4, "rotary_percent": 0.5, "extra": {
+    "add_qkv_bias": True, "kv_channels": 16, "moe_layer_freq": [0, 1], "moe_router_score_function": "sigmoid",
+    "moe_router_enable_expert_bias": True, "moe_router_topk_scaling_factor": 2.5,
+    "moe_shared_expert_intermediate_size": 64, "moe_ffn_hidden_size": 32, "moe_router_num_groups": 2,
+    "moe_router_group_topk": 1}}
 # the test table: the megatron-core model trained per architecture (GPT-OSS: NATIVE_NEW only)
 CFGS = {
     "llama": {**BASE, **ROTARY, "untie_embeddings": True},  # GQA, untied, no biases
@@ -68,6 +76,9 @@ CFGS = {
     "deepseek_v3": {**BASE, **ROTARY, **DEEPSEEK_V3_MEGATRON, "untie_embeddings": True,
                     "sequence_parallel": True,
                     "extra": {**DEEPSEEK_V3_MEGATRON["extra"], "mtp_num_layers": 1}},
+    # with one MTP layer (exported as model.layers.2)
+    "glm4_moe": {**BASE, **ROTARY, **GLM4_MOE_MEGATRON, "untie_embeddings": True, "sequence_parallel": True,
+                 "extra": {**GLM4_MOE_MEGATRON["extra"], "mtp_num_layers": 1}},
     # tied: transformers' Nemotron-H never ties, the export stores the embedding as lm_head too
     "nemotron_h": {**BASE, **NEMOTRON_H_MEGATRON, "sequence_parallel": True},
 }
@@ -96,6 +107,14 @@ NATIVE_NEW = {
             "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
             "mscale": 1.0, "mscale_all_dim": 1.0}),
         {**BASE, **ROTARY, **DEEPSEEK_V3_MEGATRON, "untie_embeddings": True, "vocab_size": 128,
+         "unpadded_vocab_size": 100}),
+    "glm4_moe": ("Glm4MoeConfig", dict(
+        vocab_size=100, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_bias=True, use_qk_norm=True,
+        n_shared_experts=2, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+        first_k_dense_replace=1, routed_scaling_factor=2.5, max_position_embeddings=32, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+        {**BASE, **ROTARY, **GLM4_MOE_MEGATRON, "untie_embeddings": True, "vocab_size": 128,
          "unpadded_vocab_size": 100}),
     "gpt_oss": ("GptOssConfig", dict(
         vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -317,7 +336,11 @@ def test_exported_directory(runs, arch):
     if arch != "gpt2":  # (multi-latent attention has a key and value per head)
         assert cfg["num_key_value_heads"] == (4 if arch == "deepseek_v3" else 2)
         assert cfg["rope_parameters"]["rope_theta"] == 10000.0
-    if arch == "deepseek_v3":  # the MTP layer as DeepSeek's extra decoder layer
+    if arch == "glm4_moe":  # RoPE on half of each head; q/k/v biases, no o_proj bias
+        assert cfg["rope_parameters"]["partial_rotary_factor"] == 0.5 and cfg["attention_bias"]
+        assert "model.layers.0.self_attn.q_proj.bias" in index["weight_map"]
+        assert "model.layers.0.self_attn.o_proj.bias" not in index["weight_map"]
+    if arch in ("deepseek_v3", "glm4_moe"):  # the MTP layer as DeepSeek's extra decoder layer
         assert cfg["num_nextn_predict_layers"] == 1 and cfg["first_k_dense_replace"] == 1
         assert {"model.layers.2.eh_proj.weight", "model.layers.2.shared_head.head.weight",
                 "model.layers.1.mlp.gate.e_score_correction_bias"} <= set(index["weight_map"])

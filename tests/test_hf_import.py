@@ -65,6 +65,20 @@ MODELS = {  # name -> (arch, config class, kwargs)
         "first_k_dense_replace": 1, "rms_norm_eps": 1e-6, "rope_parameters": {
             "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
             "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}}),
+    # GLM-4.5: q/k/v biases, QK-norm, RoPE on half of each head (transformers' default
+    # partial_rotary_factor 0.5), the first layer dense, sigmoid routing with
+    # e_score_correction_bias over 2 expert groups (top-1 group), 2 shared experts, top-2 of 4 x 2.5
+    "glm4_moe": ("glm4_moe", "Glm4MoeConfig", {
+        **ROTARY, "head_dim": 8, "attention_bias": True, "use_qk_norm": True, "moe_intermediate_size": 16,
+        "n_shared_experts": 2, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2,
+        "topk_group": 1, "routed_scaling_factor": 2.5, "first_k_dense_replace": 1}),
+    # GLM-4.5-Air's shape: no QK-norm; a quarter of each head rotated, every layer MoE, one shared
+    # expert, top-1 (not normalized), tied embeddings
+    "glm4_moe_air": ("glm4_moe", "Glm4MoeConfig", {
+        **ROTARY, "head_dim": 16, "attention_bias": True, "use_qk_norm": False, "moe_intermediate_size": 16,
+        "tie_word_embeddings": True,
+        "n_routed_experts": 3, "num_experts_per_tok": 1, "norm_topk_prob": False, "first_k_dense_replace": 0,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 5e5, "partial_rotary_factor": 0.25}}),
     # sinks, a sliding window on every other layer, fused experts with biases, clamped SwiGLU
     "gpt_oss": ("gpt_oss", "GptOssConfig", {
         **ROTARY, "intermediate_size": 24, "head_dim": 8, "num_local_experts": 3, "num_experts_per_tok": 2,
@@ -135,7 +149,7 @@ def saved(tmp_path_factory) -> dict[str, Path]:
 
 
 def with_mtp(src: Path, dst: Path, differ: bool = False) -> Path:
-    """DeepSeek-V3 `src` with one MTP layer as DeepSeek's checkpoints store it: decoder layer
+    """DeepSeek-V3 (or GLM-4.5) `src` with one MTP layer as their checkpoints store it: decoder layer
     num_hidden_layers (a MoE layer like the last), enorm, hnorm, eh_proj, shared_head and copies
     of the embedding and the output layer (`differ`: a shared_head.head that is not lm_head)."""
     t = tensors(src)
@@ -157,10 +171,10 @@ def test_every_arch_has_a_model():
     assert sorted({arch for arch, _, _ in MODELS.values()}) == sorted(archs.ARCHS)
 
 
-@pytest.mark.parametrize("name", [*MODELS, "llama_bf16", "deepseek_v3_mtp"])
+@pytest.mark.parametrize("name", [*MODELS, "llama_bf16", "deepseek_v3_mtp", "glm4_moe_mtp"])
 def test_round_trip_is_bitwise(saved, tmp_path, name):
-    if name == "deepseek_v3_mtp":
-        saved = {name: with_mtp(saved["deepseek_v3"], tmp_path / "mtp")}
+    if name.endswith("_mtp"):
+        saved = {name: with_mtp(saved[name.removesuffix("_mtp")], tmp_path / "mtp")}
     arch = MODELS[name.removesuffix("_bf16").removesuffix("_mtp")][0]
     universal = import_hf(saved[name], tmp_path / "universal", progress=False)
     u = open_source(universal)
@@ -197,6 +211,7 @@ def test_round_trip_is_bitwise(saved, tmp_path, name):
             "moe_intermediate_size", "norm_topk_prob", "n_routed_experts", "n_shared_experts",
             "routed_scaling_factor", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim",
             "qk_nope_head_dim", "first_k_dense_replace", "rope_interleave", "sliding_window",
+            "use_qk_norm", "n_group", "topk_group",
             "layer_types", "swiglu_limit", "swiglu_alpha", "layers_block_type", "ssm_state_size",
             "mamba_num_heads", "mamba_head_dim", "n_groups", "conv_kernel", "time_step_min",
             "moe_shared_expert_intermediate_size", "mlp_hidden_act", "use_conv_bias", "chunk_size",
@@ -208,7 +223,8 @@ def test_round_trip_is_bitwise(saved, tmp_path, name):
 
 
 @pytest.mark.parametrize("name", ["llama_bias", "mixtral", "gpt2_untied", "qwen3", "qwen3_moe",
-                                  "deepseek_v3", "gpt_oss", "gpt_oss_yarn", "nemotron_h"])
+                                  "deepseek_v3", "glm4_moe", "glm4_moe_air", "gpt_oss", "gpt_oss_yarn",
+                                  "nemotron_h"])
 def test_exported_model_computes_the_same(saved, tmp_path, name):
     """The round trip through the universal form loads in transformers with the same logits."""
     import_hf(saved[name], tmp_path / "u", progress=False)
@@ -472,6 +488,20 @@ def test_export_streams_one_tensor_at_a_time(saved, tmp_path):
      "config.json rope_parameters.rope_type='linear': 'linear' RoPE scaling is not imported for DeepSeek-V3"),
     ("gpt_oss", dict(config={"swiglu_alpha": 1.5}), "config.json swiglu_alpha=1.5"),
     ("gpt_oss", dict(config={"attention_bias": False}), "config.json attention_bias=False"),
+    # GLM-4.5: megatron-core normalizes sigmoid top-k weights exactly when k > 1
+    ("glm4_moe", dict(config={"norm_topk_prob": False}), "config.json norm_topk_prob=False"),
+    ("glm4_moe_air", dict(config={"norm_topk_prob": True}), "config.json norm_topk_prob=True"),
+    ("glm4_moe", dict(config={"n_group": 2, "topk_group": 2}), "config.json topk_group=2"),
+    ("glm4_moe", dict(config={"n_shared_experts": 0}), "config.json n_shared_experts=0"),
+    ("glm4_moe", dict(config={"first_k_dense_replace": 2}), "config.json first_k_dense_replace=2"),
+    ("glm4_moe", dict(config={"hidden_act": "gelu"}), "config.json hidden_act='gelu'"),
+    ("glm4_moe", dict(config={"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0,
+                                                  "partial_rotary_factor": 0.5}}),
+     "config.json rope_parameters.rope_type='yarn': 'yarn' RoPE scaling is not imported for glm4_moe"),
+    # 8 channels x 0.25: a rotary part of 2 channels is fine, of 0.375 x 8 = 3 is not
+    ("glm4_moe", dict(config={"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                  "partial_rotary_factor": 0.375}}),
+     "config.json rope_parameters.partial_rotary_factor=0.375: the rotary part of a head of 8 channels"),
 ])
 def test_import_refuses_what_megatron_core_cannot_run(saved, tmp_path, name, change, message):
     bad = copy_with(saved[name], tmp_path / "bad", **change)
@@ -507,6 +537,20 @@ def test_import_refuses_mtp_copies_that_differ(saved, tmp_path):
     ("gpt_oss", "gpt_oss", {"glu_linear_offset": 0.0}, "glu_linear_offset"),
     ("gpt_oss", "gpt_oss", {"window_size": [4, 2]}, "window_size"),
     ("gpt_oss", "gpt_oss", {"moe_router_pre_softmax": True}, "moe_router_pre_softmax"),
+    ("glm4_moe", "glm4_moe", {"add_bias_linear": True}, "add_bias_linear"),  # q/k/v biases only
+    ("glm4_moe", "glm4_moe", {"rotary_interleaved": True}, "rotary_interleaved"),
+    ("glm4_moe", "glm4_moe", {"rotary_percent": 0.375}, "rotary_percent"),  # 3 of 8 channels
+    ("glm4_moe", "glm4_moe", {"moe_router_score_function": "softmax"}, "moe_router_score_function"),
+    ("glm4_moe", "glm4_moe", {"moe_router_enable_expert_bias": False}, "moe_router_enable_expert_bias"),
+    ("glm4_moe", "glm4_moe", {"moe_layer_freq": [1, 0]}, "moe_layer_freq"),
+    ("glm4_moe", "glm4_moe", {"moe_shared_expert_intermediate_size": None},
+     "moe_shared_expert_intermediate_size"),
+    ("glm4_moe", "glm4_moe", {"qk_l2_norm": True}, "qk_l2_norm"),
+    ("glm4_moe", "glm4_moe", {"seq_len_interpolation_factor": 2.0}, "seq_len_interpolation_factor"),
+    ("glm4_moe", "deepseek_v3", {}, "rotary_percent"),  # (DeepSeek-V3 rotates whole rope dims)
+    ("deepseek_v3", "glm4_moe", {}, "multi_latent_attention"),
+    ("qwen3_moe", "glm4_moe", {}, "moe_router_score_function"),
+    ("qwen3", "glm4_moe", {}, "num_moe_experts"),
 ])
 def test_new_arch_export_refuses_by_field(saved, tmp_path, name, arch, change, field):
     _assert_export_refused(saved, tmp_path, name, arch, change, field)
@@ -520,6 +564,84 @@ def _assert_export_refused(saved, tmp_path, name: str, arch: str, change: dict, 
     with pytest.raises(UCPError, match=f"cannot export as HF {arch}: model config {field}="):
         export(src, tmp_path / "hf", arch, progress=False)
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("factor", [0.5, 0.25])
+def test_glm4_moe_partial_rotary_is_megatron_cores(tmp_path, monkeypatch, factor):
+    """transformers' Glm4Moe RoPE (rotate_half on the first int(head_dim * partial_rotary_factor)
+    channels of each head, the rest passed through) is megatron-core's RotaryEmbedding and
+    apply_rotary_pos_emb with rotary_percent = partial_rotary_factor and rotary_interleaved=False,
+    bit for bit; megatron-core's interleaved convention is another one."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.transformer import TransformerConfig
+    from transformers.models.glm4_moe import modeling_glm4_moe as glm
+
+    head_dim, seq, theta = 16, 12, 5e5
+    config = transformers.Glm4MoeConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                        head_dim=head_dim, rope_parameters={
+                                            "rope_type": "default", "rope_theta": theta,
+                                            "partial_rotary_factor": factor})
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, seq, head_dim, generator=g), torch.randn(2, 2, seq, head_dim, generator=g)
+    cos, sin = glm.Glm4MoeRotaryEmbedding(config)(q, torch.arange(seq)[None])
+    want = glm.apply_rotary_pos_emb(q, k, cos, sin)  # [batch, heads, seq, head_dim]
+    rot = int(head_dim * factor)
+    assert all(torch.equal(w[..., rot:], x[..., rot:]) for w, x in zip(want, (q, k)))
+    # RotaryEmbedding moves its frequencies to torch.cuda.current_device(): the CPU here, as
+    # megatron_ucp.testing.cpu_shim places them (only for this test)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: torch.device("cpu"))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        ps.initialize_model_parallel()
+        for interleaved in (False, True):
+            mc = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                                   kv_channels=head_dim, rotary_interleaved=interleaved,
+                                   apply_rope_fusion=False)
+            freqs = RotaryEmbedding(head_dim, factor, rotary_interleaved=interleaved, rotary_base=theta,
+                                    use_cpu_initialization=True)(seq)
+            assert freqs.shape[-1] == rot
+            # megatron-core's [seq, batch, heads, head_dim]
+            got = [apply_rotary_pos_emb(t.permute(2, 0, 1, 3), freqs, mc).permute(1, 2, 0, 3) for t in (q, k)]
+            same = [torch.equal(a, b) for a, b in zip(got, want)]
+            assert same == ([True, True] if not interleaved else [False, False]), interleaved
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def test_glm4_moe_mtp_layer_without_copies(saved, tmp_path):
+    """GLM-4.6 stores its MTP layer without the copies of the embedding and output layer that
+    GLM-4.5's (and DeepSeek-V3's) repeat: it imports as the same model, bit for bit, and exports
+    in GLM-4.5's layout (the copies written)."""
+    full = with_mtp(saved["glm4_moe"], tmp_path / "full")
+    bare = copy_with(copy_with(full, tmp_path / "a", drop="model.layers.2.embed_tokens.weight"),
+                     tmp_path / "bare", drop="model.layers.2.shared_head.head.weight")
+    _, want = oracles.universal_tensors(import_hf(full, tmp_path / "u_full", progress=False))
+    manifest, got = oracles.universal_tensors(import_hf(bare, tmp_path / "u_bare", progress=False))
+    assert manifest["params"]["mtp.layers.0.eh_proj.weight"] and sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    out = tensors(export(open_source(tmp_path / "u_bare"), tmp_path / "hf", "glm4_moe", progress=False))
+    a = tensors(full)
+    assert sorted(out) == sorted(a) and all(torch.equal(out[k], a[k]) for k in a)
+
+
+def test_olmoe_import_refuses_by_name(tmp_path):
+    """OLMoE's q_norm / k_norm normalize the whole q and k projections, megatron-core's QK-norm
+    each head: import-hf refuses it naming those parameters, and clip_qkv, and writes nothing."""
+    config = transformers.OlmoeConfig(**ROTARY, num_experts=4, num_experts_per_tok=2)
+    transformers.OlmoeForCausalLM(config).save_pretrained(tmp_path / "olmoe")
+    with pytest.raises(UCPError, match=r"cannot import HF olmoe \(OlmoeForCausalLM\): its q_norm / k_norm "
+                       r"\(model.layers.<i>.self_attn.q_norm.weight \[num_attention_heads \* head_dim\].*"
+                       r"megatron-core's qk_layernorm normalizes each head") as refused:
+        import_hf(tmp_path / "olmoe", tmp_path / "u", progress=False)
+    assert "clip_qkv" not in str(refused.value) and not (tmp_path / "u").exists()
+    clipped = copy_with(tmp_path / "olmoe", tmp_path / "clipped", config={"clip_qkv": 8.0})
+    with pytest.raises(UCPError, match="config.json clip_qkv=8.0: megatron-core does not clamp q/k/v"):
+        import_hf(clipped, tmp_path / "u", progress=False)
+    assert "olmoe" not in archs.ARCHS  # export-hf does not offer it: no megatron-core model is one
 
 
 def test_deepseek_v3_expert_bias_stays_fp32(saved, tmp_path):

@@ -78,6 +78,13 @@ class HFDir(ReadsFiles):
                 self.where[new] = self.where.pop(old)
                 self.stored[new] = old
 
+    def alias(self, name: str, existing: str) -> None:
+        """Read tensor `name` as `existing` where the directory holds `existing` and not `name`
+        (a copy some checkpoints of an architecture leave out: GLM-4.6's MTP layers)."""
+        if existing in self.where and name not in self.where:
+            self.where[name] = self.where[existing]
+            self.stored[name] = self.stored.get(existing, existing)
+
     def _index(self) -> dict[str, Path]:
         index = self.dir / INDEX_FILE
         if index.is_file():

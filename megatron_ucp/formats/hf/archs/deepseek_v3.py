@@ -92,8 +92,16 @@ class DeepseekV3(HFArch):
                    "rope_interleave": True, "attention_bias": False, "num_nextn_predict_layers": 1}
     ignored_hf = (ROTARY_INV_FREQ,)
 
+    # the name maps of a layer (GLM-4.5 puts its own attention and dense MLP here)
+    attention, dense, moe, expert = ATTENTION, DENSE, MOE, EXPERT
+    title = "DeepSeek-V3"  # the model's name in messages
+
+    def rule_features(self, cfg: dict) -> set[str]:
+        """The features (`fill`) this model's name maps select on."""
+        return {"q_lora" if cfg.get("q_lora_rank") else "no_q_lora"}
+
     def rules(self, cfg: dict) -> list[Rule]:
-        feats = {"q_lora" if cfg.get("q_lora_rank") else "no_q_lora"}
+        feats = self.rule_features(cfg)
         layers, mtp = cfg["num_layers"], cfg.get("mtp_num_layers") or 0
         moe = moe_layers(cfg)
         tied = "untied" not in features(cfg)
@@ -108,12 +116,12 @@ class DeepseekV3(HFArch):
             out.append(Rule("output_layer.weight", "dup" if len(head) > 1 else "copy", head))
 
         def layer(m: str, h: str, is_moe: bool) -> list[Rule]:
-            rules = fill(ATTENTION, feats, m=m, h=h)
+            rules = fill(self.attention, feats, m=m, h=h)
             if not is_moe:
-                return rules + fill(DENSE, feats, m=m, h=h)
-            rules += fill(MOE, feats, m=m, h=h)
+                return rules + fill(self.dense, feats, m=m, h=h)
+            rules += fill(self.moe, feats, m=m, h=h)
             for e in range(cfg["num_moe_experts"]):
-                rules += fill(EXPERT, feats, m=m, h=h, e=e)
+                rules += fill(self.expert, feats, m=m, h=h, e=e)
             return rules
 
         for i in range(layers):
@@ -155,29 +163,27 @@ class DeepseekV3(HFArch):
         self.check_moe(cfg)
 
     def check_moe(self, cfg: dict) -> None:
-        arch, get = self.name, cfg.get
+        arch, get, title = self.name, cfg.get, self.title
         check_wanted(arch, cfg, [
-            ("moe_router_score_function", "sigmoid", "DeepSeek-V3's router scores are sigmoids"),
-            ("moe_router_enable_expert_bias", True, "DeepSeek-V3's router adds e_score_correction_bias "
+            ("moe_router_score_function", "sigmoid", f"{title}'s router scores are sigmoids"),
+            ("moe_router_enable_expert_bias", True, f"{title}'s router adds e_score_correction_bias "
              "to choose experts"),
-            ("moe_shared_expert_gate", False, "DeepSeek-V3's shared experts are not gated"),
-            ("moe_router_pre_softmax", False, "DeepSeek-V3 normalizes the chosen sigmoid scores")])
+            ("moe_shared_expert_gate", False, f"{title}'s shared experts are not gated"),
+            ("moe_router_pre_softmax", False, f"{title} normalizes the chosen sigmoid scores")])
         shared = get("moe_shared_expert_intermediate_size")
         ffn = get("moe_ffn_hidden_size") or get("ffn_hidden_size")
         if not shared or shared % ffn:
-            raise fail(arch, "moe_shared_expert_intermediate_size", shared, "DeepSeek-V3's shared experts "
+            raise fail(arch, "moe_shared_expert_intermediate_size", shared, f"{title}'s shared experts "
                        f"are n_shared_experts experts of moe_ffn_hidden_size={ffn}")
         moe_at = moe_layers(cfg)
         k = moe_at.index(True)
         if moe_at != [False] * k + [True] * (len(moe_at) - k):
-            raise fail(arch, "moe_layer_freq", get("moe_layer_freq"), "DeepSeek-V3's first "
+            raise fail(arch, "moe_layer_freq", get("moe_layer_freq"), f"{title}'s first "
                        "first_k_dense_replace layers are dense, every later one a MoE layer")
         check_group_topk(arch, cfg)
 
     def config_fields(self, cfg: dict, *, rope_theta: float, hints: dict, tokens: dict) -> dict:
         layers, get = cfg["num_layers"], cfg.get
-        ffn = get("moe_ffn_hidden_size") or cfg["ffn_hidden_size"]
-        topk, groups = cfg["moe_router_topk"], get("moe_router_num_groups") or 1
         if get("rope_type", "yarn") == "yarn":
             rope = hf_yarn(rope_theta, factor=float(get("rotary_scaling_factor", 40.0)),
                            original=get("original_max_position_embeddings", 4096),
@@ -188,12 +194,7 @@ class DeepseekV3(HFArch):
         out = {"hidden_size": cfg["hidden_size"], "num_hidden_layers": layers,
                "num_attention_heads": cfg["num_attention_heads"],
                "num_key_value_heads": cfg["num_attention_heads"],
-               "intermediate_size": cfg["ffn_hidden_size"], "moe_intermediate_size": ffn,
-               "n_routed_experts": cfg["num_moe_experts"], "num_experts_per_tok": topk,
-               "n_shared_experts": get("moe_shared_expert_intermediate_size") // ffn,
-               "routed_scaling_factor": float(get("moe_router_topk_scaling_factor") or 1.0),
-               "n_group": groups, "topk_group": get("moe_router_group_topk") or 1,
-               "norm_topk_prob": topk > 1, "first_k_dense_replace": moe_layers(cfg).index(True),
+               **sigmoid_moe_fields(cfg),
                "kv_lora_rank": cfg["kv_lora_rank"], "q_lora_rank": get("q_lora_rank"),
                "qk_nope_head_dim": cfg["qk_head_dim"], "qk_rope_head_dim": cfg["qk_pos_emb_head_dim"],
                "v_head_dim": cfg["v_head_dim"], "head_dim": cfg["qk_pos_emb_head_dim"],
@@ -201,8 +202,7 @@ class DeepseekV3(HFArch):
                "rope_interleave": True, "attention_bias": False,
                "max_position_embeddings": get("max_sequence_length"),
                "rms_norm_eps": get("layernorm_epsilon", 1e-5),
-               "attention_dropout": get("attention_dropout", 0.0),
-               "num_nextn_predict_layers": get("mtp_num_layers") or 0, "output_router_logits": False}
+               "attention_dropout": get("attention_dropout", 0.0)}
         if out["max_position_embeddings"] is None:
             del out["max_position_embeddings"]
         return out
@@ -232,6 +232,19 @@ class DeepseekV3(HFArch):
         heads = d["num_attention_heads"]
         if (d.get("num_key_value_heads") or heads) != heads:
             raise refuse("num_key_value_heads", "multi-latent attention has a key and value per head")
+        theta, mla = mla_args(d, refuse)
+        args.update(hidden_size=d["hidden_size"], num_attention_heads=heads,
+                    group_query_attention=False, num_query_groups=None, kv_channels=d["v_head_dim"],
+                    normalization="RMSNorm", layernorm_epsilon=d["rms_norm_eps"],
+                    swiglu=True, add_bias_linear=False, add_qkv_bias=False, position_embedding_type="rope",
+                    max_position_embeddings=d["max_position_embeddings"],
+                    attention_dropout=d.get("attention_dropout", 0.0), mtp_num_layers=mtp_layers or None,
+                    **self.sigmoid_moe_args(d, refuse), **mla)
+        return args, {"activation": "swiglu", "rotary_base": theta}
+
+    def sigmoid_moe_args(self, d: dict, refuse: Refuse) -> dict:
+        """The layers of config `d`: the first first_k_dense_replace dense, every later one a MoE
+        layer with sigmoid routing, expert bias, shared experts, scaled top-k, expert groups."""
         layers, topk, experts = d["num_hidden_layers"], d["num_experts_per_tok"], d["n_routed_experts"]
         k = d["first_k_dense_replace"]
         if not 0 <= k < layers:
@@ -244,25 +257,31 @@ class DeepseekV3(HFArch):
             raise refuse("topk_group", "transformers scores an expert group by its best two experts; "
                          "megatron-core by its best num_experts_per_tok / topk_group")
         if not d["n_shared_experts"]:
-            raise refuse("n_shared_experts", "megatron-core's DeepSeek MoE layer has shared experts")
-        theta, mla = mla_args(d, refuse)
+            raise refuse("n_shared_experts", f"megatron-core's {self.title} MoE layer has shared experts")
         ffn = d["moe_intermediate_size"]
-        args.update(num_layers=layers, hidden_size=d["hidden_size"], num_attention_heads=heads,
-                    group_query_attention=False, num_query_groups=None,
-                    ffn_hidden_size=d["intermediate_size"], kv_channels=d["v_head_dim"],
-                    normalization="RMSNorm", layernorm_epsilon=d["rms_norm_eps"],
-                    swiglu=True, add_bias_linear=False, add_qkv_bias=False, position_embedding_type="rope",
-                    max_position_embeddings=d["max_position_embeddings"],
-                    attention_dropout=d.get("attention_dropout", 0.0), num_experts=experts,
+        return dict(num_layers=layers, ffn_hidden_size=d["intermediate_size"], num_experts=experts,
                     moe_router_topk=topk, moe_ffn_hidden_size=ffn,
                     moe_layer_freq=[0] * k + [1] * (layers - k),
                     moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                     moe_router_topk_scaling_factor=float(d["routed_scaling_factor"]),
                     moe_shared_expert_intermediate_size=ffn * d["n_shared_experts"],
                     moe_router_num_groups=groups if groups > 1 else None,
-                    moe_router_group_topk=group_topk if groups > 1 else None,
-                    mtp_num_layers=mtp_layers or None, **mla)
-        return args, {"activation": "swiglu", "rotary_base": theta}
+                    moe_router_group_topk=group_topk if groups > 1 else None)
+
+
+def sigmoid_moe_fields(cfg: dict) -> dict:
+    """config.json's MoE fields of a model `DeepseekV3.check_moe` passed (DeepSeek-V3's spelling,
+    which GLM-4.5 shares)."""
+    get = cfg.get
+    ffn = get("moe_ffn_hidden_size") or cfg["ffn_hidden_size"]
+    topk, groups = cfg["moe_router_topk"], get("moe_router_num_groups") or 1
+    return {"intermediate_size": cfg["ffn_hidden_size"], "moe_intermediate_size": ffn,
+            "n_routed_experts": cfg["num_moe_experts"], "num_experts_per_tok": topk,
+            "n_shared_experts": get("moe_shared_expert_intermediate_size") // ffn,
+            "routed_scaling_factor": float(get("moe_router_topk_scaling_factor") or 1.0),
+            "n_group": groups, "topk_group": get("moe_router_group_topk") or 1,
+            "norm_topk_prob": topk > 1, "first_k_dense_replace": moe_layers(cfg).index(True),
+            "num_nextn_predict_layers": get("mtp_num_layers") or 0, "output_router_logits": False}
 
 
 def mla_args(d: dict, refuse: Refuse) -> tuple[float, dict]:
