@@ -15,6 +15,7 @@ from megatron_ucp.spec import ParamSpec, contiguous_strides, states_of
 from megatron_ucp.storage import DTYPE_TO_ST, NAME_TO_DTYPE, Reader, ReadsFiles, crc32, location
 
 RNG_FILE = "rng.safetensors"
+HF_FILES = "hf_files"  # the HF model files (tokenizer, configs) an import stores (`formats.hf.files`)
 
 
 DATA_FILES = "params_*.safetensors"  # (a glob of `data_file_name`s)
@@ -52,6 +53,11 @@ class UniversalSource(ReadsFiles, Source):
 
     def step(self, name: str) -> float:
         return self.manifest.params[name].step
+
+    def hf_files(self) -> dict[str, bytes]:
+        """Its `hf_files/` (import-hf's copies), carried by a conversion to a new universal one."""
+        return {n: storage.read_bytes(self.dir / HF_FILES / n)
+                for n in sorted(storage.names_in(self.dir / HF_FILES))}
 
     def _fresh(self, name: str, state: str) -> bool:
         """A state a weights-only checkpoint does not store: the fresh optimizer's, zero."""
