@@ -36,11 +36,19 @@ CONFIG_FILE = "config.json"
 GENERATION_FILE = "generation_config.json"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf",
                    ".onnx", ".npz", ".index.json")
-# config.json fields that describe no property of the weights: the template's value is kept
+# config.json fields that describe no property of the weights: the template's value is kept.
+# Informational: the release and hub name, the class spelling, inference and init defaults, the
+# context length (no RoPE weight depends on it; GPT-2's learned positions are n_positions) ...
 INFORMATIONAL = ("transformers_version", "_name_or_path", "architectures", "use_cache",
-                 "initializer_range", "max_position_embeddings")
+                 "initializer_range", "max_position_embeddings",
+                 # ... and training settings: the HF model's recipe, which a megatron run may not
+                 # have recorded (megatron-core's default aux loss 0.0, dropout of a finetune)
+                 "router_aux_loss_coef", "attention_dropout", "hidden_dropout", "resid_pdrop",
+                 "embd_pdrop", "attn_pdrop", "summary_first_dropout")
 DTYPE_FIELDS = ("dtype", "torch_dtype")  # transformers 5's spelling, and 4's: both are the export's
 QUANTIZATION = "quantization_config"  # the export's: only an FP8 export has one
+# {transformers 4's spelling: 5's} of a field the export writes in 5's
+SPELLINGS = {"rope_scaling": "rope_parameters"}
 # fields checked even where the importer reads both values as one model: it does not hold them
 CHECKED = ("model_type", "bos_token_id", "eos_token_id", "pad_token_id")
 
@@ -195,6 +203,11 @@ def merged_config(generated: dict, template: Template, *, fp8_export: bool, hf_a
         log.info("%s: its quantization_config is not carried: the export's weights are not FP8", where)
     # the model the export's own config.json describes (informational fields aside)
     reference = {**generated, **{k: tpl[k] for k in INFORMATIONAL if k in tpl}}
+    differ = [k for k in INFORMATIONAL if k in tpl and k in generated and not _same(tpl[k], generated[k])
+              and generated[k] is not None]
+    if differ:
+        log.info("%s: kept the template's %s (the checkpoint's: %s)", where,
+                 {k: tpl[k] for k in differ}, {k: generated[k] for k in differ})
     want = _model_or_refuse(reference, hf_arch, where)
     out = dict(reference)
     for k, v in generated.items():
@@ -218,20 +231,34 @@ def merged_config(generated: dict, template: Template, *, fp8_export: bool, hf_a
     # what the template adds: its fields the export lacks, its keys of dicts the export has
     added = {**extra, **{k: v for k, v in out.items() if isinstance(v, dict)
                          and v != generated.get(k) and k != QUANTIZATION}}
-    for k, v in added.items():
-        try:
-            got = _model_of({**reference, k: v}, hf_arch)
-        except UCPError as e:
-            raise UCPError(f"config.json field {k}: the template {where} says {v!r}, which the "
-                           f"checkpoint's model does not have ({e})") from e
-        if got != want:
-            changed = sorted({a for part in (0, 1) for a in {*got[part], *want[part]}
-                              if got[part].get(a) != want[part].get(a)})
-            raise UCPError(f"config.json field {k}: the template {where} says {v!r}, which describes "
-                           f"another model than the checkpoint (megatron-core's {changed[:4]} "
-                           "would differ); pass the HF directory this checkpoint came from as "
-                           "--hf-template, or --no-hf-template")
+    if added and _model_of_or_none(_as_read({**out, **extra}), hf_arch) != want:
+        for k, v in added.items():  # name the field that changes it
+            try:
+                got = _model_of(_as_read({**reference, k: v}), hf_arch)
+            except UCPError as e:
+                raise UCPError(f"config.json field {k}: the template {where} says {v!r}, which the "
+                               f"checkpoint's model does not have ({e})") from e
+            if got != want:
+                raise UCPError(f"config.json field {k}: the template {where} says {v!r}, which "
+                               f"describes another model than the checkpoint (megatron-core's "
+                               f"{_changed(got, want)[:4]} would differ); pass the HF directory this "
+                               "checkpoint came from as --hf-template, or --no-hf-template")
+        raise UCPError(f"config.json fields {sorted(added)}: the template {where}'s describe another "
+                       "model than the checkpoint together; pass the HF directory this checkpoint "
+                       "came from as --hf-template, or --no-hf-template")
     return {**out, **extra}
+
+
+def _as_read(config: dict) -> dict:
+    """`config` as transformers reads it where it holds a field in two releases' spellings: 5.23
+    takes transformers 4's rope_scaling over rope_parameters (and rope_theta from the top level)."""
+    shadowed = {SPELLINGS[old] for old in SPELLINGS if old in config}
+    return {k: v for k, v in config.items() if k not in shadowed}
+
+
+def _changed(got: tuple[dict, dict], want: tuple[dict, dict]) -> list[str]:
+    return sorted({a for part in (0, 1) for a in {*got[part], *want[part]}
+                   if got[part].get(a) != want[part].get(a)})
 
 
 def _model_of(config: dict, hf_arch) -> tuple[dict, dict]:
