@@ -221,6 +221,29 @@ def test_template_dtype_and_quantization_are_the_exports(hf_model, tmp_path):
     assert model.config.num_hidden_layers == 2
 
 
+def test_fp8_export_keeps_the_templates_quantization_fields(hf_model, tmp_path):
+    """--dtype fp8: the template's quantization_config merged with the export's (its block size
+    checked, its other keys kept); ue8m0 scales, which the export does not write, refused."""
+    other = tmp_path / "other"
+    shutil.copytree(hf_model, other)
+    quantization = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                    "weight_block_size": [16, 16], "modules_to_not_convert": ["lm_head"]}
+    (other / "config.json").write_text(json.dumps({**config(hf_model), "quantization_config": quantization}))
+    universal = import_hf(hf_model, tmp_path / "u", progress=False)
+    out = export_hf(universal, tmp_path / "hf", "llama", dtype="fp8", fp8_block_size=(16, 16),
+                    progress=False, hf_template=other)
+    assert config(out)["quantization_config"] == quantization and config(out)["dtype"] == "bfloat16"
+    with pytest.raises(UCPError, match=r"field quantization_config.weight_block_size: .* says \[16, 16\], "
+                       r"the checkpoint has \[8, 8\]"):
+        export_hf(universal, tmp_path / "b", "llama", dtype="fp8", fp8_block_size=(8, 8),
+                  progress=False, hf_template=other)
+    (other / "config.json").write_text(json.dumps({**config(hf_model), "quantization_config": {
+        **quantization, "scale_fmt": "ue8m0"}}))
+    with pytest.raises(UCPError, match="quantization_config.scale_fmt: .* says 'ue8m0'"):
+        export_hf(universal, tmp_path / "c", "llama", dtype="fp8", fp8_block_size=(16, 16),
+                  progress=False, hf_template=other)
+
+
 def test_no_template(hf_model, tmp_path):
     """--no-hf-template: config.json and generation_config.json derived from the checkpoint alone."""
     universal = import_hf(hf_model, tmp_path / "u", progress=False)
@@ -230,6 +253,8 @@ def test_no_template(hf_model, tmp_path):
         "model.safetensors.index.json"]
     assert "auto_map" not in config(out) and "temperature" not in json.loads(
         (out / "generation_config.json").read_text())
+    with pytest.raises(UCPError, match="--hf-template .*nowhere: not a directory"):
+        export_hf(universal, tmp_path / "b", "llama", progress=False, hf_template=tmp_path / "nowhere")
 
 
 def test_cli(hf_model, tmp_path, capsys):

@@ -37,6 +37,9 @@ if TYPE_CHECKING:
     from megatron_ucp.layout import Layout
 
 
+HF_FILES = "hf_files"  # a universal checkpoint's copies of its HF model's files (`formats.hf.files`)
+
+
 class Source:
     """A checkpoint read as universal tensors (the base class of every reader).
 

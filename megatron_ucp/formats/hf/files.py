@@ -25,7 +25,7 @@ from pathlib import Path
 
 from megatron_ucp import storage
 from megatron_ucp.errors import UCPError
-from megatron_ucp.formats.universal.source import HF_FILES
+from megatron_ucp.formats.base import HF_FILES
 from megatron_ucp.storage import Location, location
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ QUANTIZATION = "quantization_config"  # the export's: only an FP8 export has one
 # {transformers 4's spelling: 5's} of a field the export writes in 5's
 SPELLINGS = {"rope_scaling": "rope_parameters"}
 # fields checked even where the importer reads both values as one model: it does not hold them
-CHECKED = ("model_type", "bos_token_id", "eos_token_id", "pad_token_id")
+CHECKED = ("model_type", "bos_token_id", "eos_token_id", "pad_token_id", QUANTIZATION)
 
 
 def is_weights(name: str) -> bool:
@@ -110,7 +110,7 @@ class Template:
 def from_dir(directory: str | Path | Location) -> Template:
     """--hf-template DIR: its config.json (if any) and its carried files."""
     directory = location(directory)
-    if isinstance(directory, Path) and not directory.is_dir():
+    if not directory.is_dir():
         raise UCPError(f"--hf-template {directory}: not a directory; pass the HF model directory "
                        "the export's tokenizer and configs come from")
     config = None
@@ -227,6 +227,11 @@ def merged_config(generated: dict, template: Template, *, fp8_export: bool, hf_a
     for k in DTYPE_FIELDS:
         if k in tpl or k == "dtype":
             out[k] = generated["dtype"]
+    scale_fmt = (out.get(QUANTIZATION) or {}).get("scale_fmt", "float")
+    if fp8_export and scale_fmt != "float":
+        raise UCPError(f"config.json field {QUANTIZATION}.scale_fmt: the template {where} says "
+                       f"{scale_fmt!r}, but the export's FP8 scales are fp32 amax / 448 ('float'), "
+                       "not powers of two; export with another --dtype, or pass --no-hf-template")
     extra = {k: v for k, v in tpl.items() if k not in out}
     # what the template adds: its fields the export lacks, its keys of dicts the export has
     added = {**extra, **{k: v for k, v in out.items() if isinstance(v, dict)
@@ -301,4 +306,4 @@ def template_of(source, hf_template: str | Path | Location | None | bool, arch: 
         log.warning("the import-hf record of %s names no model files (an import by an older "
                     "megatron-ucp): the tokenizer is not carried; pass --hf-template DIR",
                     record.get("path"))
-    return from_record(record, getattr(source, "dir", None))
+    return from_record(record, source.dir)

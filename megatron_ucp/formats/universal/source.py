@@ -9,13 +9,12 @@ import torch
 
 from megatron_ucp import storage
 from megatron_ucp.errors import UCPError
-from megatron_ucp.formats.base import Source
+from megatron_ucp.formats.base import HF_FILES, Source
 from megatron_ucp.formats.manifest import Manifest
 from megatron_ucp.spec import ParamSpec, contiguous_strides, states_of
 from megatron_ucp.storage import DTYPE_TO_ST, NAME_TO_DTYPE, Reader, ReadsFiles, crc32, location
 
 RNG_FILE = "rng.safetensors"
-HF_FILES = "hf_files"  # the HF model files (tokenizer, configs) an import stores (`formats.hf.files`)
 
 
 DATA_FILES = "params_*.safetensors"  # (a glob of `data_file_name`s)

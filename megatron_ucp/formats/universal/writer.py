@@ -24,15 +24,9 @@ from megatron_ucp import storage, te_state
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats import group_job
 from megatron_ucp.formats import manifest as mf
-from megatron_ucp.formats.base import check_same_params, not_committed
+from megatron_ucp.formats.base import HF_FILES, check_same_params, not_committed
 from megatron_ucp.formats.manifest import Manifest, ParamEntry, TensorEntry
-from megatron_ucp.formats.universal.source import (
-    HF_FILES,
-    RNG_FILE,
-    data_file_name,
-    rng_prefix,
-    stored_tensors,
-)
+from megatron_ucp.formats.universal.source import RNG_FILE, data_file_name, rng_prefix, stored_tensors
 from megatron_ucp.progress import Progress, bar
 from megatron_ucp.spec import ParamSpec
 from megatron_ucp.storage import (
