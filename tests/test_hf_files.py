@@ -260,6 +260,10 @@ def test_no_template(hf_model, tmp_path):
 def test_cli(hf_model, tmp_path, capsys):
     universal = tmp_path / "u"
     assert main(["import-hf", str(hf_model), str(universal), "--no-progress"]) == 0
+    assert main(["inspect", str(universal)]) == 0
+    names = files.carried_names(hf_model)
+    assert f"hf files     {len(names)} ({', '.join(names[:4])}, ...) of {hf_model}, {len(names)} stored " \
+           "in hf_files/" in capsys.readouterr().out
     assert main(["export-hf", str(universal), str(tmp_path / "a"), "--arch", "llama",
                  "--no-progress"]) == 0
     assert_carried(hf_model, tmp_path / "a")

@@ -19,6 +19,7 @@ are not carried (Llama's `original/` holds Meta's own weights).
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,9 +102,8 @@ def stored_copies(directory: Location, record: dict[str, dict]) -> dict[str, byt
 class Template:
     """What an export takes from an HF directory: its config.json (None: none) and its files."""
 
-    where: str  # the directory, for messages
     config: dict | None
-    config_file: str
+    config_file: str  # for messages
     files: dict[str, bytes] = field(default_factory=dict)
 
 
@@ -115,14 +115,12 @@ def from_dir(directory: str | Path | Location) -> Template:
                        "the export's tokenizer and configs come from")
     config = None
     if (directory / CONFIG_FILE).is_file():
-        import json
-
         try:
             config = json.loads(storage.read_bytes(directory / CONFIG_FILE))
         except (OSError, ValueError) as e:
             raise UCPError(f"{directory / CONFIG_FILE}: cannot read it ({e})") from e
     files = {n: storage.read_bytes(directory / n) for n in carried_names(directory)}
-    return Template(str(directory), config, str(directory / CONFIG_FILE), files)
+    return Template(config, str(directory / CONFIG_FILE), files)
 
 
 def from_record(record: dict, checkpoint: Location | None) -> Template:
@@ -149,8 +147,7 @@ def from_record(record: dict, checkpoint: Location | None) -> Template:
                     "checkpoint holds no copy and that directory lacks or changed them); pass "
                     "--hf-template DIR with the model's files, or --no-hf-template",
                     ", ".join(lost), source)
-    return Template(f"{source} (recorded by import-hf)", record.get("config"),
-                    f"{source}/{CONFIG_FILE} (recorded by import-hf)", files)
+    return Template(record.get("config"), f"{source}/{CONFIG_FILE} (recorded by import-hf)", files)
 
 
 _MISSING = object()
@@ -193,8 +190,9 @@ def merged_config(generated: dict, template: Template, *, fp8_export: bool, hf_a
     field, both values and the template file, unless the template's value describes the same model
     (import-hf reads both as the same megatron-core model, e.g. Qwen2's max_window_layers without a
     sliding window) and the field is no token id or model_type (`CHECKED`): then the template's
-    is kept. dtype / torch_dtype are the export's, in each spelling the template uses;
-    quantization_config is the export's (none unless `fp8_export`). A template field the export
+    is kept. dtype / torch_dtype are the export's, in each spelling the template uses; a
+    quantization_config only with `fp8_export` (the template's merged and checked like any other
+    field; its scale_fmt must be the export's fp32 scales'). A template field the export
     lacks must not change the model `hf_arch` imports the config as (megatron-core args and run
     facts), else it is refused by name: the checkpoint does not have it."""
     where = template.config_file
