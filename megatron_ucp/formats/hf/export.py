@@ -4,10 +4,10 @@ Writes `config.json`, `generation_config.json`, `model-0000i-of-0000n.safetensor
 `model.safetensors.index.json`; with a template (`--hf-template DIR`, else the HF model import-hf
 read: `files`), also the template's tokenizer, configs and code, and config.json keeps every field
 of the template's that the model does not determine (those it determines are checked against it).
-The model weights are the fp32 master weights cast to the chosen
-dtype (what megatron-core's optimizer writes into the model); dtype fp8 writes the linear weights
-as blockwise FP8 (DeepSeek-V3's form, `fp8`) and the rest in bf16. Optimizer state is not exported:
-HF directories have none. Tensors are streamed: one universal tensor is read, split into its HF
+The model weights are the fp32 master weights cast to the chosen dtype (what megatron-core's
+optimizer writes into the model); dtype fp8 writes the linear weights as blockwise FP8
+(DeepSeek-V3's form, `fp8`) and the rest in bf16. Optimizer state is not exported: HF directories
+have none. Tensors are streamed: one universal tensor is read, split into its HF
 tensors, written and dropped before the next, so peak memory is about the largest tensor (an FP8
 one: a few fp32 copies of it while it is quantized).
 """
