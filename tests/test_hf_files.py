@@ -23,6 +23,7 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from safetensors import safe_open  # noqa: E402
 
+from megatron_ucp import formats  # noqa: E402
 from megatron_ucp.cli import main  # noqa: E402
 from megatron_ucp.conversion import export_hf, import_hf  # noqa: E402
 from megatron_ucp.errors import UCPError  # noqa: E402
@@ -118,6 +119,10 @@ def test_import_export_carries_every_file(hf_model, tmp_path, caplog):
         assert entry == {"bytes": len(data), "sha256": files.digest(data), "stored": True}
     assert (universal / files.STORED_DIR / "tokenizer.json").read_bytes() == \
         (hf_model / "tokenizer.json").read_bytes()
+    # a conversion of the checkpoint (universal -> universal, through the writer) keeps them
+    copy = formats.get("universal").write(open_source(universal), tmp_path / "u_copy", progress=False)
+    assert sorted(p.name for p in (copy / files.STORED_DIR).iterdir()) == sorted(record)
+    assert all((copy / files.STORED_DIR / n).read_bytes() == (hf_model / n).read_bytes() for n in record)
     out = export(open_source(universal), tmp_path / "hf", "llama", progress=False)
     assert_carried(hf_model, out)
     a, b = tensors(hf_model), tensors(out)
