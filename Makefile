@@ -102,7 +102,7 @@ test: $(STAMP) $(STAMP312) $(STAMPTE) $(STAMPBRIDGE) $(AZURITE)
 	UCP_EXPECTED_SKIPS_ONLY=1 $(BIN)/python -m pytest -q -rs tests
 	UCP_EXPECTED_SKIPS_ONLY=1 UCP_REDUCED=1 UCP_REQUIRE_BRIDGE=1 $(BIN312)/python -m pytest -q -rs $(TESTS_MCORE19)
 	UCP_EXPECTED_SKIPS_ONLY=1 UCP_REQUIRE_TE=1 $(BINTE)/python -m pytest -q -rs $(TESTS_TE)
-	UCP_EXPECTED_SKIPS_ONLY=1 $(VENVBRIDGE)/bin/python -m pytest -q -rs tests/test_hf_import.py
+	UCP_EXPECTED_SKIPS_ONLY=1 $(VENVBRIDGE)/bin/python -m pytest -q -rs tests/test_hf_import.py tests/test_hf_files.py
 
 test-mcore16: $(STAMP) $(AZURITE)
 	UCP_EXPECTED_SKIPS_ONLY=1 $(BIN)/python -m pytest -q -rs tests

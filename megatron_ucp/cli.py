@@ -176,6 +176,16 @@ def _add_export_hf(sub) -> None:
     p.add_argument("--activation", choices=["swiglu", "gelu", "openai_gelu"], default=None,
                    help="the run's MLP activation, which megatron_ucp.save does not record "
                    "(default: Megatron-LM args, else the import-hf record, else gelu / swiglu)")
+    template = p.add_mutually_exclusive_group()
+    template.add_argument("--hf-template", metavar="DIR", default=None,
+                          help="HF model directory whose tokenizer, generation / processor configs, "
+                          "chat template and remote code are copied (never its weights) and whose "
+                          "config.json fields the checkpoint does not determine are kept (those it "
+                          "does must agree: a conflict is refused by name); default: the HF model "
+                          "import-hf read (the checkpoint's copies of its files, else its directory)")
+    template.add_argument("--no-hf-template", action="store_true",
+                          help="carry no template: config.json and generation_config.json as derived "
+                          "from the checkpoint alone")
     p.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
     p.add_argument("--trust-pickle", action="store_true", help=TRUST_HELP)
 
@@ -292,7 +302,8 @@ def _run(args, progress, distributed: bool) -> int:
                              vocab_size=args.vocab_size, rope_theta=args.rope_theta,
                              activation=args.activation, trust_pickle=args.trust_pickle,
                              distributed=distributed,
-                             fp8_block_size=tuple(args.fp8_block_size) if args.fp8_block_size else None)
+                             fp8_block_size=tuple(args.fp8_block_size) if args.fp8_block_size else None,
+                             hf_template=False if args.no_hf_template else args.hf_template)
     elif args.command == "import-hf":
         conversion.import_hf(args.hf_dir, args.universal_dir, progress=progress)
     elif args.command == "import-deepspeed":

@@ -340,10 +340,12 @@ def export_hf(src: str | Path, out: str | Path, arch: str, *, dtype: str | None 
               max_shard_bytes: int | None = None, progress: Progress = True,
               vocab_size: int | None = None, rope_theta: float | None = None,
               activation: str | None = None, trust_pickle: bool = False,
-              distributed: bool = False, fp8_block_size: tuple[int, int] | None = None) -> Path:
+              distributed: bool = False, fp8_block_size: tuple[int, int] | None = None,
+              hf_template: str | Path | None | bool = None) -> Path:
     """`megatron-ucp export-hf`: open any supported checkpoint at `src` and write it as a Hugging
     Face model directory of `arch` (`formats.hf.export` documents the options; distributed: under
-    torchrun, every process a share of the shards)."""
+    torchrun, every process a share of the shards; hf_template: the HF directory whose tokenizer,
+    configs and config.json fields are carried, None: the one import-hf read, False: none)."""
     from megatron_ucp.formats import hf
     from megatron_ucp.formats.megatron_common import null_tokenizer_vocab
 
@@ -359,4 +361,5 @@ def export_hf(src: str | Path, out: str | Path, arch: str, *, dtype: str | None 
     sizes = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
     return hf.export(source, out, arch, dtype=dtype, **sizes, progress=progress,
                      vocab_size=vocab_size, rope_theta=rope_theta, activation=activation,
-                     hints=hints, distributed=distributed, fp8_block_size=fp8_block_size)
+                     hints=hints, distributed=distributed, fp8_block_size=fp8_block_size,
+                     hf_template=hf_template)

@@ -95,14 +95,24 @@ def fp8_lines(m: mf.Manifest) -> list[str]:
 
 
 def hf_weight_lines(m: mf.Manifest) -> list[str]:
-    """How import-hf read quantized HF weights (its record's `quantization`): FP8 dequantized."""
+    """What import-hf recorded of the HF directory: its other files (`files`, stored copies) and
+    how it read quantized HF weights (`quantization`): FP8 dequantized."""
     record = m.extra.get("hf_import") if isinstance(m.extra, dict) else None
-    q = record.get("quantization") if isinstance(record, dict) else None
-    if not isinstance(q, dict):
+    if not isinstance(record, dict):
         return []
-    rows, cols = q.get("weight_block_size") or ("?", "?")
-    return [f"hf weights   {q.get('fp8_tensors')} blockwise FP8 ({q.get('fmt')}) tensors in {rows}x{cols} "
-            f"blocks, dequantized to {q.get('dequantized_to')} by import-hf"]
+    out = []
+    files = record.get("files")
+    if isinstance(files, dict) and files:
+        stored = sum(1 for e in files.values() if isinstance(e, dict) and e.get("stored"))
+        names = ", ".join(sorted(files)[:4]) + (", ..." if len(files) > 4 else "")
+        out.append(f"hf files     {len(files)} ({names}) of {record.get('path')}, {stored} stored in "
+                   "hf_files/ (export-hf carries them)")
+    q = record.get("quantization")
+    if isinstance(q, dict):
+        rows, cols = q.get("weight_block_size") or ("?", "?")
+        out.append(f"hf weights   {q.get('fp8_tensors')} blockwise FP8 ({q.get('fmt')}) tensors in "
+                   f"{rows}x{cols} blocks, dequantized to {q.get('dequantized_to')} by import-hf")
+    return out
 
 
 def features(cfg: dict) -> list[str]:

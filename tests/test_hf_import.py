@@ -397,8 +397,9 @@ def test_activation_the_checkpoint_does_not_record(saved, tmp_path):
     says it; a wrong one for the architecture is refused."""
     out = export(HFSource(saved["gpt2_untied"]), tmp_path / "a", "gpt2", progress=False)
     assert json.loads((out / "config.json").read_text())["activation_function"] == "gelu_new"
+    # (another activation than the HF model's: not with that model's config.json as the template)
     out = export(HFSource(saved["gpt2"]), tmp_path / "b", "gpt2", activation="openai_gelu",
-                 progress=False)
+                 progress=False, hf_template=False)
     assert json.loads((out / "config.json").read_text())["activation_function"] == "gelu_new"
     with pytest.raises(UCPError, match="model config activation='swiglu'"):
         export(HFSource(saved["gpt2"]), tmp_path / "c", "gpt2", activation="swiglu", progress=False)
@@ -863,7 +864,8 @@ def test_megatron_lm_linear_rope_exports(saved, tmp_path):
     linear = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
     assert json.loads((out / "config.json").read_text())["rope_parameters"] == linear
     hints = archs.hints_from_args(argparse.Namespace(swiglu=True, rotary_seq_len_interpolation_factor=2))
-    out = export(HFSource(saved["llama"]), tmp_path / "hf2", "llama", hints=hints, progress=False)
+    out = export(HFSource(saved["llama"]), tmp_path / "hf2", "llama", hints=hints, progress=False,
+                 hf_template=False)  # (another RoPE than the HF model's: not with its config.json)
     rope = json.loads((out / "config.json").read_text())["rope_parameters"]
     assert rope == {**linear, "rope_theta": 50000.0}
 
@@ -918,7 +920,8 @@ def test_import_writes_the_weights_only(saved, tmp_path, name, stored):
     assert {t.dtype for t in stored_tensors.values()} == {stored}
     hf_bytes = sum(t.numel() * t.element_size() for t in tensors(saved[name]).values())
     assert sum(t.numel() * t.element_size() for t in stored_tensors.values()) == hf_bytes
-    assert sorted(p.name for p in wo.iterdir()) == ["manifest.json", "params_00000.safetensors"]
+    # (hf_files: the HF directory's other files, here save_pretrained's generation_config.json)
+    assert sorted(p.name for p in wo.iterdir()) == ["hf_files", "manifest.json", "params_00000.safetensors"]
     assert hf_bytes < _data_bytes(wo) < hf_bytes + 4096  # (+ the safetensors header)
     width = 6 if stored == torch.bfloat16 else 3
     assert _data_bytes(full) > width * hf_bytes
@@ -1007,7 +1010,7 @@ def test_weights_only_consumers(saved, tmp_path, capsys):
     zeros = [r for r in rows if r.state in ("exp_avg", "exp_avg_sq")]
     assert len(zeros) == 2 * n and all(r.note == "zero: weights only in A" for r in zeros)
     summary = reshard(wo, tmp_path / "copy", progress=False)
-    assert summary.bytes_written == sum(p.stat().st_size for p in wo.iterdir())
+    assert summary.bytes_written == sum(p.stat().st_size for p in wo.rglob("*") if p.is_file())
     assert open_source(tmp_path / "copy").manifest.weights_only
     a = tensors(export(open_source(wo), tmp_path / "hf", "llama", progress=False))
     b = tensors(saved["llama_bf16"])

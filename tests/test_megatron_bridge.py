@@ -81,6 +81,38 @@ def test_every_command_reads_it(universal, tmp_path, capsys):
     assert torch.equal(got, tensors["decoder.layers.1.self_attention.linear_proj.weight/param"].to(got.dtype))
 
 
+def test_export_with_the_hf_template(tmp_path):
+    """export-hf of a Bridge run with --hf-template of the HF model it stands for (transformers'
+    own config.json of that model, every default written, with a tokenizer and remote code): every
+    template field kept with its value, its files byte for byte, the checkpoint's weights; a
+    template of another width is refused naming the field."""
+    import transformers
+
+    from megatron_ucp.conversion import export_hf
+
+    src = fixture("llama_dp2")
+    plain = tmp_path / "plain"
+    assert cli(["export-hf", str(src), str(plain), "--arch", "llama", "--no-progress"]) == 0
+    template = tmp_path / "template"
+    transformers.LlamaConfig.from_pretrained(plain).save_pretrained(template)
+    (template / "tokenizer_config.json").write_text('{"model_max_length": 128}\n')
+    (template / "modeling_custom.py").write_text("# remote code\n")
+    out = tmp_path / "hf"
+    assert cli(["export-hf", str(src), str(out), "--arch", "llama", "--hf-template", str(template),
+                "--no-progress"]) == 0
+    for name in ("tokenizer_config.json", "modeling_custom.py"):
+        assert (out / name).read_bytes() == (template / name).read_bytes(), name
+    want, got = (json.loads((d / "config.json").read_text()) for d in (template, out))
+    assert all(got[k] == v for k, v in want.items() if k != "transformers_version")
+    a = {k: v for f in plain.glob("*.safetensors") for k, v in load_file(f).items()}
+    b = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    (template / "config.json").write_text(json.dumps({**want, "hidden_size": 2 * want["hidden_size"]}))
+    with pytest.raises(UCPError, match=f"config.json field hidden_size: the template .* says "
+                       f"{2 * want['hidden_size']}, the checkpoint has {want['hidden_size']}"):
+        export_hf(src, tmp_path / "bad", "llama", progress=False, hf_template=template)
+
+
 @pytest.mark.parametrize("name, target, sharding", [
     ("llama_dp2", Layout(tp=2, dp=1), "dp_reshardable"),
     ("llama_tp2_fully", Layout(tp=1, dp=2), "fully_reshardable"),

@@ -37,6 +37,9 @@ if TYPE_CHECKING:
     from megatron_ucp.layout import Layout
 
 
+HF_FILES = "hf_files"  # a universal checkpoint's copies of its HF model's files (`formats.hf.files`)
+
+
 class Source:
     """A checkpoint read as universal tensors (the base class of every reader).
 
@@ -57,6 +60,8 @@ class Source:
       leading_runs(...): a whole tensor as byte runs of its files (copied, never decoded); None
       check_files(part, parts): check its data files against the manifest; nothing to check
       rng(rank): rank's generator states; only called for a rank of `rng_ranks()`
+      hf_files(): {name: bytes} of the Hugging Face model files (tokenizer, configs) a universal
+        checkpoint stores in `hf_files/` (`formats.hf.files`); {}
       te_states(): Transformer Engine FP8 state by universal module name
         (`decoder.layers.3.self_attention.linear_proj._extra_state` -> `te_state.ModuleState`); the
         manifest's `te_state` (megatron-ucp's forms), {} where it has none; Megatron-LM sources
@@ -99,6 +104,9 @@ class Source:
 
     def check_files(self, part: int = 0, parts: int = 1) -> None:
         return None
+
+    def hf_files(self) -> dict[str, bytes]:
+        return {}
 
     def te_states(self) -> dict[str, Any]:
         field = getattr(self.manifest, "te_state", None)

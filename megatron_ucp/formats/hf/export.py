@@ -1,10 +1,13 @@
 """Export any checkpoint `formats.open_source` reads as a Hugging Face transformers model directory.
 
 Writes `config.json`, `generation_config.json`, `model-0000i-of-0000n.safetensors` shards and
-`model.safetensors.index.json`. The model weights are the fp32 master weights cast to the chosen
-dtype (what megatron-core's optimizer writes into the model); dtype fp8 writes the linear weights
-as blockwise FP8 (DeepSeek-V3's form, `fp8`) and the rest in bf16. Optimizer state is not exported:
-HF directories have none. Tensors are streamed: one universal tensor is read, split into its HF
+`model.safetensors.index.json`; with a template (`--hf-template DIR`, else the HF model import-hf
+read: `files`), also the template's tokenizer, configs and code, and config.json keeps every field
+of the template's that the model does not determine (those it determines are checked against it).
+The model weights are the fp32 master weights cast to the chosen dtype (what megatron-core's
+optimizer writes into the model); dtype fp8 writes the linear weights as blockwise FP8
+(DeepSeek-V3's form, `fp8`) and the rest in bf16. Optimizer state is not exported: HF directories
+have none. Tensors are streamed: one universal tensor is read, split into its HF
 tensors, written and dropped before the next, so peak memory is about the largest tensor (an FP8
 one: a few fp32 copies of it while it is quantized).
 """
@@ -26,7 +29,7 @@ from megatron_ucp import storage
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats import group_job
 from megatron_ucp.formats import tensor_transforms as transforms
-from megatron_ucp.formats.hf import archs, fp8
+from megatron_ucp.formats.hf import archs, files, fp8
 from megatron_ucp.formats.hf.archs import Rule
 from megatron_ucp.formats.manifest import Manifest
 from megatron_ucp.progress import Progress, bar
@@ -238,7 +241,8 @@ def export(source, out: str | Path, arch: str, *, dtype: str | None = None,
            max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress: Progress = True,
            vocab_size: int | None = None, rope_theta: float | None = None,
            activation: str | None = None, hints: dict | None = None, distributed: bool = False,
-           fp8_block_size: tuple[int, int] | None = None) -> Path:
+           fp8_block_size: tuple[int, int] | None = None,
+           hf_template: str | Path | Location | None | bool = None) -> Path:
     """Write the model of `source` (any `formats.open_source` source) as HF `arch` to the new
     directory `out`; returns it.
 
@@ -252,6 +256,13 @@ def export(source, out: str | Path, arch: str, *, dtype: str | None = None,
     "gelu", "openai_gelu"; megatron_ucp.save does not record it): default the Megatron-LM args',
     else import-hf's record, else megatron-core's default (gelu; swiglu for gated MLPs).
     hints: Megatron-LM args facts (`archs.hints_from_args`) the model config lacks.
+    hf_template: an HF model directory whose non-weight files (tokenizer, generation and processor
+    configs, chat template, remote code: `files` says which) are copied into `out`, its
+    generation_config.json winning over the derived one, and whose config.json fields are kept
+    where the checkpoint does not determine them and checked where it does (`files.merged_config`:
+    a conflict is refused by name); never its weights. Default: the HF model import-hf read (its
+    recorded config.json; its files from the checkpoint's copies or that directory, if they are
+    the recorded bytes). False: none.
     distributed: every process of the initialized process group (torchrun) calls this; each writes
     a balanced set of the shards, rank 0 commits once (`_export_distributed`): the same bytes.
     """
@@ -262,8 +273,13 @@ def export(source, out: str | Path, arch: str, *, dtype: str | None = None,
     planned, n_shards, config = prepare(source.manifest, arch, dtype=dtype, max_shard_bytes=max_shard_bytes,
                                         vocab_size=vocab_size, rope_theta=rope_theta, activation=activation,
                                         hints=hints, fp8_block_size=fp8_block_size)
+    template = files.template_of(source, hf_template, arch)
+    carried = {} if template is None else template.files
+    if template is not None and template.config is not None:
+        config = files.merged_config(config, template, fp8_export=files.QUANTIZATION in config,
+                                     hf_arch=archs.get(arch))
     if distributed:
-        return _export_distributed(source, out, planned, n_shards, config)
+        return _export_distributed(source, out, planned, n_shards, config, carried)
     done = bar(progress, len(planned), f"{source.origin.get('kind', source.format)} -> hf {arch}",
                "tensor")
     with staged_dir(out, CONFIG_FILE, check=lambda d: check_written(d, planned, n_shards)) as partial:
@@ -271,7 +287,7 @@ def export(source, out: str | Path, arch: str, *, dtype: str | None = None,
             total = write_shards(partial, source, planned, n_shards, done)
         finally:
             done.close()
-        _write_metadata(partial, planned, n_shards, total, config)
+        _write_metadata(partial, planned, n_shards, total, config, carried)
     log.info("exported %d tensors (%.1f MiB, %d shard(s)) as HF %s to %s in %.2fs",
              sum(len(p.outputs) for p in planned), total / 2**20, n_shards, arch, out,
              time.perf_counter() - t0)
@@ -312,17 +328,22 @@ def _note_partial_blocks(planned: list[Planned], block: tuple[int, int]) -> None
 
 
 def _write_metadata(out_dir: Location, planned: list[Planned], n_shards: int, total: int, config: dict,
-                    check: Callable[[], None] = lambda: None) -> None:
-    """The index and configs; config.json last, after `check`: it is what makes a directory (a
-    store prefix: its create-only put is the commit) an HF model."""
+                    carried: dict[str, bytes], check: Callable[[], None] = lambda: None) -> None:
+    """The index, the template's files (`carried`: its generation_config.json over the derived
+    one) and configs; config.json last, after `check`: it is what makes a directory (a store
+    prefix: its create-only put is the commit) an HF model."""
     weight_map = {name: shard_name(s, n_shards) for p in planned for (name, _), s in zip(p.outputs, p.shards)}
     _write_json(out_dir / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
-    _write_json(out_dir / GENERATION_FILE, generation_config(config))
+    for name, data in carried.items():
+        storage.put(out_dir / name, data)
+    if GENERATION_FILE not in carried:
+        _write_json(out_dir / GENERATION_FILE, generation_config(config))
     check()
     _write_json(out_dir / CONFIG_FILE, config, create_only=True)
 
 
-def _export_distributed(source, out: Path, planned: list[Planned], n_shards: int, config: dict) -> Path:
+def _export_distributed(source, out: Path, planned: list[Planned], n_shards: int, config: dict,
+                        carried: dict[str, bytes]) -> Path:
     """`export` as one job of the process group (`group_job.run`): the shards planned as one
     process plans them, each process reading only the universal tensors its share needs; rank 0
     writes the index, checks, and commits once with config.json last (in a store: its create-only
@@ -338,7 +359,7 @@ def _export_distributed(source, out: Path, planned: list[Planned], n_shards: int
         return write_shards(partial, source, planned, n_shards, None, shards=set(mine))
 
     def finish(staged, totals: list[int]) -> None:  # rank 0
-        _write_metadata(staged.partial, planned, n_shards, sum(totals), config,
+        _write_metadata(staged.partial, planned, n_shards, sum(totals), config, carried,
                         lambda: check_written(staged.partial, planned, n_shards))
         staged.commit()
 

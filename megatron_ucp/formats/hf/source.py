@@ -23,7 +23,7 @@ import torch
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats import tensor_transforms as transforms
 from megatron_ucp.formats.base import Source
-from megatron_ucp.formats.hf import archs, fp8
+from megatron_ucp.formats.hf import archs, files, fp8
 from megatron_ucp.formats.manifest import RUN_HYPERPARAMETERS, Manifest, ParamEntry
 from megatron_ucp.formats.megatron_rebuild import import_specs
 from megatron_ucp.layout import Layout
@@ -165,7 +165,8 @@ class HFSource(ReadsFiles, Source):
         self.ignored = self._check_tensors(specs)
         params = {n: ParamEntry(ParamSpec(**{**vars(s), "dtype": self._dtype(n)}), 0.0)
                   for n, s in specs.items()}
-        record = {"arch": self.arch, "path": where, "config": self.hf.config, "megatron": run}
+        record = {"arch": self.arch, "path": where, "config": self.hf.config, "megatron": run,
+                  "files": files.describe(self.dir)}
         if self.hf.fp8 is not None:
             record["quantization"] = self.hf.fp8.record(len(self.fp8_tensors))
         self.manifest = Manifest("universal", 0, Layout(), 1, model, params,
@@ -261,6 +262,10 @@ class HFSource(ReadsFiles, Source):
 
     def step(self, name: str) -> float:
         return 0.0
+
+    def hf_files(self) -> dict[str, bytes]:
+        """The HF directory's tokenizer, configs and code the checkpoint stores (`files`)."""
+        return files.stored_copies(self.dir, self.manifest.extra[RECORD]["files"])
 
     def read(self, name: str, state: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
         box = tuple(slice(o, o + n) for o, n in zip(offset, shape))

@@ -9,7 +9,7 @@ import torch
 
 from megatron_ucp import storage
 from megatron_ucp.errors import UCPError
-from megatron_ucp.formats.base import Source
+from megatron_ucp.formats.base import HF_FILES, Source
 from megatron_ucp.formats.manifest import Manifest
 from megatron_ucp.spec import ParamSpec, contiguous_strides, states_of
 from megatron_ucp.storage import DTYPE_TO_ST, NAME_TO_DTYPE, Reader, ReadsFiles, crc32, location
@@ -52,6 +52,11 @@ class UniversalSource(ReadsFiles, Source):
 
     def step(self, name: str) -> float:
         return self.manifest.params[name].step
+
+    def hf_files(self) -> dict[str, bytes]:
+        """Its `hf_files/` (import-hf's copies), carried by a conversion to a new universal one."""
+        return {n: storage.read_bytes(self.dir / HF_FILES / n)
+                for n in sorted(storage.names_in(self.dir / HF_FILES))}
 
     def _fresh(self, name: str, state: str) -> bool:
         """A state a weights-only checkpoint does not store: the fresh optimizer's, zero."""

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from megatron_ucp import te_state
+from megatron_ucp import storage, te_state
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats import group_job
 from megatron_ucp.formats import manifest as mf
-from megatron_ucp.formats.base import check_same_params, not_committed
+from megatron_ucp.formats.base import HF_FILES, check_same_params, not_committed
 from megatron_ucp.formats.manifest import Manifest, ParamEntry, TensorEntry
 from megatron_ucp.formats.universal.source import RNG_FILE, data_file_name, rng_prefix, stored_tensors
 from megatron_ucp.progress import Progress, bar
@@ -200,6 +200,7 @@ def _write_distributed(source, out: Path, specs: dict[str, ParamSpec], max_file_
         ranks = source.rng_ranks()
         if ranks:
             write_rng(staged.partial, {r: source.rng(r) for r in ranks})
+        write_hf_files(staged.partial, source)
         params = {n: ParamEntry(specs[n], source.step(n), tensors=entries[n])
                   for n in source.manifest.params}
         manifest = Manifest.universal(source.manifest, params, source.origin)
@@ -218,6 +219,16 @@ def write_rng(out_dir: Path, per_rank: dict[int, tuple[dict[str, torch.Tensor], 
     tensors = {f"{rng_prefix(r)}/{k}": v for r, (ts, _) in per_rank.items() for k, v in ts.items()}
     meta = {rng_prefix(r): json.dumps(m) for r, (_, m) in per_rank.items()}
     write_tensors(out_dir / RNG_FILE, tensors, meta)
+
+
+def write_hf_files(out_dir: Path, source) -> None:
+    """The HF model files (tokenizer, configs, code) the source stores (`Source.hf_files`), in
+    `hf_files/`: an import-hf checkpoint's, kept by its conversions."""
+    stored = source.hf_files()
+    if stored and storage.has_local_files(out_dir):  # (a store has no directories to make)
+        (out_dir / HF_FILES).mkdir(exist_ok=True)
+    for name, data in stored.items():
+        storage.put(out_dir / HF_FILES / name, data)
 
 
 def without_padding(spec: ParamSpec, true_vocab: int | None) -> ParamSpec:
@@ -296,6 +307,7 @@ def write(source, out: str | Path, *, progress: Progress = True, max_file_bytes:
         ranks = source.rng_ranks()
         if ranks:
             write_rng(partial, {r: source.rng(r) for r in ranks})
+        write_hf_files(partial, source)
         params = {n: ParamEntry(specs[n], source.step(n), tensors=entries[n]) for n in header.params}
         manifest = Manifest.universal(header, params, source.origin)
         manifest.te_state = te_state.copy(source, partial)
