@@ -75,11 +75,11 @@ class BridgeSource(TorchDistSource):
                                "has no peft section); drop --base")
             return super().__init__(load_dir, progress, trust_pickle)
         base = base_dir(self.lora, lora_base)
-        base_ckpt, common, args = read_common(base, trust_pickle)
-        base_lora = lora_of(read_run_config(base_ckpt), base_ckpt)
-        if base_lora is not None:
+        base_ckpt, _ = resolve_iteration(base, is_iteration, "Megatron-Bridge torch_dist (the LoRA base)")
+        if read_run_config(base_ckpt).get("peft"):
             raise UCPError(f"{base_ckpt}: the base checkpoint of {ckpt} is itself a LoRA checkpoint; "
                            "name the full pretrained checkpoint with --base")
+        base_ckpt, common, args = read_common(base_ckpt, trust_pickle)
         self.dir, self.args, self.base_dir = ckpt, args, base_ckpt
         self.reader = MergedReader(DistReader(base_ckpt, trust_pickle=trust_pickle),
                                    DistReader(ckpt, trust_pickle=trust_pickle), self.lora)
