@@ -24,6 +24,8 @@ class _HFArchs:
 
 HF_ARCHS = _HFArchs()
 
+BASE_HELP = ("a Megatron-Bridge LoRA checkpoint's base checkpoint, into which its adapters are "
+             "merged (default: its run_config.yaml checkpoint.pretrained_checkpoint)")
 TRUST_HELP = ("unpickle Megatron-LM files with the plain unpickler (runs code from the file): only "
               "for checkpoints you trust whose pickles hold types outside megatron-ucp's allowlist")
 NO_PROGRESS_HELP = "no progress bars (log lines only)"
@@ -59,6 +61,7 @@ def _add_convert_inspect(sub) -> None:
                        "checkpoint (megatron-ucp, Megatron-LM torch or torch_dist, Hugging Face)")
     p.add_argument("dir", help="checkpoint (format detected): a save root or a checkpoint directory")
     p.add_argument("--trust-pickle", action="store_true", help=TRUST_HELP)
+    p.add_argument("--base", default=None, metavar="DIR", help=BASE_HELP)
 
 
 def _add_verify_diff(sub) -> None:
@@ -112,6 +115,7 @@ def _add_reshard(sub) -> None:
                    "form, any layout: leave it unset)")
     p.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
     p.add_argument("--trust-pickle", action="store_true", help=TRUST_HELP)
+    p.add_argument("--base", default=None, metavar="DIR", help=BASE_HELP)
 
 
 def _add_megatron_imports(sub) -> None:
@@ -188,6 +192,7 @@ def _add_export_hf(sub) -> None:
                           "from the checkpoint alone")
     p.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
     p.add_argument("--trust-pickle", action="store_true", help=TRUST_HELP)
+    p.add_argument("--base", default=None, metavar="DIR", help=BASE_HELP)
 
 
 def _add_plan_recompute(sub) -> None:
@@ -269,7 +274,7 @@ def _run(args, progress, distributed: bool) -> int:
     elif args.command == "inspect":
         from megatron_ucp.inspector import inspect
 
-        print(inspect(args.dir, trust_pickle=args.trust_pickle))
+        print(inspect(args.dir, trust_pickle=args.trust_pickle, lora_base=args.base))
     elif args.command == "reshard":
         from megatron_ucp.layout import Layout
 
@@ -282,7 +287,8 @@ def _run(args, progress, distributed: bool) -> int:
                                  last_stage_layers=args.target_last_stage_layers,
                                  workers=args.workers, optim_sharding=args.target_optim_sharding,
                                  expert_tensor_parallel=args.target_etp,
-                                 trust_pickle=args.trust_pickle, distributed=distributed))
+                                 trust_pickle=args.trust_pickle, distributed=distributed,
+                                 lora_base=args.base))
     elif args.command == "verify":
         from megatron_ucp.checks import verify
 
@@ -301,6 +307,7 @@ def _run(args, progress, distributed: bool) -> int:
                              max_shard_bytes=args.max_shard_bytes, progress=progress,
                              vocab_size=args.vocab_size, rope_theta=args.rope_theta,
                              activation=args.activation, trust_pickle=args.trust_pickle,
+                             lora_base=args.base,
                              distributed=distributed,
                              fp8_block_size=tuple(args.fp8_block_size) if args.fp8_block_size else None,
                              hf_template=False if args.no_hf_template else args.hf_template)

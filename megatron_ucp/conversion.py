@@ -78,11 +78,12 @@ def convert(load: str | Path, universal_dir: str | Path, *, progress: Progress =
                                           distributed=distributed)
 
 
-def _open(load: str | Path, fmt: str | None, progress: Progress, trust_pickle: bool):
+def _open(load: str | Path, fmt: str | None, progress: Progress, trust_pickle: bool,
+          lora_base: str | Path | None = None):
     """The source a conversion reads (every fragment it touches checked whole; a megatron-ucp
     source's data files checked against its manifest, so none of their parameters is left out)."""
     source = formats.open_source(load, fmt, progress=progress, verify_fragments=True,
-                                 trust_pickle=trust_pickle)
+                                 trust_pickle=trust_pickle, lora_base=lora_base)
     source.check_files()  # (a no-op but for megatron-ucp's own formats)
     return source
 
@@ -161,7 +162,8 @@ def reshard(load: str | Path, save: str | Path, target: Layout | None = None,
             first_stage_layers: int | None = None,
             last_stage_layers: int | None = None, workers: int = 1,
             optim_sharding: str | None = None, expert_tensor_parallel: int | None = None,
-            trust_pickle: bool = False, distributed: bool = False) -> ReshardSummary:
+            trust_pickle: bool = False, distributed: bool = False,
+            lora_base: str | Path | None = None) -> ReshardSummary:
     """Convert `load` to `target_format` at `target`.
 
     target_format "torch": a stock Megatron-LM `--ckpt-format torch` checkpoint at `target`;
@@ -177,6 +179,7 @@ def reshard(load: str | Path, save: str | Path, target: Layout | None = None,
     expert_tensor_parallel: torch_dist only, the target's expert TP size (MoE). A legacy torch
     checkpoint cannot hold ETP != TP: only expert-DP rank 0 writes it, so with ETP < TP the TP
     ranks that share an expert shard write no rank directory.
+    lora_base: a Megatron-Bridge LoRA checkpoint's base checkpoint (--base; default the recorded one).
     workers: processes writing the universal data files (universal target).
     trust_pickle: load Megatron-LM files with the plain unpickler (see `convert`)."""
     t0 = time.perf_counter()
@@ -195,6 +198,10 @@ def reshard(load: str | Path, save: str | Path, target: Layout | None = None,
         raise UCPError(f"--target-format {target_format} runs as one process; run it without "
                        "torchrun (the universal target can be written by a distributed job)")
     if target_format != "universal":
+        if lora_base is not None:
+            raise UCPError(f"--base {lora_base}: a Megatron-Bridge LoRA checkpoint is merged into its base "
+                           "for --target-format universal (and export-hf); reshard the merged universal "
+                           "checkpoint further")
         kind = formats.detect(load)
         options = {k: v for k, v in (("sharding", optim_sharding),
                                      ("expert_tensor_parallel", expert_tensor_parallel)) if v}
@@ -202,7 +209,7 @@ def reshard(load: str | Path, save: str | Path, target: Layout | None = None,
                                         first_stage_layers, last_stage_layers, trust_pickle, options)
     else:
         refuse_non_empty(out)
-        source = _open(load, None, progress, trust_pickle)
+        source = _open(load, None, progress, trust_pickle, lora_base)
         kind = source.format
         if target is not None:  # before writing anything the target could not use
             check_layout(source.manifest.model, target, str(source.dir))
@@ -341,11 +348,13 @@ def export_hf(src: str | Path, out: str | Path, arch: str, *, dtype: str | None 
               vocab_size: int | None = None, rope_theta: float | None = None,
               activation: str | None = None, trust_pickle: bool = False,
               distributed: bool = False, fp8_block_size: tuple[int, int] | None = None,
-              hf_template: str | Path | None | bool = None) -> Path:
+              hf_template: str | Path | None | bool = None,
+              lora_base: str | Path | None = None) -> Path:
     """`megatron-ucp export-hf`: open any supported checkpoint at `src` and write it as a Hugging
     Face model directory of `arch` (`formats.hf.export` documents the options; distributed: under
     torchrun, every process a share of the shards; hf_template: the HF directory whose tokenizer,
-    configs and config.json fields are carried, None: the one import-hf read, False: none)."""
+    configs and config.json fields are carried, None: the one import-hf read, False: none;
+    lora_base: a Bridge LoRA checkpoint's base checkpoint, where it is not the recorded one)."""
     from megatron_ucp.formats import hf
     from megatron_ucp.formats.megatron_common import null_tokenizer_vocab
 
@@ -353,7 +362,7 @@ def export_hf(src: str | Path, out: str | Path, arch: str, *, dtype: str | None 
     refuse_non_empty(location(out))
     # every fragment read is read whole and its checksum checked, as `convert` does
     source = formats.open_source(src, progress=progress, verify_fragments=True,
-                                 trust_pickle=trust_pickle)
+                                 trust_pickle=trust_pickle, lora_base=lora_base)
     args = source.args  # a Megatron-LM source's run args
     hints = hf.archs.hints_from_args(args) if args is not None else {}
     if vocab_size is None and args is not None:  # Megatron-LM keeps the padding rows: drop them

@@ -13,14 +13,14 @@ from megatron_ucp.formats import manifest as mf
 from megatron_ucp.storage import list_files, location
 
 
-def inspect(path: str | Path, trust_pickle: bool = False) -> str:
+def inspect(path: str | Path, trust_pickle: bool = False, lora_base: str | Path | None = None) -> str:
     if mf.is_checkpoint(path):
         ckpt = mf.resolve(path)
         m = mf.read(ckpt)
         kind = f"{m.kind} (format {mf.FORMAT} v{m.version})"
     else:
         source = formats.open_source(path, progress=False, verify_checksums=False,
-                                     trust_pickle=trust_pickle)
+                                     trust_pickle=trust_pickle, lora_base=lora_base)
         ckpt, m = location(source.dir), source.manifest
         kind = f"{source.format} (read as universal tensors)"
     params = m.params
@@ -43,6 +43,7 @@ def inspect(path: str | Path, trust_pickle: bool = False) -> str:
         *optimizer_lines(m),
         *fp8_lines(m),
         *hf_weight_lines(m),
+        *lora_lines(None if mf.is_checkpoint(path) else source),
         "",
     ]
     width = max([64, *map(len, params)])  # MTP and expert names run past 64
@@ -137,3 +138,15 @@ def features(cfg: dict) -> list[str]:
     if get("qk_layernorm"):
         out.append("QK-norm")
     return out
+
+
+def lora_lines(source) -> list[str]:
+    """A Megatron-Bridge LoRA checkpoint's adapters (read merged into its base checkpoint)."""
+    lora = getattr(source, "lora", None)
+    if lora is None:
+        return []
+    return [f"LoRA         adapter checkpoint (Megatron-Bridge peft LoRA): rank {lora.dim}, alpha "
+            f"{lora.alpha:g} (scale {lora.scale:g}), dropout {lora.dropout:g} ({lora.dropout_position}), "
+            f"target modules {', '.join(lora.target_modules)}",
+            f"LoRA base    {source.base_dir} (recorded: {lora.pretrained_checkpoint}); the tensors "
+            "above are the base weights with the adapters merged"]

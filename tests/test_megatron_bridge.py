@@ -231,3 +231,135 @@ def test_model_only_checkpoint_is_a_weights_only_source(universal, tmp_path, cap
     _, full = universal_tensors(universal["llama_dp2"])
     for key, weight in tensors.items():
         assert weight.dtype == torch.bfloat16 and torch.equal(weight, full[key].to(torch.bfloat16)), key
+
+
+# Bridge's finetune() with LoRA (rank 4, alpha 8 on linear_qkv/proj/fc1/fc2) from llama_dp2_model_only,
+# at TP1 and TP2 (harness/make_fixtures.sh); the run records its base as given, relative to FIXTURES
+LORA_SETS = {"lora_tp1": 1, "lora_tp2": 2}
+LORA_BASE = fixture("llama_dp2_model_only")
+LORA_KEYS = tuple(f"decoder.layers.{m}.weight" for m in (
+    "self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"))
+
+
+@pytest.mark.parametrize("name", list(LORA_SETS))
+def test_lora_checkpoint_reads_merged_into_its_base(name, tmp_path, capsys, monkeypatch):
+    """inspect names the adapters and the base; the tensors are the base's with W + (alpha/dim) B @ A
+    on the four adapted weights (the oracle computed here from the stored tensors, per layer, in
+    bf16 as Bridge's LoRAMerge) and the base's bitwise elsewhere; the recorded relative base path
+    resolves from the run's directory, --base overrides it."""
+    from megatron_ucp.formats.dcp_reader import DistReader
+
+    src = fixture(name)
+    assert cli(["inspect", str(src), "--base", str(LORA_BASE)]) == 0
+    out = capsys.readouterr().out
+    assert "rank 4, alpha 8 (scale 2), dropout 0 (pre)" in out
+    assert "target modules linear_qkv, linear_proj, linear_fc1, linear_fc2" in out
+    assert "recorded: llama_dp2_model_only/ckpt" in out
+    monkeypatch.chdir(FIXTURES)  # (where the run was started: the recorded path resolves)
+    source = formats.open_source(src)
+    assert source.manifest.weights_only
+    assert source.origin["base"].endswith("llama_dp2_model_only/ckpt/iter_0000004")
+    lora = DistReader(src / "iter_0000004")
+    base = DistReader(LORA_BASE / "iter_0000004")
+    for key in base.tensor_keys():
+        if key.startswith("optimizer") or "_extra_state" in key:
+            continue
+        got, w = source.reader.tensor(key), base.tensor(key)
+        if key not in LORA_KEYS:
+            assert torch.equal(got, w), key
+            continue
+        prefix = key.removesuffix(".weight")
+        a = lora.tensor(f"{prefix}.adapter.linear_in.weight")  # A [layers, dim, in]
+        b = lora.tensor(f"{prefix}.adapter.linear_out.weight")  # B [layers, out, dim]
+        assert a.dtype == torch.bfloat16 and a.shape[1] == 4 and b.shape[2] == 4 and torch.count_nonzero(b)
+        want = torch.stack([w[i] + 2.0 * (b[i] @ a[i]) for i in range(w.shape[0])])
+        assert torch.equal(got, want) and not torch.equal(got, w), key
+    universal = reshard(src, tmp_path / "u", progress=False).output
+    manifest, tensors = universal_tensors(universal)
+    assert manifest["weights_only"]
+    assert torch.equal(tensors["decoder.layers.1.mlp.linear_fc2.weight/param"].to(torch.bfloat16),
+                       source.reader.tensor("decoder.layers.mlp.linear_fc2.weight")[1])
+
+
+def _edited_lora(tmp_path: Path, edit) -> Path:
+    out = tmp_path / "lora"
+    shutil.copytree(fixture("lora_tp1"), out)
+    path = out / "iter_0000004" / "run_config.yaml"
+    cfg = yaml.safe_load(path.read_text())
+    edit(cfg)
+    path.write_text(yaml.safe_dump(cfg))
+    return out
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c["peft"].update(_target_="megatron.bridge.peft.dora.DoRA"), "dora.DoRA: DoRA rescales"),
+    (lambda c: c["peft"].update(_target_="megatron.bridge.peft.canonical_lora.CanonicalLoRA"),
+     "canonical LoRA keeps separate q/k/v"),
+    (lambda c: c["peft"].update(target_modules=["linear_qkv", "*.linear_fc1"]),
+     r"peft.target_modules \['\*.linear_fc1'\]"),
+    (lambda c: c["peft"].update(exclude_modules=["linear_proj"]), r"peft.exclude_modules \['linear_proj'\]"),
+    (lambda c: c["checkpoint"].update(pretrained_checkpoint="/nowhere/base"),
+     r"checkpoint.pretrained_checkpoint=/nowhere/base does not exist .*--base DIR"),
+])
+def test_lora_refusals(tmp_path, edit, message):
+    """PEFT forms megatron-ucp does not merge, by name with what to do; a base that moved, naming
+    the recorded path and the flag."""
+    with pytest.raises(UCPError, match=message):
+        formats.open_source(_edited_lora(tmp_path, edit))
+
+
+def test_lora_base_flag_refusals(tmp_path):
+    with pytest.raises(UCPError, match="--base /nowhere: no such directory"):
+        formats.open_source(fixture("lora_tp1"), lora_base="/nowhere")
+    with pytest.raises(UCPError, match="is not a LoRA checkpoint .* drop --base"):
+        formats.open_source(fixture("llama_dp2"), lora_base=LORA_BASE)
+    with pytest.raises(UCPError, match="base checkpoint of .* is itself a LoRA checkpoint"):
+        formats.open_source(fixture("lora_tp1"), lora_base=fixture("lora_tp2"))
+    assert cli(["export-hf", str(fixture("lora_tp1")), str(tmp_path / "hf"), "--arch", "llama",
+                "--no-progress"]) == 2  # (from the tests' directory the recorded relative base is not there)
+
+
+@pytest.mark.parametrize("name", list(LORA_SETS))
+def test_lora_merge_equals_bridges_and_exported_logits(name, tmp_path):
+    """Bridge's own merge on the real Bridge model (its PEFT resume of the LoRA checkpoint, then
+    `LoRALinear.weight` = `LoRAMerge.merge` at the run's TP, saved by `save_megatron_model`):
+    bitwise megatron-ucp's merged tensors; the HF model export-hf writes from the LoRA checkpoint
+    gives the logits of Bridge's merged model's forward (fp32, <= 1e-5 relative; the base model
+    alone is > 1e-2 away)."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_ucp import mcore_compat
+
+    if not mcore_compat.has_core_v019_enums():
+        pytest.skip(f"{RELEASE_SKIP}Bridge 0.6.2 runs on megatron-core 0.19")
+    if not BRIDGE_PYTHON.exists():
+        if os.environ.get("UCP_REQUIRE_BRIDGE") == "1":
+            pytest.fail(f"UCP_REQUIRE_BRIDGE=1 but {BRIDGE_PYTHON} is missing")
+        pytest.skip(f"{BRIDGE_SKIP}needs .venvbridge (make test builds it: "
+                    "tools/bridge/install_bridge_venv.sh)")
+    tp = LORA_SETS[name]
+    _bridge(tp, "--tp", str(tp), "--lora", str(LORA_BASE), "--load", str(fixture(name)),
+            "--save", str(tmp_path / "unused"), "--lora-merge-check", str(tmp_path))
+    ours = formats.open_source(fixture(name), lora_base=LORA_BASE)
+    bridges = formats.open_source(tmp_path / "merged")
+    assert bridges.manifest.params.keys() == ours.manifest.params.keys()
+    for n, p in ours.manifest.params.items():
+        whole = ((0,) * len(p.shape), tuple(p.shape))
+        assert torch.equal(ours.read(n, "param", *whole), bridges.read(n, "param", *whole)), n
+    hf = tmp_path / "hf"
+    assert cli(["export-hf", str(fixture(name)), str(hf), "--arch", "llama", "--base", str(LORA_BASE),
+                "--no-progress"]) == 0
+    assert cli(["export-hf", str(LORA_BASE), str(tmp_path / "hf_base"), "--arch", "llama",
+                "--no-progress"]) == 0
+    logits = torch.load(tmp_path / "logits.pt", weights_only=True)
+    want = logits["merged_fp32"]  # Bridge's merged model (its bf16 weights in fp32), megatron-core forward
+    rel = {}
+    for what in ("hf", "hf_base"):
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / what, dtype=torch.float32).eval()
+        with torch.no_grad():
+            got = model(logits["tokens"]).logits
+        assert got.shape == want.shape
+        rel[what] = ((got - want).abs().max() / want.abs().max()).item()
+    assert rel["hf"] <= 1e-5 and rel["hf_base"] > 1e-2, rel  # (the base alone: the adapters left out)
+    # Bridge's forward with the adapters live (bf16) is its merged model's, to bf16 rounding
+    assert (logits["live"] - logits["merged"]).abs().max() < 1e-2 * logits["merged"].abs().max()

@@ -88,9 +88,18 @@ def open_source(path: str | Path, fmt: str | None = None, **options) -> Source:
     from megatron_ucp.storage import location
 
     path = location(path)
-    if fmt in OWN or (fmt is None and mf.is_checkpoint(path)):
+    lora_base = options.pop("lora_base", None)  # (--base: a Megatron-Bridge LoRA checkpoint's)
+    own = fmt in OWN or (fmt is None and mf.is_checkpoint(path))
+    fmt = None if own else fmt or detect(path)
+    if lora_base is not None and fmt != "megatron_bridge":
+        raise UCPError(f"--base {lora_base}: {path} is not a Megatron-Bridge checkpoint "
+                       f"({fmt or 'megatron-ucp'}); --base names a Bridge LoRA checkpoint's base "
+                       "checkpoint: drop it")
+    if own:
         return open_megatron_ucp(path, **options)
-    return get(fmt or detect(path)).open_source(path, **options)
+    if lora_base is not None:
+        options["lora_base"] = lora_base
+    return get(fmt).open_source(path, **options)
 
 
 def open_megatron_ucp(path: str | Path, **options) -> Source:

@@ -14,6 +14,10 @@ piece stands in for (none touches Bridge's checkpoint, model or optimizer code):
   torch_adam_resume_fixes`).
 * the dataset helper's build step (`compile_helpers`, run by Bridge's initialize): megatron-core's
   wheel ships the helper prebuilt but not its Makefile; the prebuilt one is imported instead.
+* Bridge's PEFT TE detection: `peft/utils.py:86` and `peft/module_matcher.py:40` set `HAVE_TE` when
+  megatron-core's `extensions.transformer_engine` exports `TEColumnParallelLinear` etc., which it does
+  without TE too, as MagicMock placeholders; LoRA's `get_adapter_attributes_from_linear` then fails
+  (`peft/utils.py:591`: `TypeError: isinstance() arg 2 must be a type`). Set False, as it is.
 * `local_gpt_provider(provider)`: Bridge's GPTModelProvider defaults to TE's layer spec
   (gpt_provider.py) and its bridges switch on fusions that need TE or CUDA (`apply_rope_fusion`,
   `persist_layer_norm`, `bias_activation_fusion`, `masked_softmax_fusion`, `bias_dropout_fusion`,
@@ -62,6 +66,9 @@ def install() -> None:
     # megatron-core's wheel ships the dataset helper prebuilt but not its Makefile
     importlib.import_module("megatron.core.datasets.helpers_cpp")
     importlib.import_module("megatron.bridge.training.initialize").compile_helpers = lambda: None
+    if importlib.util.find_spec("transformer_engine") is None:  # (megatron-core's MagicMock TE layers)
+        for module in ("megatron.bridge.peft.utils", "megatron.bridge.peft.module_matcher"):
+            importlib.import_module(module).HAVE_TE = False
 
 
 def _placeholder_te() -> types.ModuleType:

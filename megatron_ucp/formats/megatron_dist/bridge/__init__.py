@@ -21,8 +21,8 @@ def detect(path: Path) -> bool:
 
 
 def open_source(path: str | Path, progress: Progress = True, trust_pickle: bool = False,
-                **_: object) -> BridgeSource:
-    return BridgeSource(path, progress, trust_pickle)
+                lora_base: str | Path | None = None, **_: object) -> BridgeSource:
+    return BridgeSource(path, progress, trust_pickle, lora_base)
 
 
 def run_fields(load_dir: str | Path, trust_pickle: bool = False):

@@ -16,9 +16,12 @@ from megatron_ucp.formats.megatron_dist.bridge.config import (
     read_train_state,
     run_args,
 )
+from megatron_ucp.formats.megatron_dist.bridge.lora import MergedReader, base_dir, lora_of
 from megatron_ucp.formats.megatron_dist.layout import UCP_COMMON_KEY
 from megatron_ucp.formats.megatron_dist.layout import is_iteration as is_torch_dist
-from megatron_ucp.formats.megatron_dist.reader import TorchDistSource, load_common
+from megatron_ucp.formats.megatron_dist.model_only import model_only
+from megatron_ucp.formats.megatron_dist.reader import TorchDistSource, check_names, load_common
+from megatron_ucp.progress import Progress
 
 NAME = "megatron_bridge"
 WRITER_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")  # one per saving rank (and writer thread)
@@ -53,10 +56,35 @@ def read_common(load_dir: str | Path, trust_pickle: bool = False) -> tuple[Path,
 
 
 class BridgeSource(TorchDistSource):
-    """A Megatron-Bridge torch_dist checkpoint read as universal tensors (a save root or iter dir)."""
+    """A Megatron-Bridge torch_dist checkpoint read as universal tensors (a save root or iter dir).
+    A LoRA fine-tuning checkpoint (adapters only) reads as its base checkpoint's weights with the
+    adapters merged (`lora`; `lora_base` overrides the base checkpoint the run recorded), weights
+    only: the adapters' optimizer state has no place in the merged model."""
 
     format = NAME
     saved_by = "megatron-bridge"
     read_common = staticmethod(read_common)
+
+    def __init__(self, load_dir: str | Path, progress: Progress = True, trust_pickle: bool = False,
+                 lora_base: str | Path | None = None):
+        ckpt, _ = resolve_iteration(load_dir, is_iteration, "Megatron-Bridge torch_dist")
+        self.lora = lora_of(read_run_config(ckpt), ckpt)
+        if self.lora is None:
+            if lora_base is not None:
+                raise UCPError(f"--base {lora_base}: {ckpt} is not a LoRA checkpoint (run_config.yaml "
+                               "has no peft section); drop --base")
+            return super().__init__(load_dir, progress, trust_pickle)
+        base = base_dir(self.lora, lora_base)
+        base_ckpt, _ = resolve_iteration(base, is_iteration, "Megatron-Bridge torch_dist (the LoRA base)")
+        if read_run_config(base_ckpt).get("peft"):
+            raise UCPError(f"{base_ckpt}: the base checkpoint of {ckpt} is itself a LoRA checkpoint; "
+                           "name the full pretrained checkpoint with --base")
+        base_ckpt, common, args = read_common(base_ckpt, trust_pickle)
+        self.dir, self.args, self.base_dir = ckpt, args, base_ckpt
+        self.reader = MergedReader(DistReader(base_ckpt, trust_pickle=trust_pickle),
+                                   DistReader(ckpt, trust_pickle=trust_pickle), self.lora)
+        model_only(self, common, args, check_names)
+        self.origin = {"kind": f"{self.saved_by} torch_dist LoRA (merged into the base)",
+                       "path": str(ckpt), "base": str(base_ckpt)}
 
 
