@@ -869,7 +869,7 @@ def split_qkv(t: torch.Tensor, heads: int, groups: int) -> tuple[torch.Tensor, t
 
 def hf_expected(master: dict[str, torch.Tensor], arch: str, heads: int, groups: int, vocab: int
                 ) -> dict[str, torch.Tensor]:
-    """The tensors a transformers `arch` (llama, qwen2, mixtral, qwen3, qwen3_moe, gpt2, deepseek_v3,
+    """The tensors a transformers `arch` (llama, qwen2, mistral, mixtral, qwen3, qwen3_moe, gpt2, deepseek_v3,
     gpt_oss or nemotron_h) checkpoint of the
     megatron-core GPT with full master weights `master` (universal names) holds, by the textbook
     correspondences:
@@ -885,7 +885,7 @@ def hf_expected(master: dict[str, torch.Tensor], arch: str, heads: int, groups: 
     def have(name: str) -> bool:
         return name in master
 
-    if arch in ("llama", "qwen2", "mixtral", "qwen3", "qwen3_moe"):
+    if arch in ("llama", "qwen2", "mistral", "mixtral", "qwen3", "qwen3_moe"):
         out["model.embed_tokens.weight"] = master[WORD][:vocab]
         out["model.norm.weight"] = master["decoder.final_layernorm.weight"]
         if have("output_layer.weight"):

@@ -27,8 +27,8 @@ from megatron_ucp.testing.launch import launch  # noqa: E402
 
 HF_SCENARIOS = "megatron_ucp.testing.hf_scenarios"
 TOL = 1e-4  # fp32 logits, max abs difference
-REL_TOL = 1e-5  # DeepSeek-V3, GPT-OSS, Nemotron-H: max abs difference / max abs logit
-REL_ARCHS = ("deepseek_v3", "nemotron_h")
+REL_TOL = 1e-5  # Mistral, DeepSeek-V3, GPT-OSS, Nemotron-H: max abs difference / max abs logit
+REL_ARCHS = ("mistral", "deepseek_v3", "nemotron_h")
 TRUE_VOCAB = 250  # the model pads it to 256 (vocab rows 250..255 must not be exported)
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
             vocab_size=256, unpadded_vocab_size=TRUE_VOCAB, seq_length=32, micro_batch_size=2,
@@ -55,6 +55,8 @@ NEMOTRON_H_MEGATRON = {
 CFGS = {
     "llama": {**BASE, **ROTARY, "untie_embeddings": True},  # GQA, untied, no biases
     "qwen2": {**BASE, **ROTARY, "extra": {"add_qkv_bias": True}},  # q/k/v biases, tied
+    # a sliding window on every layer: megatron-core's (4, 0), transformers' sliding_window 5
+    "mistral": {**BASE, **ROTARY, "untie_embeddings": True, "extra": {"window_size": [4, 0]}},
     "gpt2": dict(BASE),  # megatron's default GPT: learned positions, GELU, biases, LayerNorm, tied
     # top-2 of 4 experts; megatron-core's MoE wants sequence parallelism with TP
     "mixtral": {**BASE, **ROTARY, "untie_embeddings": True, "num_experts": 4,
@@ -87,6 +89,13 @@ GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 32.0, "bet
 # megatron-core, which cannot backpropagate through experts with biases at EP1, the layout here
 # (0.16.1 and 0.19.2; at EP > 1 it can: tests/fixtures/megatron_lm_v019/README.md)
 NATIVE_NEW = {
+    # Mistral with sliding_window 5 on every layer (16 tokens), head_dim != hidden / heads
+    "mistral": ("MistralConfig", dict(
+        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, sliding_window=5, max_position_embeddings=32,
+        rms_norm_eps=1e-5, tie_word_embeddings=False),
+        {**BASE, **ROTARY, "untie_embeddings": True, "vocab_size": 128, "unpadded_vocab_size": 100,
+         "extra": {"window_size": [4, 0], "kv_channels": 32}}),
     "deepseek_v3": ("DeepseekV3Config", dict(
         vocab_size=100, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4, n_shared_experts=2, n_routed_experts=4,

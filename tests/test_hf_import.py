@@ -49,6 +49,11 @@ MODELS = {  # name -> (arch, config class, kwargs)
     "llama_bias": ("llama", "LlamaConfig", {**ROTARY, "attention_bias": True, "mlp_bias": True,
                                             "tie_word_embeddings": True, "head_dim": 16}),
     "qwen2": ("qwen2", "Qwen2Config", {**ROTARY, "tie_word_embeddings": True}),
+    # a sliding window of 4 on every layer (12 tokens: it masks), head_dim != hidden / heads;
+    # tied and without a window (Mistral's current releases: sliding_window null)
+    "mistral": ("mistral", "MistralConfig", {**ROTARY, "sliding_window": 4, "head_dim": 16}),
+    "mistral_tied": ("mistral", "MistralConfig", {**ROTARY, "sliding_window": None,
+                                                  "tie_word_embeddings": True}),
     "mixtral": ("mixtral", "MixtralConfig", {**ROTARY, "num_local_experts": 3,
                                              "num_experts_per_tok": 2}),
     # QK-norm; Qwen3's head_dim defaults to 128, not hidden / heads
@@ -207,8 +212,9 @@ def test_round_trip_is_bitwise(saved, tmp_path, name):
             assert exported[k] == original[k], k
 
 
-@pytest.mark.parametrize("name", ["llama_bias", "mixtral", "gpt2_untied", "qwen3", "qwen3_moe",
-                                  "deepseek_v3", "gpt_oss", "gpt_oss_yarn", "nemotron_h"])
+@pytest.mark.parametrize("name", ["llama_bias", "mistral", "mistral_tied", "mixtral", "gpt2_untied",
+                                  "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss", "gpt_oss_yarn",
+                                  "nemotron_h"])
 def test_exported_model_computes_the_same(saved, tmp_path, name):
     """The round trip through the universal form loads in transformers with the same logits."""
     import_hf(saved[name], tmp_path / "u", progress=False)
@@ -320,6 +326,11 @@ def test_import_refuses_pickled_weights(saved, tmp_path):
     ("mixtral", "llama", "num_moe_experts"),
     ("llama", "qwen3", "qk_layernorm"),  # Qwen3 always normalizes q and k
     ("mixtral", "qwen3_moe", "qk_layernorm"),
+    ("llama_bias", "mistral", "add_bias_linear"),  # Mistral has no biases
+    ("qwen2", "mistral", "add_qkv_bias"),
+    ("mixtral", "mistral", "num_moe_experts"),
+    ("gpt_oss", "llama", "window_size"),  # a sliding window where the arch has none
+    ("gpt_oss", "mistral", "window_attn_skip_freq"),  # Mistral's window is on every layer
 ])
 def test_export_refuses_what_the_arch_cannot_represent(saved, tmp_path, name, arch, field):
     with pytest.raises(UCPError, match=f"cannot export as HF {arch}: model config {field}"):
@@ -344,6 +355,30 @@ def test_qwen3_export_refuses_by_field(saved, tmp_path, arch, change, field):
     with pytest.raises(UCPError, match=f"cannot export as HF {arch}: model config {field}="):
         export(src, tmp_path / "hf", arch, progress=False)
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("window, field", [([4, 2], "window_size"), ([-1, 0], "window_size")])
+def test_mistral_export_refuses_by_field(saved, tmp_path, window, field):
+    src = HFSource(saved["mistral"])
+    src.manifest.model["window_size"] = window
+    with pytest.raises(UCPError, match=f"cannot export as HF mistral: model config {field}="):
+        export(src, tmp_path / "hf", "mistral", progress=False)
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("window", [0, 2.5, True])
+def test_mistral_import_refuses_a_bad_window(saved, tmp_path, window):
+    bad = copy_with(saved["mistral"], tmp_path / "bad", config={"sliding_window": window})
+    with pytest.raises(UCPError, match="config.json sliding_window="):
+        import_hf(bad, tmp_path / "u", progress=False)
+
+
+def test_mistral_window_is_megatron_cores(saved, tmp_path):
+    """transformers' sliding_window 4 (the token and 3 before) is megatron-core's (3, 0) on every
+    layer; null is no window."""
+    for name, want in (("mistral", [3, 0]), ("mistral_tied", None)):
+        model = open_source(import_hf(saved[name], tmp_path / name, progress=False)).manifest.model
+        assert model.get("window_size") == want and model.get("window_attn_skip_freq") is None
 
 
 def test_export_refuses_bad_models(saved, tmp_path):

@@ -1,7 +1,7 @@
 """Hugging Face architectures, one module each: its name map (universal name -> HF names and
 transform), what it refuses to export, its config.json (export-hf) and the megatron-core model of
 a config.json (import-hf). `_base` holds what they share and the `HFArch` hooks; `_llama_like`
-the rotary decoder Llama, Qwen2, Qwen3, Mixtral and Qwen3-MoE build on; the element order of fused
+the rotary decoder Llama, Qwen2, Mistral, Qwen3, Mixtral and Qwen3-MoE build on; the element order of fused
 tensors is in `formats.tensor_transforms`.
 
 The registry below is the one list of architectures: `export-hf --arch` offers it, import-hf
@@ -20,6 +20,7 @@ from megatron_ucp.formats.hf.archs import (
     gpt2,
     gpt_oss,
     llama,
+    mistral,
     mixtral,
     nemotron_h,
     qwen2,
@@ -29,7 +30,7 @@ from megatron_ucp.formats.hf.archs import (
 from megatron_ucp.formats.hf.archs._base import HFArch, Rule, hints_from_args, keeps_fp32
 
 REGISTRY: dict[str, HFArch] = {module.ARCH.name: module.ARCH for module in (
-    llama, qwen2, mixtral, gpt2, qwen3, qwen3_moe, deepseek_v3, gpt_oss, nemotron_h)}
+    llama, qwen2, mistral, mixtral, gpt2, qwen3, qwen3_moe, deepseek_v3, gpt_oss, nemotron_h)}
 ARCHS = tuple(REGISTRY)  # names: transformers' model_type, export-hf --arch
 
 
