@@ -945,7 +945,7 @@ def hf_expected(master: dict[str, torch.Tensor], arch: str, heads: int, groups: 
                                  ("mlp.linear_fc1", "mlp.c_fc"), ("mlp.linear_fc2", "mlp.c_proj")):
                 out[h + f"{theirs}.weight"] = master[m + f"{mine}.weight"].t()
                 out[h + f"{theirs}.bias"] = master[m + f"{mine}.bias"]
-    elif arch == "deepseek_v3":
+    elif arch in ("deepseek_v3", "kimi_k2"):  # (Kimi-K2: DeepSeek-V3's tensors)
         out.update(_deepseek_v3_expected(master, vocab, len(layers)))
     elif arch == "gpt_oss":
         out.update(_gpt_oss_expected(master, heads, groups, vocab, layers))

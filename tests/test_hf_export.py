@@ -134,9 +134,14 @@ TOKENS = torch.randint(0, TRUE_VOCAB, (2, 16), generator=torch.Generator().manua
 SHARD_BYTES = 200_000  # several shards per tiny model
 
 
+# architectures whose megatron-core model is another's, under another config.json: the run of that
+# one exported as this (transformers has no kimi_k2 class: `test_kimi_k2_export_gives_megatron_logits`)
+SAME_MODEL_AS = {"kimi_k2": "deepseek_v3"}
+
+
 def test_every_arch_is_tested():
     """An architecture of the registry is trained in megatron-core here, or made by transformers."""
-    assert set(CFGS) | set(NATIVE_NEW) == set(archs.ARCHS)
+    assert set(CFGS) | set(NATIVE_NEW) | set(SAME_MODEL_AS) == set(archs.ARCHS)
 
 
 @pytest.fixture(scope="module")
@@ -302,6 +307,27 @@ def test_export_gives_megatron_logits(runs, arch):
     REPORT[f"hf-export:{arch}"] = {"max_abs_logit_diff": diff,
                                    "max_rel_logit_diff": rel_diff(hf, megatron[..., :TRUE_VOCAB])}
     assert diff <= TOL and (arch not in REL_ARCHS or rel_diff(hf, megatron[..., :TRUE_VOCAB]) <= REL_TOL)
+
+
+def test_kimi_k2_export_gives_megatron_logits(runs, tmp_path):
+    """The megatron-core DeepSeek-V3 run (MLA, YaRN, sigmoid routing with expert bias, one MTP
+    layer) exported as kimi_k2: Kimi-K2's config.json, which transformers' DeepseekV3ForCausalLM
+    runs (model_type rewritten: transformers has no kimi_k2 class) to the megatron logits."""
+    out = export(open_source(runs / "deepseek_v3" / "ckpt"), tmp_path / "kimi", "kimi_k2", progress=False)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "kimi_k2" and cfg["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert cfg["auto_map"]["AutoModelForCausalLM"] == "modeling_deepseek.DeepseekV3ForCausalLM"
+    assert cfg["rope_scaling"]["type"] == "yarn" and cfg["scoring_func"] == "sigmoid"
+    assert cfg["num_nextn_predict_layers"] == 1
+    del cfg["auto_map"]
+    (out / "config.json").write_text(json.dumps({**cfg, "model_type": "deepseek_v3"}))
+    megatron = torch.load(runs / "deepseek_v3" / "megatron.pt")[..., :TRUE_VOCAB]
+    hf = hf_logits(out)
+    rel = rel_diff(hf, megatron)
+    print(f"kimi_k2: megatron TP2 (deepseek_v3 run) vs transformers logits max abs diff "
+          f"{max_diff(hf, megatron):.3g}, relative {rel:.3g}")
+    REPORT["hf-export:kimi_k2"] = {"max_abs_logit_diff": max_diff(hf, megatron), "max_rel_logit_diff": rel}
+    assert rel <= REL_TOL
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -19,6 +19,7 @@ from megatron_ucp.formats.hf.archs import (
     deepseek_v3,
     gpt2,
     gpt_oss,
+    kimi_k2,
     llama,
     mistral,
     mixtral,
@@ -30,7 +31,8 @@ from megatron_ucp.formats.hf.archs import (
 from megatron_ucp.formats.hf.archs._base import HFArch, Rule, hints_from_args, keeps_fp32
 
 REGISTRY: dict[str, HFArch] = {module.ARCH.name: module.ARCH for module in (
-    llama, qwen2, mistral, mixtral, gpt2, qwen3, qwen3_moe, deepseek_v3, gpt_oss, nemotron_h)}
+    llama, qwen2, mistral, mixtral, gpt2, qwen3, qwen3_moe, deepseek_v3, kimi_k2, gpt_oss,
+    nemotron_h)}
 ARCHS = tuple(REGISTRY)  # names: transformers' model_type, export-hf --arch
 
 
