@@ -27,8 +27,8 @@ from megatron_ucp.testing.launch import launch  # noqa: E402
 
 HF_SCENARIOS = "megatron_ucp.testing.hf_scenarios"
 TOL = 1e-4  # fp32 logits, max abs difference
-REL_TOL = 1e-5  # DeepSeek-V3, GPT-OSS, Nemotron-H: max abs difference / max abs logit
-REL_ARCHS = ("deepseek_v3", "glm4_moe", "nemotron_h")
+REL_TOL = 1e-5  # Mistral, DeepSeek-V3, GLM-4.5, GPT-OSS, Nemotron-H: max abs difference / max abs logit
+REL_ARCHS = ("mistral", "deepseek_v3", "glm4_moe", "nemotron_h")
 TRUE_VOCAB = 250  # the model pads it to 256 (vocab rows 250..255 must not be exported)
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
             vocab_size=256, unpadded_vocab_size=TRUE_VOCAB, seq_length=32, micro_batch_size=2,
@@ -63,6 +63,8 @@ GLM4_MOE_MEGATRON = {"qk_layernorm": True, "num_experts": 4, "rotary_percent": 0
 CFGS = {
     "llama": {**BASE, **ROTARY, "untie_embeddings": True},  # GQA, untied, no biases
     "qwen2": {**BASE, **ROTARY, "extra": {"add_qkv_bias": True}},  # q/k/v biases, tied
+    # a sliding window on every layer: megatron-core's (4, 0), transformers' sliding_window 5
+    "mistral": {**BASE, **ROTARY, "untie_embeddings": True, "extra": {"window_size": [4, 0]}},
     "gpt2": dict(BASE),  # megatron's default GPT: learned positions, GELU, biases, LayerNorm, tied
     # top-2 of 4 experts; megatron-core's MoE wants sequence parallelism with TP
     "mixtral": {**BASE, **ROTARY, "untie_embeddings": True, "num_experts": 4,
@@ -98,6 +100,13 @@ GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 32.0, "bet
 # megatron-core, which cannot backpropagate through experts with biases at EP1, the layout here
 # (0.16.1 and 0.19.2; at EP > 1 it can: tests/fixtures/megatron_lm_v019/README.md)
 NATIVE_NEW = {
+    # Mistral with sliding_window 5 on every layer (16 tokens), head_dim != hidden / heads
+    "mistral": ("MistralConfig", dict(
+        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, sliding_window=5, max_position_embeddings=32,
+        rms_norm_eps=1e-5, tie_word_embeddings=False),
+        {**BASE, **ROTARY, "untie_embeddings": True, "vocab_size": 128, "unpadded_vocab_size": 100,
+         "extra": {"window_size": [4, 0], "kv_channels": 32}}),
     "deepseek_v3": ("DeepseekV3Config", dict(
         vocab_size=100, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4, n_shared_experts=2, n_routed_experts=4,
@@ -144,9 +153,14 @@ TOKENS = torch.randint(0, TRUE_VOCAB, (2, 16), generator=torch.Generator().manua
 SHARD_BYTES = 200_000  # several shards per tiny model
 
 
+# architectures whose megatron-core model is another's, under another config.json: the run of that
+# one exported as this (transformers has no kimi_k2 class: `test_kimi_k2_export_gives_megatron_logits`)
+SAME_MODEL_AS = {"kimi_k2": "deepseek_v3"}
+
+
 def test_every_arch_is_tested():
     """An architecture of the registry is trained in megatron-core here, or made by transformers."""
-    assert set(CFGS) | set(NATIVE_NEW) == set(archs.ARCHS)
+    assert set(CFGS) | set(NATIVE_NEW) | set(SAME_MODEL_AS) == set(archs.ARCHS)
 
 
 @pytest.fixture(scope="module")
@@ -312,6 +326,27 @@ def test_export_gives_megatron_logits(runs, arch):
     REPORT[f"hf-export:{arch}"] = {"max_abs_logit_diff": diff,
                                    "max_rel_logit_diff": rel_diff(hf, megatron[..., :TRUE_VOCAB])}
     assert diff <= TOL and (arch not in REL_ARCHS or rel_diff(hf, megatron[..., :TRUE_VOCAB]) <= REL_TOL)
+
+
+def test_kimi_k2_export_gives_megatron_logits(runs, tmp_path):
+    """The megatron-core DeepSeek-V3 run (MLA, YaRN, sigmoid routing with expert bias, one MTP
+    layer) exported as kimi_k2: Kimi-K2's config.json, which transformers' DeepseekV3ForCausalLM
+    runs (model_type rewritten: transformers has no kimi_k2 class) to the megatron logits."""
+    out = export(open_source(runs / "deepseek_v3" / "ckpt"), tmp_path / "kimi", "kimi_k2", progress=False)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "kimi_k2" and cfg["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert cfg["auto_map"]["AutoModelForCausalLM"] == "modeling_deepseek.DeepseekV3ForCausalLM"
+    assert cfg["rope_scaling"]["type"] == "yarn" and cfg["scoring_func"] == "sigmoid"
+    assert cfg["num_nextn_predict_layers"] == 1
+    del cfg["auto_map"]
+    (out / "config.json").write_text(json.dumps({**cfg, "model_type": "deepseek_v3"}))
+    megatron = torch.load(runs / "deepseek_v3" / "megatron.pt")[..., :TRUE_VOCAB]
+    hf = hf_logits(out)
+    rel = rel_diff(hf, megatron)
+    print(f"kimi_k2: megatron TP2 (deepseek_v3 run) vs transformers logits max abs diff "
+          f"{max_diff(hf, megatron):.3g}, relative {rel:.3g}")
+    REPORT["hf-export:kimi_k2"] = {"max_abs_logit_diff": max_diff(hf, megatron), "max_rel_logit_diff": rel}
+    assert rel <= REL_TOL
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -49,6 +49,11 @@ MODELS = {  # name -> (arch, config class, kwargs)
     "llama_bias": ("llama", "LlamaConfig", {**ROTARY, "attention_bias": True, "mlp_bias": True,
                                             "tie_word_embeddings": True, "head_dim": 16}),
     "qwen2": ("qwen2", "Qwen2Config", {**ROTARY, "tie_word_embeddings": True}),
+    # a sliding window of 4 on every layer (12 tokens: it masks), head_dim != hidden / heads;
+    # tied and without a window (Mistral's current releases: sliding_window null)
+    "mistral": ("mistral", "MistralConfig", {**ROTARY, "sliding_window": 4, "head_dim": 16}),
+    "mistral_tied": ("mistral", "MistralConfig", {**ROTARY, "sliding_window": None,
+                                                  "tie_word_embeddings": True}),
     "mixtral": ("mixtral", "MixtralConfig", {**ROTARY, "num_local_experts": 3,
                                              "num_experts_per_tok": 2}),
     # QK-norm; Qwen3's head_dim defaults to 128, not hidden / heads
@@ -79,6 +84,14 @@ MODELS = {  # name -> (arch, config class, kwargs)
         "tie_word_embeddings": True,
         "n_routed_experts": 3, "num_experts_per_tok": 1, "norm_topk_prob": False, "first_k_dense_replace": 0,
         "rope_parameters": {"rope_type": "default", "rope_theta": 5e5, "partial_rotary_factor": 0.25}}),
+    # Kimi-K2: the same DeepSeek-V3 saved under Kimi-K2's own config.json (`as_kimi_k2`)
+    "kimi_k2": ("kimi_k2", "DeepseekV3Config", {
+        **ROTARY, "num_key_value_heads": 4, "moe_intermediate_size": 16, "n_shared_experts": 1,
+        "n_routed_experts": 4, "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8,
+        "v_head_dim": 16, "qk_nope_head_dim": 16, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1, "rms_norm_eps": 1e-6, "routed_scaling_factor": 2.827, "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+            "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 1.0, "beta_slow": 1.0}}),
     # sinks, a sliding window on every other layer, fused experts with biases, clamped SwiGLU
     "gpt_oss": ("gpt_oss", "GptOssConfig", {
         **ROTARY, "intermediate_size": 24, "head_dim": 8, "num_local_experts": 3, "num_experts_per_tok": 2,
@@ -135,6 +148,35 @@ def tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+KIMI_K2_REMOTE = {"model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"],
+                  "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                               "AutoModel": "modeling_deepseek.DeepseekV3Model",
+                               "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"},
+                  "topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1, "ep_size": 1,
+                  "seq_aux": True, "aux_loss_alpha": 0.001, "num_nextn_predict_layers": 0}
+
+
+def as_kimi_k2(hf_dir: Path) -> None:
+    """A transformers DeepSeek-V3 directory's config.json rewritten as Kimi-K2's own (its remote
+    code's DeepseekV3Config: transformers 4's rope_scaling, top-level rope_theta, no rope_parameters)."""
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    rope = cfg.pop("rope_parameters")
+    cfg.pop("rope_interleave", None)
+    cfg.update(KIMI_K2_REMOTE, rope_theta=rope.pop("rope_theta"),
+               rope_scaling={"type": rope.pop("rope_type"), **rope})
+    (hf_dir / "config.json").write_text(json.dumps(cfg))
+
+
+def as_deepseek_v3(hf_dir: Path, dst: Path) -> Path:
+    """A Kimi-K2 directory with model_type deepseek_v3 and no auto_map: transformers has no kimi_k2
+    class, its DeepseekV3ForCausalLM is the model Kimi-K2's remote code runs."""
+    shutil.copytree(hf_dir, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.pop("auto_map")
+    (dst / "config.json").write_text(json.dumps({**cfg, "model_type": "deepseek_v3"}))
+    return dst
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> dict[str, Path]:
     """Each model of MODELS saved with save_pretrained (fp32), plus llama in bf16."""
@@ -142,6 +184,8 @@ def saved(tmp_path_factory) -> dict[str, Path]:
     out = {}
     for name in MODELS:
         build(name).save_pretrained(root / name)
+        if MODELS[name][0] == "kimi_k2":
+            as_kimi_k2(root / name)
         out[name] = root / name
     build("llama", torch.bfloat16).save_pretrained(root / "llama_bf16")
     out["llama_bf16"] = root / "llama_bf16"
@@ -222,8 +266,9 @@ def test_round_trip_is_bitwise(saved, tmp_path, name):
             assert exported[k] == original[k], k
 
 
-@pytest.mark.parametrize("name", ["llama_bias", "mixtral", "gpt2_untied", "qwen3", "qwen3_moe",
-                                  "deepseek_v3", "glm4_moe", "glm4_moe_air", "gpt_oss", "gpt_oss_yarn",
+@pytest.mark.parametrize("name", ["llama_bias", "mistral", "mistral_tied", "mixtral", "gpt2_untied",
+                                  "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe", "glm4_moe_air",
+                                  "gpt_oss", "gpt_oss_yarn",
                                   "nemotron_h"])
 def test_exported_model_computes_the_same(saved, tmp_path, name):
     """The round trip through the universal form loads in transformers with the same logits."""
@@ -233,6 +278,40 @@ def test_exported_model_computes_the_same(saved, tmp_path, name):
         want = build(name)(TOKENS).logits
         got = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(TOKENS).logits
     assert torch.equal(want, got)
+
+
+def test_kimi_k2(saved, tmp_path):
+    """Kimi-K2's config.json imports as DeepSeek-V3 recording kimi_k2; export-hf --arch kimi_k2
+    writes Kimi-K2's config.json (model_type, architectures, auto_map, the remote code's fields);
+    transformers' DeepseekV3ForCausalLM computes the same logits from it (model_type rewritten)
+    as from the source, and an export --arch deepseek_v3 holds the same tensors."""
+    u = import_hf(saved["kimi_k2"], tmp_path / "u", progress=False)
+    src = open_source(u)
+    assert src.manifest.extra["hf_import"]["arch"] == "kimi_k2"
+    assert src.manifest.model["moe_router_score_function"] == "sigmoid"
+    out = export(src, tmp_path / "hf", "kimi_k2", progress=False)
+    cfg = json.loads((out / "config.json").read_text())
+    original = json.loads((saved["kimi_k2"] / "config.json").read_text())
+    for k in (*KIMI_K2_REMOTE, "rope_theta", "rope_scaling", "routed_scaling_factor", "n_group",
+              "topk_group", "first_k_dense_replace", "norm_topk_prob", "q_lora_rank", "kv_lora_rank"):
+        assert cfg[k] == original[k], k
+    with torch.no_grad():
+        want = build("kimi_k2")(TOKENS).logits
+        got = transformers.DeepseekV3ForCausalLM.from_pretrained(
+            as_deepseek_v3(out, tmp_path / "as_v3"), dtype=torch.float32).eval()(TOKENS).logits
+    assert torch.equal(want, got)
+    v3 = export(src, tmp_path / "v3", "deepseek_v3", progress=False)
+    a, b = tensors(out), tensors(v3)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((v3 / "config.json").read_text())["model_type"] == "deepseek_v3"
+
+
+@pytest.mark.parametrize("field, value", [("scoring_func", "softmax"), ("topk_method", "greedy"),
+                                          ("moe_layer_freq", 2)])
+def test_kimi_k2_import_refuses_by_field(saved, tmp_path, field, value):
+    bad = copy_with(saved["kimi_k2"], tmp_path / "bad", config={field: value})
+    with pytest.raises(UCPError, match=f"cannot import HF kimi_k2: config.json {field}="):
+        import_hf(bad, tmp_path / "u", progress=False)
 
 
 def test_hf_directory_is_a_source(saved, tmp_path):
@@ -340,6 +419,11 @@ def test_import_refuses_pickled_weights(saved, tmp_path):
     ("mixtral", "llama", "num_moe_experts"),
     ("llama", "qwen3", "qk_layernorm"),  # Qwen3 always normalizes q and k
     ("mixtral", "qwen3_moe", "qk_layernorm"),
+    ("llama_bias", "mistral", "add_bias_linear"),  # Mistral has no biases
+    ("qwen2", "mistral", "add_qkv_bias"),
+    ("mixtral", "mistral", "num_moe_experts"),
+    ("gpt_oss", "llama", "window_size"),  # a sliding window where the arch has none
+    ("gpt_oss", "mistral", "window_attn_skip_freq"),  # Mistral's window is on every layer
 ])
 def test_export_refuses_what_the_arch_cannot_represent(saved, tmp_path, name, arch, field):
     with pytest.raises(UCPError, match=f"cannot export as HF {arch}: model config {field}"):
@@ -364,6 +448,30 @@ def test_qwen3_export_refuses_by_field(saved, tmp_path, arch, change, field):
     with pytest.raises(UCPError, match=f"cannot export as HF {arch}: model config {field}="):
         export(src, tmp_path / "hf", arch, progress=False)
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("window, field", [([4, 2], "window_size"), ([-1, 0], "window_size")])
+def test_mistral_export_refuses_by_field(saved, tmp_path, window, field):
+    src = HFSource(saved["mistral"])
+    src.manifest.model["window_size"] = window
+    with pytest.raises(UCPError, match=f"cannot export as HF mistral: model config {field}="):
+        export(src, tmp_path / "hf", "mistral", progress=False)
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("window", [0, 2.5, True])
+def test_mistral_import_refuses_a_bad_window(saved, tmp_path, window):
+    bad = copy_with(saved["mistral"], tmp_path / "bad", config={"sliding_window": window})
+    with pytest.raises(UCPError, match="config.json sliding_window="):
+        import_hf(bad, tmp_path / "u", progress=False)
+
+
+def test_mistral_window_is_megatron_cores(saved, tmp_path):
+    """transformers' sliding_window 4 (the token and 3 before) is megatron-core's (3, 0) on every
+    layer; null is no window."""
+    for name, want in (("mistral", [3, 0]), ("mistral_tied", None)):
+        model = open_source(import_hf(saved[name], tmp_path / name, progress=False)).manifest.model
+        assert model.get("window_size") == want and model.get("window_attn_skip_freq") is None
 
 
 def test_export_refuses_bad_models(saved, tmp_path):

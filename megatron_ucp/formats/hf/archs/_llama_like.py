@@ -72,6 +72,8 @@ class LlamaLike(HFArch):
     qk_norm = False  # RMSNorm over each head's q and k (megatron-core: qk_layernorm)
     # config.json's sliding_window alone turns on a window (Mixtral: no use_sliding_window flag)
     window_without_flag = False
+    # config.json's sliding_window is megatron-core's window_size on every layer (Mistral)
+    every_layer_window = False
     qkv_bias_always = False  # q/k/v biases whatever attention_bias says (Qwen2)
     moe_sibling = "mixtral"  # the architecture of this one's MoE models, named when refusing one
 
@@ -91,7 +93,11 @@ class LlamaLike(HFArch):
         arch = self.name
         refuse_hybrid(arch, cfg)
         self.check_qk_norm(cfg)
-        check_common(arch, cfg, allowed=("qk_layernorm",) if self.qk_norm else ())
+        allowed = ("qk_layernorm",) if self.qk_norm else ()
+        if self.every_layer_window:
+            check_every_layer_window(arch, cfg)
+            allowed += ("window_size",)
+        check_common(arch, cfg, allowed=allowed)
         h = Heads.of(cfg)
         if h.heads % h.groups:
             raise fail(arch, "num_query_groups", h.groups, "does not divide num_attention_heads")
@@ -138,7 +144,15 @@ class LlamaLike(HFArch):
                               "rotary_percent would compute another model")
         scaling = rope_args(d, rope, refuse)
         run = {"activation": "swiglu", "rotary_base": theta, **scaling}
-        if d.get("use_sliding_window") or (self.window_without_flag and d.get("sliding_window")):
+        if self.every_layer_window:
+            if d.get("sliding_window") is not None:
+                window = d["sliding_window"]
+                if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+                    raise refuse("sliding_window", "a window is a positive number of tokens (or null)")
+                # transformers' window counts the token itself (kv > q - sliding_window),
+                # megatron-core's window_size (w, 0) does not
+                args["window_size"] = [window - 1, 0]
+        elif d.get("use_sliding_window") or (self.window_without_flag and d.get("sliding_window")):
             raise refuse("sliding_window", "megatron-core's local attention has no sliding window")
         bias_attn, bias_mlp = bool(d.get("attention_bias")), bool(d.get("mlp_bias"))
         if self.qk_norm and bias_attn:
@@ -168,6 +182,22 @@ class LlamaLike(HFArch):
 
     def moe_args(self, d: dict, args: dict, refuse: Refuse) -> None:
         """A MoE architecture's settings in `args` (a dense one has none)."""
+
+
+def check_every_layer_window(arch: str, cfg: dict) -> None:
+    """A window_size megatron-core applies on every layer as transformers' sliding_window: (w, 0)."""
+    window = cfg.get("window_size")
+    if window is None:
+        return
+    if len(window) != 2 or window[1] != 0 or window[0] < 0:
+        raise fail(arch, "window_size", window, f"HF {arch}'s sliding window looks back only, (w, 0) "
+                   "with w >= 0")
+    if cfg.get("window_attn_skip_freq") is not None:
+        raise fail(arch, "window_attn_skip_freq", cfg["window_attn_skip_freq"], f"HF {arch} has the "
+                   "sliding window on every layer")
+    if cfg.get("chunk_attention_size") is not None:
+        raise fail(arch, "chunk_attention_size", cfg["chunk_attention_size"], f"HF {arch} has no "
+                   "chunked attention")
 
 
 def check_rotary(arch: str, cfg: dict, hints: dict) -> None:
