@@ -25,11 +25,13 @@ from megatron_ucp.formats.hf.archs import (
     qwen2,
     qwen3,
     qwen3_moe,
+    qwen3_next,
 )
 from megatron_ucp.formats.hf.archs._base import HFArch, Rule, hints_from_args, keeps_fp32
 
 REGISTRY: dict[str, HFArch] = {module.ARCH.name: module.ARCH for module in (
-    llama, qwen2, mixtral, gpt2, qwen3, qwen3_moe, deepseek_v3, gpt_oss, nemotron_h)}
+    llama, qwen2, mixtral, gpt2, qwen3, qwen3_moe, deepseek_v3, gpt_oss, nemotron_h,
+    qwen3_next)}
 ARCHS = tuple(REGISTRY)  # names: transformers' model_type, export-hf --arch
 
 
