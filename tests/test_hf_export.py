@@ -51,6 +51,18 @@ NEMOTRON_H_MEGATRON = {
         "mamba_state_dim": 8, "mamba_head_dim": 16, "mamba_num_groups": 2, "moe_ffn_hidden_size": 32,
         "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
         "moe_router_topk_scaling_factor": 2.5, "moe_shared_expert_intermediate_size": 64}}
+# megatron-core's Gated DeltaNet GPT (Qwen3-Next; the fla math on CPU: megatron_ucp.testing.gdn_cpu):
+# linear attention (2 key heads of 16 serving 4 value heads of 16) and gated attention with QK-norm
+# and partial rotary (a quarter of head_dim 16) alternating, zero-centered norms, MoE layers (top-2
+# of 4, a gated shared expert) and a dense third layer
+QWEN3_NEXT_MEGATRON = {
+    "num_layers": 4, "qk_layernorm": True, "num_experts": 4, "rotary_percent": 0.25, "extra": {
+        "kv_channels": 16, "layernorm_epsilon": 1e-6, "layernorm_zero_centered_gamma": True,
+        "attention_output_gate": True, "experimental_attention_variant": "gated_delta_net",
+        "linear_attention_freq": [1, 0, 1, 0], "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "moe_layer_freq": [1, 1, 0, 1], "moe_ffn_hidden_size": 32, "moe_shared_expert_intermediate_size": 64,
+        "moe_shared_expert_gate": True}}
 # the test table: the megatron-core model trained per architecture (GPT-OSS: NATIVE_NEW only)
 CFGS = {
     "llama": {**BASE, **ROTARY, "untie_embeddings": True},  # GQA, untied, no biases
@@ -116,6 +128,16 @@ NATIVE_NEW = {
         num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=64,
         routed_scaling_factor=2.5, time_step_min=NO_DT_CLAMP),
         {**BASE, **NEMOTRON_H_MEGATRON, "untie_embeddings": True, "vocab_size": 128,
+         "unpadded_vocab_size": 100}),
+    "qwen3_next": ("Qwen3NextConfig", dict(
+        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=32,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+        mlp_only_layers=[2], rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                              "partial_rotary_factor": 0.25}),
+        {**BASE, **ROTARY, **QWEN3_NEXT_MEGATRON, "untie_embeddings": True, "vocab_size": 128,
          "unpadded_vocab_size": 100}),
 }
 # the architectures trained in megatron-core here, in the registry's order
@@ -229,6 +251,11 @@ def reloaded(runs) -> list[list[dict]]:
             for n, b in model.named_buffers():  # DeepSeek-V3's expert bias is a saved buffer
                 if n.endswith("e_score_correction_bias"):
                     b.normal_(0, 0.2)
+            # Qwen3-Next's gated norm around its initial 1, in [0.5, 2): megatron-core holds it
+            # zero-centered, w - 1, exact there (tensor_transforms `plus_one`)
+            for n, p in model.named_parameters():
+                if n.endswith("linear_attn.norm.weight"):
+                    p.add_(1).clamp_(0.5, 1.99)
             torch.save(model.eval()(torch.tensor(native_tokens(a))).logits, runs / f"native_{a}.pt")
         model.save_pretrained(runs / f"native_{a}")
         import_hf(runs / f"native_{a}", runs / f"native_{a}_imported", progress=False)
@@ -433,8 +460,9 @@ def test_weights_only_import_loads_as_the_full_form(runs, reloaded):
 
 @pytest.mark.parametrize("arch", NATIVE_MODELS)
 def test_transformers_deepseek_v3_and_gpt_oss_in_megatron(runs, reloaded, arch, tmp_path):
-    """A transformers-made DeepSeek-V3 / GPT-OSS / Nemotron-H (every tensor random: expert bias,
-    sinks, router and expert biases, A_log, D, dt_bias) and a Llama 3.1 (llama3 RoPE scaling,
+    """A transformers-made DeepSeek-V3 / GPT-OSS / Nemotron-H / Qwen3-Next (every tensor random:
+    expert bias, sinks, router and expert biases, A_log, D, dt_bias, Gated DeltaNet's projections and
+    conv1d, the shared expert's gate) and a Llama 3.1 (llama3 RoPE scaling,
     before refused) and llama-likes with linear and YaRN RoPE scaling (before refused; 32 tokens
     past an original context of 8) compute the same in megatron-core after import-hf and
     megatron_ucp.load at TP1xDP2; megatron_ucp.save of it exports back to the same safetensors bit
