@@ -126,6 +126,11 @@ class Qwen3Next(HFArch):
 
     # ------------------------------------------------------------------ export
 
+    def fp8_refusal(self, cfg: dict) -> str | None:
+        return ("FP8 weights of HF qwen3_next are not written: which of its linear layers transformers' "
+                "FP8 quantizer replaces (Gated DeltaNet's in_proj_qkvz / in_proj_ba / out_proj, the shared "
+                "expert's gate) is not checked against its replace_with_fp8_linear here")
+
     def check_exportable(self, cfg: dict, hints: dict) -> None:
         arch, get = self.name, cfg.get
         refuse_hybrid(arch, cfg)
