@@ -940,3 +940,24 @@ def test_weights_only_consumers(saved, tmp_path, capsys):
                                            r"Load it with megatron_ucp.load"):
             write(wo, tmp_path / "mlm", Layout(dp=2), None, progress=False)
         assert not (tmp_path / "mlm").exists()
+
+
+def test_gdn_cpu_is_transformers_gated_delta_rule():
+    """The CPU stand-in for fla's chunk_gated_delta_rule (megatron_ucp.testing.gdn_cpu, which runs
+    megatron-core's Gated DeltaNet here) computes transformers' Qwen3-Next recurrence bit for bit
+    and its chunked form (what its forward runs) to rounding, 70 tokens over two chunks of 64."""
+    from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
+
+    from megatron_ucp.testing.gdn_cpu import chunk_gated_delta_rule, l2norm
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 70, 4, 16, generator=g) for _ in range(3))
+    decay, beta = -2 * torch.rand(2, 70, 4, generator=g), torch.rand(2, 70, 4, generator=g)
+    ours, state = chunk_gated_delta_rule(l2norm(q), l2norm(k), v, decay, beta)
+    assert state is None
+    # (transformers 5.12.1 wants the states named)
+    kw = dict(g=decay, beta=beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True)
+    recurrent, _ = qwen3_next.torch_recurrent_gated_delta_rule(q, k, v, **kw)
+    chunked, _ = qwen3_next.torch_chunk_gated_delta_rule(q, k, v, **kw)
+    assert torch.equal(ours, recurrent)
+    assert (ours - chunked).abs().max() <= 1e-5 * chunked.abs().max()
