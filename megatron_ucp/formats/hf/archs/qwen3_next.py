@@ -160,9 +160,10 @@ class Qwen3Next(HFArch):
             ("add_bias_linear", False, "HF qwen3_next has no biases"),
             ("add_qkv_bias", False, "HF qwen3_next has no biases"),
             ("qk_l2_norm", False, "HF qwen3_next's attention has RMSNorm QK-norm")])
-        for field in ("rope_scaling", "rotary_seq_len_interpolation_factor"):
-            if hints.get("use_rope_scaling" if field == "rope_scaling" else field):
-                raise fail(arch, field, True, "RoPE scaling is not exported for HF qwen3_next")
+        for field, hint in (("rope_scaling", "use_rope_scaling"),  # (Megatron-LM's args say them)
+                            ("seq_len_interpolation_factor", "rotary_seq_len_interpolation_factor")):
+            if hints.get(hint):
+                raise fail(arch, field, hints[hint], "RoPE scaling is not exported for HF qwen3_next")
         h = Heads.of(cfg)
         if h.heads % h.groups:
             raise fail(arch, "num_query_groups", h.groups, "does not divide num_attention_heads")
