@@ -27,8 +27,8 @@ from megatron_ucp.testing.launch import launch  # noqa: E402
 
 HF_SCENARIOS = "megatron_ucp.testing.hf_scenarios"
 TOL = 1e-4  # fp32 logits, max abs difference
-REL_TOL = 1e-5  # DeepSeek-V3, GPT-OSS, Nemotron-H: max abs difference / max abs logit
-REL_ARCHS = ("deepseek_v3", "nemotron_h")
+REL_TOL = 1e-5  # DeepSeek-V3, GPT-OSS, Nemotron-H, Qwen3-Next: max abs difference / max abs logit
+REL_ARCHS = ("deepseek_v3", "nemotron_h", "qwen3_next")
 TRUE_VOCAB = 250  # the model pads it to 256 (vocab rows 250..255 must not be exported)
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
             vocab_size=256, unpadded_vocab_size=TRUE_VOCAB, seq_length=32, micro_batch_size=2,
@@ -82,6 +82,9 @@ CFGS = {
                     "extra": {**DEEPSEEK_V3_MEGATRON["extra"], "mtp_num_layers": 1}},
     # tied: transformers' Nemotron-H never ties, the export stores the embedding as lm_head too
     "nemotron_h": {**BASE, **NEMOTRON_H_MEGATRON, "sequence_parallel": True},
+    # Gated DeltaNet and gated attention layers at TP2 (in_proj's six sections split per rank)
+    "qwen3_next": {**BASE, **ROTARY, **QWEN3_NEXT_MEGATRON, "untie_embeddings": True,
+                   "sequence_parallel": True},
 }
 # a transformers Llama built here (biases everywhere, tied, head_dim != hidden / heads) and the
 # megatron-core model of the same architecture (vocabulary 100 padded to 128)
