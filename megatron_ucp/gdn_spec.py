@@ -78,6 +78,23 @@ def _no_kernel(*_: object, **__: object):
                        "structure: it has no forward")
 
 
+def gdn_block_spec(config, te: bool, vp_stage: int | None, args=None):
+    """The rebuild's decoder block spec: Megatron-LM's gpt_builders' (Transformer Engine's) where TE
+    is usable (`te`), else the local one. Refuses MTP layers (`args.mtp_num_layers`)."""
+    from megatron_ucp.errors import UCPError
+
+    if getattr(args, "mtp_num_layers", None):
+        raise UCPError("mtp_num_layers: a Gated DeltaNet model's multi-token prediction layers are not "
+                       "rebuilt by megatron-ucp yet")
+    if not te:
+        return gdn_local_block_spec(config, vp_stage=vp_stage)
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_transformer_block_with_experimental_attention_variant_spec,
+    )
+
+    return get_transformer_block_with_experimental_attention_variant_spec(config, vp_stage=vp_stage)
+
+
 def gdn_local_block_spec(config, vp_stage: int | None = None, norm=ZeroCenteredRMSNorm):
     """The decoder block spec (this pipeline stage's layers) of a Gated DeltaNet GPT model with
     local layers (see above); `norm`: every norm's class."""
@@ -96,8 +113,6 @@ def gdn_local_block_spec(config, vp_stage: int | None = None, norm=ZeroCenteredR
     )
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    from megatron_ucp.formats.megatron_rebuild import replace_module
-
     linear = get_linear_attention_pattern(config)
     moe = get_moe_layer_pattern(config) if config.num_moe_experts else [0] * config.num_layers
     gdn = ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
@@ -107,16 +122,24 @@ def gdn_local_block_spec(config, vp_stage: int | None = None, norm=ZeroCenteredR
         spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts if moe[i] else None,
                                         moe_grouped_gemm=config.moe_grouped_gemm,
                                         qk_layernorm=config.qk_layernorm, normalization=config.normalization)
-        spec = replace_module(spec, WrappedTorchNorm, norm)
+        sub, old = spec.submodules, WrappedTorchNorm
+        attention = dataclasses.replace(sub.self_attention, submodules=_norms(sub.self_attention.submodules,
+                                                                              old, norm))
+        sub = dataclasses.replace(_norms(sub, old, norm), self_attention=attention)
         if linear[i]:
-            keys = {**spec.submodules.sharded_state_dict_keys_map,
-                    "input_layernorm.": "self_attention.in_proj.layer_norm_"}
-            spec = dataclasses.replace(spec, submodules=dataclasses.replace(
-                spec.submodules, self_attention=gdn, sharded_state_dict_keys_map=keys))
+            sub = dataclasses.replace(sub, self_attention=gdn, sharded_state_dict_keys_map={
+                **sub.sharded_state_dict_keys_map, "input_layernorm.": "self_attention.in_proj.layer_norm_"})
+        spec = dataclasses.replace(spec, submodules=sub)
         specs.append(spec)
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     count = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=specs[offset:offset + count], layer_norm=norm)
+
+
+def _norms(submodules, old: type, new):
+    """`submodules` (a dataclass of layer parts) with every `old` norm class replaced by `new`."""
+    return dataclasses.replace(submodules, **{f.name: new for f in dataclasses.fields(submodules)
+                                              if getattr(submodules, f.name) is old})
 
 
 def mark_split_dims(model: torch.nn.Module) -> None:

@@ -37,7 +37,7 @@ from megatron_ucp.formats.megatron_common import (
 )
 from megatron_ucp.formats.megatron_hybrid import build_hybrid_chunk
 from megatron_ucp.formats.megatron_te import te_on_meta, uses_te
-from megatron_ucp.gdn_spec import gdn_buildable, gdn_local_block_spec, is_gdn_model, mark_split_dims
+from megatron_ucp.gdn_spec import gdn_block_spec, gdn_buildable, is_gdn_model, mark_split_dims
 from megatron_ucp.mcore_compat.config import config_kwargs_from_args, rederive_weight_shards
 from megatron_ucp.mcore_compat.mamba import (
     mamba_conv1d_is_module,
@@ -273,19 +273,8 @@ def _build_chunk(args, config, vp: int | None):
     qk_l2_norm = getattr(args, "qk_l2_norm", False)
     te = uses_te(args)  # a TE run with TE usable here: TE's layers, else the local spec
     if is_gdn_model(args):  # Gated DeltaNet (Qwen3-Next): gpt_builders' spec, or its local one
-        if getattr(args, "mtp_num_layers", None):
-            raise UCPError("a Gated DeltaNet model's multi-token prediction layers are not rebuilt by "
-                           "megatron-ucp yet (mtp_num_layers)")
-        if te:
-            from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
-                get_transformer_block_with_experimental_attention_variant_spec as gdn_te_block_spec,
-            )
-
-            spec = gdn_te_block_spec(config, vp_stage=vp)
-        else:
-            spec = gdn_local_block_spec(config, vp_stage=vp)
         with gdn_buildable():
-            return _gpt_model(args, config, spec, None, vp)
+            return _gpt_model(args, config, gdn_block_spec(config, te, vp, args), None, vp)
     if getattr(args, "num_experts", None):
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te,
                                           normalization=args.normalization, qk_l2_norm=qk_l2_norm,
