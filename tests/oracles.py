@@ -867,10 +867,10 @@ def split_qkv(t: torch.Tensor, heads: int, groups: int) -> tuple[torch.Tensor, t
             g[:, (per_group + 1) * d:].reshape(flat))
 
 
-def hf_expected(master: dict[str, torch.Tensor], arch: str, heads: int, groups: int, vocab: int
-                ) -> dict[str, torch.Tensor]:
+def hf_expected(master: dict[str, torch.Tensor], arch: str, heads: int, groups: int, vocab: int,
+                linear_key_heads: int = 0) -> dict[str, torch.Tensor]:
     """The tensors a transformers `arch` (llama, qwen2, mistral, mixtral, qwen3, qwen3_moe, gpt2,
-    deepseek_v3, kimi_k2, glm4_moe, gpt_oss or nemotron_h) checkpoint of the
+    deepseek_v3, kimi_k2, glm4_moe, gpt_oss, nemotron_h or qwen3_next) checkpoint of the
     megatron-core GPT with full master weights `master` (universal names) holds, by the textbook
     correspondences:
     megatron's fused linear_qkv rows are per query group [q heads of the group; k; v] (head_dim
@@ -953,6 +953,8 @@ def hf_expected(master: dict[str, torch.Tensor], arch: str, heads: int, groups: 
         out.update(_gpt_oss_expected(master, heads, groups, vocab, layers))
     elif arch == "nemotron_h":
         out.update(_nemotron_h_expected(master, heads, groups, vocab, layers))
+    elif arch == "qwen3_next":
+        out.update(_qwen3_next_expected(master, heads, groups, vocab, layers, linear_key_heads))
     else:
         raise ValueError(arch)
     return {k: v.contiguous() for k, v in out.items()}
@@ -1322,3 +1324,80 @@ def hybrid_dp_reshardable_full(ckpt: Path, common: dict | None = None) -> dict[s
                                                     "numel_unpadded/shard_0_1"))} == read
     return {n: {"model": full_model[n], **{s: hybrid_full_tensor(n, c[s], sections) for s in STATES}}
             for n, c in copies.items()}
+
+
+def _qwen3_next_expected(master: dict[str, torch.Tensor], heads: int, groups: int, vocab: int,
+                         layers: list[int], key_heads: int) -> dict[str, torch.Tensor]:
+    """HF Qwen3-Next (Hub layout: experts one tensor each) of a megatron-core Gated DeltaNet GPT,
+    row by row: gated attention's linear_qkv per query group is [q heads; their gates; k; v] and
+    HF's q_proj per head [query; gate]; a linear-attention layer's in_proj is [q; k; v; z; beta;
+    alpha] over all heads, HF's in_proj_qkvz per key head g [q_g; k_g; v and z of the value heads g
+    serves] and in_proj_ba per key head [beta; alpha of those heads]; HF's gated norm is megatron's
+    zero-centered out_norm plus 1; every other norm is stored as w in both."""
+    out = {"model.embed_tokens.weight": master[WORD][:vocab],
+           "model.norm.weight": master["decoder.final_layernorm.weight"]}
+    if "output_layer.weight" in master:
+        out["lm_head.weight"] = master["output_layer.weight"][:vocab]
+    for i in layers:
+        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        if m + "self_attention.in_proj.weight" in master:
+            a = m + "self_attention."
+            out[h + "input_layernorm.weight"] = master[a + "in_proj.layer_norm_weight"]
+            value_heads, v_dim = master[a + "A_log"].shape[0], master[a + "out_norm.weight"].shape[0]
+            per = value_heads // key_heads
+            k_dim = (master[a + "conv1d.weight"].shape[0] - value_heads * v_dim) // (2 * key_heads)
+            w = master[a + "in_proj.weight"]
+            qk, vv = key_heads * k_dim, value_heads * v_dim
+            q, k, v, z = w[:qk], w[qk:2 * qk], w[2 * qk:2 * qk + vv], w[2 * qk + vv:2 * qk + 2 * vv]
+            b, alpha = w[2 * qk + 2 * vv:2 * qk + 2 * vv + value_heads], w[2 * qk + 2 * vv + value_heads:]
+            qkvz, ba = [], []
+            for g in range(key_heads):
+                heads_of_g = range(g * per, (g + 1) * per)
+                qkvz += [q[g * k_dim:(g + 1) * k_dim], k[g * k_dim:(g + 1) * k_dim]]
+                qkvz += [v[j * v_dim:(j + 1) * v_dim] for j in heads_of_g]
+                qkvz += [z[j * v_dim:(j + 1) * v_dim] for j in heads_of_g]
+                ba += [b[j:j + 1] for j in heads_of_g] + [alpha[j:j + 1] for j in heads_of_g]
+            out[h + "linear_attn.in_proj_qkvz.weight"] = torch.cat(qkvz)
+            out[h + "linear_attn.in_proj_ba.weight"] = torch.cat(ba)
+            for mine, theirs in (("conv1d.weight", "conv1d.weight"), ("A_log", "A_log"),
+                                 ("dt_bias", "dt_bias"), ("out_proj.weight", "out_proj.weight")):
+                out[h + "linear_attn." + theirs] = master[a + mine]
+            out[h + "linear_attn.norm.weight"] = master[a + "out_norm.weight"] + 1
+        else:
+            a = m + "self_attention."
+            out[h + "input_layernorm.weight"] = master[a + "linear_qkv.layer_norm_weight"]
+            w, per = master[a + "linear_qkv.weight"], heads // groups
+            d = w.shape[0] // (groups * (2 * per + 2))
+            q_rows, k_rows, v_rows = [], [], []
+            for g in range(groups):
+                block = w[g * (2 * per + 2) * d:(g + 1) * (2 * per + 2) * d]
+                for j in range(per):  # each head's query, then its gate
+                    q_rows += [block[j * d:(j + 1) * d], block[(per + j) * d:(per + j + 1) * d]]
+                k_rows.append(block[2 * per * d:(2 * per + 1) * d])
+                v_rows.append(block[(2 * per + 1) * d:])
+            out[h + "self_attn.q_proj.weight"] = torch.cat(q_rows)
+            out[h + "self_attn.k_proj.weight"] = torch.cat(k_rows)
+            out[h + "self_attn.v_proj.weight"] = torch.cat(v_rows)
+            out[h + "self_attn.o_proj.weight"] = master[a + "linear_proj.weight"]
+            out[h + "self_attn.q_norm.weight"] = master[a + "q_layernorm.weight"]
+            out[h + "self_attn.k_norm.weight"] = master[a + "k_layernorm.weight"]
+        if m + "mlp.router.weight" in master:
+            out[h + "post_attention_layernorm.weight"] = master[m + "pre_mlp_layernorm.weight"]
+            out[h + "mlp.gate.weight"] = master[m + "mlp.router.weight"]
+            experts = {int(n.split(".")[6]) for n in master if n.startswith(m + "mlp.experts.experts.")}
+            for e in sorted(experts):
+                x, y = f"{m}mlp.experts.experts.{e}.", f"{h}mlp.experts.{e}."
+                gate, up = master[x + "linear_fc1.weight"].chunk(2)
+                out[y + "gate_proj.weight"], out[y + "up_proj.weight"] = gate, up
+                out[y + "down_proj.weight"] = master[x + "linear_fc2.weight"]
+            s = m + "mlp.shared_experts."
+            out[h + "mlp.shared_expert.gate_proj.weight"], out[h + "mlp.shared_expert.up_proj.weight"] = \
+                master[s + "linear_fc1.weight"].chunk(2)
+            out[h + "mlp.shared_expert.down_proj.weight"] = master[s + "linear_fc2.weight"]
+            out[h + "mlp.shared_expert_gate.weight"] = master[s + "gate_weight"]
+        else:
+            out[h + "post_attention_layernorm.weight"] = master[m + "mlp.linear_fc1.layer_norm_weight"]
+            gate, up = master[m + "mlp.linear_fc1.weight"].chunk(2)
+            out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
+            out[h + "mlp.down_proj.weight"] = master[m + "mlp.linear_fc2.weight"]
+    return out

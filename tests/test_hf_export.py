@@ -27,8 +27,8 @@ from megatron_ucp.testing.launch import launch  # noqa: E402
 
 HF_SCENARIOS = "megatron_ucp.testing.hf_scenarios"
 TOL = 1e-4  # fp32 logits, max abs difference
-REL_TOL = 1e-5  # Mistral, DeepSeek-V3, GLM-4.5, GPT-OSS, Nemotron-H: max abs difference / max abs logit
-REL_ARCHS = ("mistral", "deepseek_v3", "glm4_moe", "nemotron_h")
+REL_TOL = 1e-5  # Mistral, DeepSeek-V3, GLM-4.5, GPT-OSS, Nemotron-H, Qwen3-Next: max abs / max abs logit
+REL_ARCHS = ("mistral", "deepseek_v3", "glm4_moe", "nemotron_h", "qwen3_next")
 TRUE_VOCAB = 250  # the model pads it to 256 (vocab rows 250..255 must not be exported)
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
             vocab_size=256, unpadded_vocab_size=TRUE_VOCAB, seq_length=32, micro_batch_size=2,
@@ -59,6 +59,18 @@ GLM4_MOE_MEGATRON = {"qk_layernorm": True, "num_experts": 4, "rotary_percent": 0
     "moe_router_enable_expert_bias": True, "moe_router_topk_scaling_factor": 2.5,
     "moe_shared_expert_intermediate_size": 64, "moe_ffn_hidden_size": 32, "moe_router_num_groups": 2,
     "moe_router_group_topk": 1}}
+# megatron-core's Gated DeltaNet GPT (Qwen3-Next; the fla math on CPU: megatron_ucp.testing.gdn_cpu):
+# linear attention (2 key heads of 16 serving 4 value heads of 16) and gated attention with QK-norm
+# and partial rotary (a quarter of head_dim 16) alternating, zero-centered norms, MoE layers (top-2
+# of 4, a gated shared expert) and a dense third layer
+QWEN3_NEXT_MEGATRON = {
+    "num_layers": 4, "qk_layernorm": True, "num_experts": 4, "rotary_percent": 0.25, "extra": {
+        "kv_channels": 16, "layernorm_epsilon": 1e-6, "layernorm_zero_centered_gamma": True,
+        "attention_output_gate": True, "experimental_attention_variant": "gated_delta_net",
+        "linear_attention_freq": [1, 0, 1, 0], "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "moe_layer_freq": [1, 1, 0, 1], "moe_ffn_hidden_size": 32, "moe_shared_expert_intermediate_size": 64,
+        "moe_shared_expert_gate": True}}
 # the test table: the megatron-core model trained per architecture (GPT-OSS: NATIVE_NEW only)
 CFGS = {
     "llama": {**BASE, **ROTARY, "untie_embeddings": True},  # GQA, untied, no biases
@@ -83,6 +95,9 @@ CFGS = {
                  "extra": {**GLM4_MOE_MEGATRON["extra"], "mtp_num_layers": 1}},
     # tied: transformers' Nemotron-H never ties, the export stores the embedding as lm_head too
     "nemotron_h": {**BASE, **NEMOTRON_H_MEGATRON, "sequence_parallel": True},
+    # Gated DeltaNet and gated attention layers at TP2 (in_proj's six sections split per rank)
+    "qwen3_next": {**BASE, **ROTARY, **QWEN3_NEXT_MEGATRON, "untie_embeddings": True,
+                   "sequence_parallel": True},
 }
 # a transformers Llama built here (biases everywhere, tied, head_dim != hidden / heads) and the
 # megatron-core model of the same architecture (vocabulary 100 padded to 128)
@@ -144,6 +159,16 @@ NATIVE_NEW = {
         num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=64,
         routed_scaling_factor=2.5, time_step_min=NO_DT_CLAMP),
         {**BASE, **NEMOTRON_H_MEGATRON, "untie_embeddings": True, "vocab_size": 128,
+         "unpadded_vocab_size": 100}),
+    "qwen3_next": ("Qwen3NextConfig", dict(
+        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=32,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+        mlp_only_layers=[2], rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                              "partial_rotary_factor": 0.25}),
+        {**BASE, **ROTARY, **QWEN3_NEXT_MEGATRON, "untie_embeddings": True, "vocab_size": 128,
          "unpadded_vocab_size": 100}),
 }
 # the architectures trained in megatron-core here, in the registry's order
@@ -262,6 +287,11 @@ def reloaded(runs) -> list[list[dict]]:
             for n, b in model.named_buffers():  # DeepSeek-V3's expert bias is a saved buffer
                 if n.endswith("e_score_correction_bias"):
                     b.normal_(0, 0.2)
+            # Qwen3-Next's gated norm around its initial 1, in [0.5, 2): megatron-core holds it
+            # zero-centered, w - 1, exact there (tensor_transforms `plus_one`)
+            for n, p in model.named_parameters():
+                if n.endswith("linear_attn.norm.weight"):
+                    p.add_(1).clamp_(0.5, 1.99)
             torch.save(model.eval()(torch.tensor(native_tokens(a))).logits, runs / f"native_{a}.pt")
         model.save_pretrained(runs / f"native_{a}")
         import_hf(runs / f"native_{a}", runs / f"native_{a}_imported", progress=False)
@@ -491,8 +521,9 @@ def test_weights_only_import_loads_as_the_full_form(runs, reloaded):
 
 @pytest.mark.parametrize("arch", NATIVE_MODELS)
 def test_transformers_deepseek_v3_and_gpt_oss_in_megatron(runs, reloaded, arch, tmp_path):
-    """A transformers-made DeepSeek-V3 / GPT-OSS / Nemotron-H (every tensor random: expert bias,
-    sinks, router and expert biases, A_log, D, dt_bias) and a Llama 3.1 (llama3 RoPE scaling,
+    """A transformers-made DeepSeek-V3 / GPT-OSS / Nemotron-H / Qwen3-Next (every tensor random:
+    expert bias, sinks, router and expert biases, A_log, D, dt_bias, Gated DeltaNet's projections and
+    conv1d, the shared expert's gate) and a Llama 3.1 (llama3 RoPE scaling,
     before refused) and llama-likes with linear and YaRN RoPE scaling (before refused; 32 tokens
     past an original context of 8) compute the same in megatron-core after import-hf and
     megatron_ucp.load at TP1xDP2; megatron_ucp.save of it exports back to the same safetensors bit

@@ -321,6 +321,7 @@ def test_import_refuses_what_is_not_blockwise_fp8(dirs, tmp_path, config, change
     ("gpt2", "GPT-2's linear layers are transformers Conv1D modules"),
     ("gpt_oss", "GPT-OSS's experts have biases"),
     ("nemotron_h", "hybrid_layer_pattern='ME\\*-' has MoE layers"),
+    ("qwen3_next", "FP8 weights of HF qwen3_next are not written"),
 ])
 def test_export_fp8_refuses_what_transformers_cannot_load(tmp_path, name, message):
     build(name).save_pretrained(tmp_path / "src")

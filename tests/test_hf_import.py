@@ -118,6 +118,16 @@ MODELS = {  # name -> (arch, config class, kwargs)
         mamba_num_heads=8, mamba_head_dim=8, n_groups=2, n_routed_experts=3, num_experts_per_tok=2,
         moe_intermediate_size=24, moe_shared_expert_intermediate_size=16, routed_scaling_factor=2.5,
         time_step_min=NO_DT_CLAMP, chunk_size=8)),
+    # linear attention (Gated DeltaNet: 2 key heads of 8 serving 4 value heads of 8) and gated
+    # attention with QK-norm and partial rotary (a quarter of head_dim 16), MoE layers (top-2 of 3,
+    # a gated shared expert) and a dense one (mlp_only_layers), zero-centered norms
+    "qwen3_next": ("qwen3_next", "Qwen3NextConfig", {
+        **ROTARY, "num_hidden_layers": 4, "head_dim": 16, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        "num_experts": 3, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 24, "mlp_only_layers": [2],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}),
     "gpt2": ("gpt2", "GPT2Config", dict(vocab_size=100, n_embd=32, n_layer=2, n_head=4,
                                         n_positions=64, activation_function="gelu")),
     "gpt2_untied": ("gpt2", "GPT2Config", dict(vocab_size=100, n_embd=32, n_layer=2, n_head=4,
@@ -137,6 +147,11 @@ def build(name: str, dtype: torch.dtype = torch.float32):
         for n, b in model.named_buffers():  # DeepSeek-V3's expert bias is a (saved) buffer
             if n.endswith("e_score_correction_bias"):
                 b.normal_(0, 0.2)
+        # Qwen3-Next's gated norm around its initial 1, in [0.5, 2): megatron-core holds it
+        # zero-centered, w - 1, exact there (tensor_transforms `plus_one`)
+        for n, p in model.named_parameters():
+            if n.endswith("linear_attn.norm.weight"):
+                p.add_(1).clamp_(0.5, 1.99)
     return model.to(dtype).eval()
 
 
@@ -233,7 +248,8 @@ def test_round_trip_is_bitwise(saved, tmp_path, name):
     cfg = json.loads((saved[name] / "config.json").read_text())
     heads = cfg.get("num_attention_heads") or cfg["n_head"]
     want = oracles.hf_expected({n: universal_read[f"{n}/param"] for n in manifest["params"]}, arch,
-                               heads, cfg.get("num_key_value_heads") or heads, cfg["vocab_size"])
+                               heads, cfg.get("num_key_value_heads") or heads, cfg["vocab_size"],
+                               linear_key_heads=cfg.get("linear_num_key_heads") or 0)
     if arch == "nemotron_h":  # (the oracle spells the embedding as transformers 5.23.0 saves it)
         want[NEMOTRON_H_EMBEDDING] = want.pop("backbone.embeddings.weight")
     a = tensors(saved[name])
@@ -269,7 +285,7 @@ def test_round_trip_is_bitwise(saved, tmp_path, name):
 @pytest.mark.parametrize("name", ["llama_bias", "mistral", "mistral_tied", "mixtral", "gpt2_untied",
                                   "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe", "glm4_moe_air",
                                   "gpt_oss", "gpt_oss_yarn",
-                                  "nemotron_h"])
+                                  "nemotron_h", "qwen3_next"])
 def test_exported_model_computes_the_same(saved, tmp_path, name):
     """The round trip through the universal form loads in transformers with the same logits."""
     import_hf(saved[name], tmp_path / "u", progress=False)
@@ -663,6 +679,38 @@ def test_import_refuses_mtp_copies_that_differ(saved, tmp_path):
 ])
 def test_new_arch_export_refuses_by_field(saved, tmp_path, name, arch, change, field):
     _assert_export_refused(saved, tmp_path, name, arch, change, field)
+
+
+@pytest.mark.parametrize("name, arch, change, field", [
+    ("qwen3_next", "qwen3_next", {"layernorm_zero_centered_gamma": False}, "layernorm_zero_centered_gamma"),
+    ("qwen3_next", "qwen3_next", {"attention_output_gate": False}, "attention_output_gate"),
+    ("qwen3_next", "qwen3_next", {"moe_shared_expert_gate": False}, "moe_shared_expert_gate"),
+    ("qwen3_next", "qwen3_next", {"moe_router_score_function": "sigmoid"}, "moe_router_score_function"),
+    ("qwen3_next", "qwen3_next", {"mtp_num_layers": 1}, "mtp_num_layers"),
+    ("qwen3_next", "qwen3_next", {"rotary_interleaved": True}, "rotary_interleaved"),
+    ("qwen3_next", "qwen3_next", {"linear_attention_freq": None}, "linear_attention_freq"),
+    ("qwen3_next", "qwen3_moe", {}, "attention_output_gate"),  # the older archs refuse it
+    ("qwen3_moe", "qwen3_next", {}, "experimental_attention_variant"),
+])
+def test_qwen3_next_export_refuses_by_field(saved, tmp_path, name, arch, change, field):
+    _assert_export_refused(saved, tmp_path, name, arch, change, field)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(config={"layer_types": ["linear_attention", "sliding_attention", "linear_attention",
+                                  "full_attention"]}), "config.json layer_types="),
+    (dict(config={"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}),
+     "rope_parameters.rope_type='yarn'"),
+    (dict(config={"hidden_act": "gelu"}), "config.json hidden_act='gelu'"),
+    (dict(config={"linear_num_value_heads": 3}), "config.json linear_num_value_heads=3: is no multiple"),
+    # Hub checkpoints carry an MTP layer transformers ignores: refused, not dropped
+    (dict(add={"mtp.fc.weight": torch.zeros(32, 64)}), "holds 1 multi-token prediction tensors"),
+])
+def test_qwen3_next_import_refuses(saved, tmp_path, change, message):
+    bad = copy_with(saved["qwen3_next"], tmp_path / "bad", **change)
+    with pytest.raises(UCPError, match=message):
+        import_hf(bad, tmp_path / "u", progress=False)
+    assert not (tmp_path / "u").exists()
 
 
 def _assert_export_refused(saved, tmp_path, name: str, arch: str, change: dict, field: str) -> None:
@@ -1129,3 +1177,24 @@ def test_weights_only_consumers(saved, tmp_path, capsys):
                                            r"Load it with megatron_ucp.load"):
             write(wo, tmp_path / "mlm", Layout(dp=2), None, progress=False)
         assert not (tmp_path / "mlm").exists()
+
+
+def test_gdn_cpu_is_transformers_gated_delta_rule():
+    """The CPU stand-in for fla's chunk_gated_delta_rule (megatron_ucp.testing.gdn_cpu, which runs
+    megatron-core's Gated DeltaNet here) computes transformers' Qwen3-Next recurrence bit for bit
+    and its chunked form (what its forward runs) to rounding, 70 tokens over two chunks of 64."""
+    from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
+
+    from megatron_ucp.testing.gdn_cpu import chunk_gated_delta_rule, l2norm
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 70, 4, 16, generator=g) for _ in range(3))
+    decay, beta = -2 * torch.rand(2, 70, 4, generator=g), torch.rand(2, 70, 4, generator=g)
+    ours, state = chunk_gated_delta_rule(l2norm(q), l2norm(k), v, decay, beta)
+    assert state is None
+    # (transformers 5.12.1 wants the states named)
+    kw = dict(g=decay, beta=beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True)
+    recurrent, _ = qwen3_next.torch_recurrent_gated_delta_rule(q, k, v, **kw)
+    chunked, _ = qwen3_next.torch_chunk_gated_delta_rule(q, k, v, **kw)
+    assert torch.equal(ours, recurrent)
+    assert (ours - chunked).abs().max() <= 1e-5 * chunked.abs().max()

@@ -117,7 +117,7 @@ KNOWN_PRIVATE = frozenset({
     "_copy_main_params_to_model_params", "_get_param_groups", "_set_checkpointing",
     "_unset_checkpointing", "_fork_rng", "_set_all_rng_states", "_get_all_rng_states",
     "_batched_p2p_ops", "_p2p_ops", "_communicate_shapes", "_communicate",
-    "_GLOBAL_NUM_MICROBATCHES_CALCULATOR",
+    "_GLOBAL_NUM_MICROBATCHES_CALCULATOR", "_GDNBase",
 })
 RELEASE_TEXT = re.compile(r"^\d+\.\d+")
 

@@ -37,6 +37,7 @@ from megatron_ucp.formats.megatron_common import (
 )
 from megatron_ucp.formats.megatron_hybrid import build_hybrid_chunk
 from megatron_ucp.formats.megatron_te import te_on_meta, uses_te
+from megatron_ucp.gdn_spec import gdn_block_spec, gdn_buildable, is_gdn_model, mark_split_dims
 from megatron_ucp.mcore_compat.config import config_kwargs_from_args, rederive_weight_shards
 from megatron_ucp.mcore_compat.mamba import (
     mamba_conv1d_is_module,
@@ -263,9 +264,6 @@ def build_chunks(args) -> list:
 
 
 def _build_chunk(args, config, vp: int | None):
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec,
         get_gpt_decoder_layer_specs,
@@ -274,6 +272,9 @@ def _build_chunk(args, config, vp: int | None):
 
     qk_l2_norm = getattr(args, "qk_l2_norm", False)
     te = uses_te(args)  # a TE run with TE usable here: TE's layers, else the local spec
+    if is_gdn_model(args):  # Gated DeltaNet (Qwen3-Next): gpt_builders' spec, or its local one
+        with gdn_buildable():
+            return _gpt_model(args, config, gdn_block_spec(config, te, vp, args), None, vp)
     if getattr(args, "num_experts", None):
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te,
                                           normalization=args.normalization, qk_l2_norm=qk_l2_norm,
@@ -297,6 +298,14 @@ def _build_chunk(args, config, vp: int | None):
 
         spec = replace_module(spec, DotProductAttention, _MLACoreAttentionSpecOnly)
         mtp_spec = replace_module(mtp_spec, DotProductAttention, _MLACoreAttentionSpecOnly)
+    return _gpt_model(args, config, spec, mtp_spec, vp)
+
+
+def _gpt_model(args, config, spec, mtp_spec, vp: int | None):
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+
     model = GPTModel(
         config=config, transformer_layer_spec=spec, mtp_block_spec=mtp_spec,
         vocab_size=args.padded_vocab_size,
@@ -313,6 +322,8 @@ def _build_chunk(args, config, vp: int | None):
         seq_len_interpolation_factor=getattr(args, "rotary_seq_len_interpolation_factor", None),
         vp_stage=vp,
     )
+    if is_gdn_model(args):
+        mark_split_dims(model)
     for p in model.parameters():
         tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
     return model

@@ -53,10 +53,10 @@ _NAMES = {
     "hybrid_layer_pattern": "mamba", "args_hybrid_pattern": "mamba", "mamba_modules": "mamba",
     "mamba_conv1d_is_module": "mamba", "saved_parameter_order": "mamba",
     "saved_mamba_conv1d_form": "mamba", "mamba_state_key": "mamba",
-    "megatron_param_groups": "optimizer",
+    "megatron_param_groups": "optimizer", "gdn_modules": "gdn",
 }
 _MODULES = ("release", "config", "moe", "mamba", "pickling", "dist_ckpt", "optimizer", "schedules",
-            "training")
+            "training", "gdn")
 
 __all__ = sorted(_NAMES)
 

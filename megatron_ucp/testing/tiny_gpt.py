@@ -46,6 +46,7 @@ from megatron.core.transformer.transformer_block import (
 
 from megatron_ucp.formats.megatron_common import YARN_FROM_ARGS
 from megatron_ucp.formats.megatron_rebuild import replace_module
+from megatron_ucp.gdn_spec import gdn_local_block_spec, is_gdn_model
 from megatron_ucp.layout import Layout
 from megatron_ucp.testing import cpu_shim  # noqa: F401  (must precede megatron.core)
 from megatron_ucp.testing.cp_attention import ContextParallelDotProductAttention, split_for_cp
@@ -233,7 +234,11 @@ def build(cfg: TinyGPTConfig, layout: Layout) -> TrainState:
     for vp_stage in range(layout.vpp or 1):
         vp = vp_stage if layout.vpp else None
         spec = layer_spec
-        if mixed:
+        if is_gdn_model(tf_config):  # Gated DeltaNet (Qwen3-Next): the fla math on CPU is gdn_cpu
+            if not REAL_CUDA:
+                from megatron_ucp.testing import gdn_cpu  # noqa: F401
+            spec = gdn_local_block_spec(tf_config, vp_stage=vp)
+        elif mixed:
             spec = stand_ins(get_gpt_decoder_block_spec(tf_config, cfg.transformer_impl != "local",
                                                         normalization=cfg.normalization, vp_stage=vp))
             if cfg.sequence_parallel:

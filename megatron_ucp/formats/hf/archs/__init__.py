@@ -33,12 +33,13 @@ from megatron_ucp.formats.hf.archs import (
     qwen2,
     qwen3,
     qwen3_moe,
+    qwen3_next,
 )
 from megatron_ucp.formats.hf.archs._base import HFArch, Rule, hints_from_args, keeps_fp32
 
 REGISTRY: dict[str, HFArch] = {module.ARCH.name: module.ARCH for module in (
     llama, qwen2, mistral, mixtral, gpt2, qwen3, qwen3_moe, deepseek_v3, kimi_k2, glm4_moe, gpt_oss,
-    nemotron_h)}
+    nemotron_h, qwen3_next)}
 ARCHS = tuple(REGISTRY)  # names: transformers' model_type, export-hf --arch
 # model types users bring that no megatron-core model (0.16.1 .. 0.19.2, GPTModel or MambaModel)
 # computes, and what it lacks: refused by name, never imported as a near relative. (Bridge trains
