@@ -23,6 +23,7 @@ from megatron_ucp.formats.base import check_same_params, not_committed
 from megatron_ucp.formats.megatron_pickle import MEGATRON_HOLDS, unpickle
 from megatron_ucp.formats.megatron_te import te_unavailable
 from megatron_ucp.layout import Layout
+from megatron_ucp.spec import UNRESHARDABLE_STATES
 
 # a hybrid model's layer pattern in Megatron-LM args, whichever release's name holds it (the
 # formats' shared name for it)
@@ -494,6 +495,10 @@ def layer_wise_family(states: set[str], args, where: str) -> str:
         return "lion"
     if names == {"momentum_buffer"} and getattr(args, "optimizer", None) in ("muon", "dist_muon"):
         return "muon"
+    if names & {"L", "R", "Q_L", "Q_R"}:  # (emerging_optimizers SOAP's Kronecker factors)
+        raise UCPError(f"{where}: SOAP optimizer state {sorted(names)} (--optimizer "
+                       f"{getattr(args, 'optimizer', None)}): {UNRESHARDABLE_STATES['soap']}; resume "
+                       "the run with Megatron-LM itself, or convert its weights only")
     raise UCPError(f"{where}: a LayerWiseDistributedOptimizer state {sorted(names)} (--optimizer "
                    f"{getattr(args, 'optimizer', None)}) that megatron-ucp does not map (it reads "
                    "Muon's momentum_buffer, Lion's exp_avg and Adam's exp_avg/exp_avg_sq); resume "
