@@ -76,15 +76,16 @@ def family(torch_optimizer, group: dict) -> str:
             # run to test a layout of its state against)
             raise UCPError(f"optimizer {_qualname(opt)} (--optimizer adaptive_muon) is not "
                            "supported by megatron-ucp yet: megatron-core 0.19.2 cannot train it "
-                           "(TensorParallelAdaptiveMuon has no attribute 'scale_mode'); resume "
-                           "weights only (load(..., reset_optimizer=True))")
+                           "(TensorParallelAdaptiveMuon has no attribute 'scale_mode'); a run "
+                           "with it can neither save nor load (not even with reset_optimizer)")
         if name in ("TensorParallelMuon", "Muon"):
             return "muon"
         if name == "SOAP":  # recognised, its state not saved (UNRESHARDABLE_STATES)
             return "soap"
     raise UCPError(f"optimizer {_qualname(opt)} is not supported by megatron-ucp: its state has "
                    f"no layout megatron-ucp can reshard (supported: {SUPPORTED}). Train with one "
-                   "of those, or resume weights only (load(..., reset_optimizer=True))")
+                   "of those: a run with it can neither save nor load (not even with "
+                   "reset_optimizer)")
 
 
 def hyperparameters(torch_optimizer) -> dict:
@@ -216,7 +217,8 @@ class _PrecisionAwareUnit(_DistributedUnit):
         if isinstance(self.torch_optimizer, HybridDeviceOptimizer):
             raise UCPError("the precision-aware optimizer (--use-precision-aware-optimizer) with "
                            "--optimizer-cpu-offload is not supported by megatron-ucp: train with one "
-                           "of them, or resume weights only (load(..., reset_optimizer=True))")
+                           "of them: such a run can neither save nor load (not even with "
+                           "reset_optimizer)")
         self._staged: dict = {}
 
     def tensors(self, param):

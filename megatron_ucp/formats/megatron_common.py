@@ -23,12 +23,12 @@ from megatron_ucp.formats.base import check_same_params, not_committed
 from megatron_ucp.formats.megatron_pickle import MEGATRON_HOLDS, unpickle
 from megatron_ucp.formats.megatron_te import te_unavailable
 from megatron_ucp.layout import Layout
-from megatron_ucp.spec import UNRESHARDABLE_STATES
 
 # a hybrid model's layer pattern in Megatron-LM args, whichever release's name holds it (the
 # formats' shared name for it)
 from megatron_ucp.mcore_compat.mamba import args_hybrid_pattern as hybrid_layer_pattern
 from megatron_ucp.mcore_compat.mamba import set_hybrid_pattern_for_pp
+from megatron_ucp.spec import UNRESHARDABLE_STATES
 from megatron_ucp.storage import Location, location, refuse_non_empty
 from megatron_ucp.validation import check_layout
 
