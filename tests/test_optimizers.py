@@ -4,7 +4,9 @@ Each case is a transition test (tests/test_transitions.check_transition): after 
 model tensor and every optimizer state the optimizer holds (Adam's moments and step, SGD's and
 Muon's momentum buffers, Lion's momentum) equals bitwise an independent assembly of the saved run
 (megatron-core's own structures, tests/reference.py), a re-save consolidates to the same universal
-tensors, and the loss continues the uninterrupted run's.
+tensors, and the loss continues the uninterrupted run's. SOAP, whose state has no universal form,
+is tested for what is true of it: its save refused by name, its run loading weights with
+reset_optimizer.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from megatron_ucp.testing.launch import LaunchError, launch
 
 HAS_EMERGING = importlib.util.find_spec("emerging_optimizers") is not None
 NEEDS_EMERGING = pytest.mark.skipif(
-    not HAS_EMERGING, reason=f"{RELEASE_SKIP}Muon and Lion come with emerging-optimizers, which needs "
-                             "Python >= 3.12 (the megatron-core 0.19 venv)")
+    not HAS_EMERGING, reason=f"{RELEASE_SKIP}Muon, Lion and SOAP come with emerging-optimizers, "
+                             "which needs Python >= 3.12 (the megatron-core 0.19 venv)")
 
 SGD = {"optimizer": "sgd", "optimizer_extra": {"sgd_momentum": 0.9}}
 LION = {"optimizer": "lion"}
