@@ -289,6 +289,9 @@ def load(model_chunks: list, optimizer, scheduler, path: str | Path, *, strict: 
     _check_params(source, params, strict)
 
     index = OptimizerIndex(optimizer)
+    # an optimizer whose state megatron-ucp cannot hold (SOAP) starts as built from the weights
+    # of a weights-only checkpoint; any other checkpoint's state is refused or reset below
+    reset_optimizer = reset_optimizer or (manifest.weights_only and bool(index.unreshardable()))
     # a weights-only checkpoint has no optimizer state to match the run's: any optimizer starts fresh
     fresh = manifest.weights_only and not reset_optimizer
     reset = () if manifest.weights_only else _check_families(source, params, index, reset_optimizer)

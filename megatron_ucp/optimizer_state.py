@@ -38,7 +38,7 @@ from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params,
 from megatron_ucp import precision_aware
 from megatron_ucp.errors import UCPError
 from megatron_ucp.mcore_compat import optimizer as mcore_optimizer
-from megatron_ucp.spec import OPTIMIZER_STATES
+from megatron_ucp.spec import OPTIMIZER_STATES, UNRESHARDABLE_STATES
 
 # is_expert_parallel is not part of the identity: at EP1 experts join the dense optimizer
 GROUP_KEYS = ("wd_mult", "lr_mult", "is_decoupled_lr")
@@ -76,13 +76,16 @@ def family(torch_optimizer, group: dict) -> str:
             # run to test a layout of its state against)
             raise UCPError(f"optimizer {_qualname(opt)} (--optimizer adaptive_muon) is not "
                            "supported by megatron-ucp yet: megatron-core 0.19.2 cannot train it "
-                           "(TensorParallelAdaptiveMuon has no attribute 'scale_mode'); resume "
-                           "weights only (load(..., reset_optimizer=True))")
+                           "(TensorParallelAdaptiveMuon has no attribute 'scale_mode'); a run "
+                           "with it can neither save nor load (not even with reset_optimizer)")
         if name in ("TensorParallelMuon", "Muon"):
             return "muon"
+        if name == "SOAP":  # recognised, its state not saved (UNRESHARDABLE_STATES)
+            return "soap"
     raise UCPError(f"optimizer {_qualname(opt)} is not supported by megatron-ucp: its state has "
                    f"no layout megatron-ucp can reshard (supported: {SUPPORTED}). Train with one "
-                   "of those, or resume weights only (load(..., reset_optimizer=True))")
+                   "of those: a run with it can neither save nor load (not even with "
+                   "reset_optimizer)")
 
 
 def hyperparameters(torch_optimizer) -> dict:
@@ -214,7 +217,8 @@ class _PrecisionAwareUnit(_DistributedUnit):
         if isinstance(self.torch_optimizer, HybridDeviceOptimizer):
             raise UCPError("the precision-aware optimizer (--use-precision-aware-optimizer) with "
                            "--optimizer-cpu-offload is not supported by megatron-ucp: train with one "
-                           "of them, or resume weights only (load(..., reset_optimizer=True))")
+                           "of them: such a run can neither save nor load (not even with "
+                           "reset_optimizer)")
         self._staged: dict = {}
 
     def tensors(self, param):
@@ -342,6 +346,28 @@ class OptimizerIndex:
             return None
         a, b = max(shard[0], lp.base), min(shard[1], lp.base + lp.numel)
         return (shard, a, b) if b > a else None
+
+    def unreshardable(self) -> list[tuple[str, str]]:
+        """(class, family) of every optimizer of this run whose state megatron-ucp cannot lay out
+        (`spec.UNRESHARDABLE_STATES`); by class, so that every rank answers alike, also one that
+        holds none of its parameters."""
+        out = []
+        for u in self.units:
+            opt = u.torch_optimizer  # (CPU offload: its sub-optimizers are torch's, never SOAP)
+            fam = None if isinstance(opt, HybridDeviceOptimizer) else family(opt, {})
+            if fam in UNRESHARDABLE_STATES and (_qualname(u.torch_optimizer), fam) not in out:
+                out.append((_qualname(u.torch_optimizer), fam))
+        return out
+
+    def refuse_unreshardable_save(self) -> None:
+        """A save of a run with such an optimizer is refused, naming it, what its state is and what
+        can be done instead (before anything is written)."""
+        for cls, fam in self.unreshardable():
+            raise UCPError(f"optimizer {cls} (--optimizer {fam}) is not supported by megatron-ucp "
+                           f"saves: {UNRESHARDABLE_STATES[fam]}. Save the run with Megatron-LM's "
+                           "own checkpointing; megatron-ucp loads weights into a SOAP run from a "
+                           "checkpoint of another optimizer with load(..., reset_optimizer=True) "
+                           "(the SOAP state starts fresh at its first step)")
 
     def unowned(self) -> set:
         """Model params whose weights this rank reads whole (another DP rank owns their state)."""

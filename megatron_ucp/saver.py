@@ -123,6 +123,7 @@ def save(model_chunks: list, optimizer, scheduler, path: str | Path, iteration: 
     final = target.final
     prepare_error = _prepare_root(root, target, iteration) if rank == 0 else None
     index = OptimizerIndex(optimizer)
+    index.refuse_unreshardable_save()  # (every rank alike, before any collective)
     params, specs = _model_specs(model_chunks)
     fragments, mine = _capture(params, specs, index, async_save)
     rng_tensors, rng_meta = rng.capture()

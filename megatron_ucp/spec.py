@@ -13,14 +13,26 @@ STATES = ("param", "exp_avg", "exp_avg_sq")  # fp32 master weight and Adam momen
 BUFFER_STATES = ("param",)  # a persistent buffer (e.g. MoE router expert_bias): its value only
 # The optimizer families megatron-ucp reshards, by the per-parameter state each keeps: tensors of
 # the parameter's own shape, element for element, so they slice over TP/PP/DP/EP like the
-# weight. (A Kronecker-factored state, e.g. SOAP's, would not.) A parameter
-# records its family in its spec (`ParamSpec.optimizer`, default "adam": manifests before it).
+# weight. A parameter records its family in its spec (`ParamSpec.optimizer`, default "adam":
+# manifests before it). A Kronecker-factored state does not slice so: UNRESHARDABLE_STATES.
 OPTIMIZER_STATES = {
     "adam": ("exp_avg", "exp_avg_sq"),  # torch Adam/AdamW, TE/Apex FusedAdam: + a step
     "lion": ("exp_avg",),  # emerging_optimizers Lion
     "sgd": ("momentum_buffer",),  # torch SGD with momentum
     "plain_sgd": (),  # torch SGD without momentum: no state
     "muon": ("momentum_buffer",),  # Muon (emerging_optimizers OrthogonalizedOptimizer)
+}
+
+# Families megatron-ucp recognises but whose state it cannot lay out (not saved, never in a
+# manifest): what the state is, as a refusal says it. A SOAP run loads weights only.
+UNRESHARDABLE_STATES = {
+    # emerging_optimizers SOAP, per parameter of its TP shard [m, n]: step (int), the Kronecker
+    # factors L [m, m] and R [n, n], their eigenbases Q_L [m, m] and Q_R [n, n], and exp_avg /
+    # exp_avg_sq [m, n] rotated into that eigenbasis (fp32)
+    "soap": "SOAP keeps per TP shard [m, n] of a weight the Kronecker factors L [m, m] and R [n, n], "
+            "their eigenbases Q_L and Q_R, and exp_avg / exp_avg_sq rotated into that eigenbasis: "
+            "none of it is elementwise in the weight, so none of it slices over TP like the weight, "
+            "and megatron-ucp has no universal form for it yet",
 }
 
 # (a tuple: `in` on an unhashable JSON value is False, not a TypeError)

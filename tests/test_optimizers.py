@@ -4,7 +4,9 @@ Each case is a transition test (tests/test_transitions.check_transition): after 
 model tensor and every optimizer state the optimizer holds (Adam's moments and step, SGD's and
 Muon's momentum buffers, Lion's momentum) equals bitwise an independent assembly of the saved run
 (megatron-core's own structures, tests/reference.py), a re-save consolidates to the same universal
-tensors, and the loss continues the uninterrupted run's.
+tensors, and the loss continues the uninterrupted run's. SOAP, whose state has no universal form,
+is tested for what is true of it: its save refused by name, its run loading weights with
+reset_optimizer.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from megatron_ucp.testing.launch import LaunchError, launch
 
 HAS_EMERGING = importlib.util.find_spec("emerging_optimizers") is not None
 NEEDS_EMERGING = pytest.mark.skipif(
-    not HAS_EMERGING, reason=f"{RELEASE_SKIP}Muon and Lion come with emerging-optimizers, which needs "
-                             "Python >= 3.12 (the megatron-core 0.19 venv)")
+    not HAS_EMERGING, reason=f"{RELEASE_SKIP}Muon, Lion and SOAP come with emerging-optimizers, "
+                             "which needs Python >= 3.12 (the megatron-core 0.19 venv)")
 
 SGD = {"optimizer": "sgd", "optimizer_extra": {"sgd_momentum": 0.9}}
 LION = {"optimizer": "lion"}
@@ -156,16 +158,59 @@ def test_other_optimizer_is_refused_then_reset(source_runs, tmp_path):
                 assert b["states"] == ["param"], b["states"]
 
 
+SOAP = {"dtype": "bf16", "optimizer": "soap", "optimizer_extra": MUON["optimizer_extra"]}
+
+
 @NEEDS_EMERGING
-def test_unsupported_optimizer_is_refused_by_name(tmp_path):
-    """SOAP (its Kronecker factors have no elementwise layout) is refused at save by its class
-    name and what to do, before anything is written; never a bare KeyError."""
-    cfg = {"dtype": "bf16", "optimizer": "soap", "optimizer_extra": MUON["optimizer_extra"]}
-    with pytest.raises(LaunchError, match=r"optimizer emerging_optimizers\.soap\.soap\.SOAP is not "
-                                          r"supported by megatron-ucp.*reset_optimizer=True"):
-        launch(2, f"{SCENARIOS}:train_and_save", {"layout": "dp2", "cfg": cfg, "steps": 1,
+def test_soap_save_is_refused_by_name(tmp_path):
+    """SOAP (per TP shard Kronecker factors, eigenbases and moments in that eigenbasis: no
+    elementwise layout) is refused at save by its class name, what its state is and what to do,
+    before anything is written; never a bare KeyError."""
+    with pytest.raises(LaunchError, match=r"optimizer emerging_optimizers\.soap\.soap\.SOAP "
+                                          r"\(--optimizer soap\) is not supported by megatron-ucp "
+                                          r"saves: SOAP keeps per TP shard.*Kronecker factors.*"
+                                          r"reset_optimizer=True"):
+        launch(2, f"{SCENARIOS}:train_and_save", {"layout": "dp2", "cfg": SOAP, "steps": 1,
                                                    "save_dir": str(tmp_path / "ckpt")})
     assert not (tmp_path / "ckpt" / "latest").exists()
+
+
+@NEEDS_EMERGING
+def test_soap_run_loads_weights_with_reset(source_runs, tmp_path):
+    """What the SOAP refusal offers is true: a SOAP run loads a Muon run's checkpoint with
+    reset_optimizer=True, the weights bitwise the saved ones, SOAP's state fresh (it starts at its
+    first step) and the dropped families named; without it the load is refused by name. (Before,
+    the SOAP run's optimizer was refused at the load too, reset or not.)"""
+    src = source_runs.get("dp2", _muon())
+    with pytest.raises(LaunchError, match=r"has (muon|adam) optimizer state in the checkpoint but "
+                                          r"the run's optimizer is soap.*reset_optimizer=True"):
+        launch(2, f"{SCENARIOS}:load_and_train", {"layout": "dp2", "cfg": SOAP,
+                                                   "load_dir": str(src["ckpt"]), "steps": 1})
+    res = launch(2, f"{SCENARIOS}:load_and_train",
+                 {"layout": "dp2", "cfg": SOAP, "load_dir": str(src["ckpt"]), "steps": 1,
+                  "dump_dir": str(tmp_path / "dump"), "reset_optimizer": True})
+    assert res[0]["optimizer_reset"] == ["adam", "muon"]
+    assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in res)
+    for rank in (0, 1):
+        saved = torch.load(src["dump"] / f"rank{rank}.pt", weights_only=False)["params"]
+        loaded = torch.load(tmp_path / "dump" / f"rank{rank}.pt", weights_only=False)["params"]
+        assert [e["name"] for e in saved] == [e["name"] for e in loaded]
+        for a, b in zip(saved, loaded):
+            assert torch.equal(a["model"], b["model"]), a["name"]
+
+
+def test_megatron_lm_soap_state_is_refused_by_name():
+    """A Megatron-LM LayerWise checkpoint with SOAP's state (its Kronecker factors) is refused
+    naming SOAP and what its state is, not as an unknown state."""
+    import argparse
+
+    from megatron_ucp.errors import UCPError
+    from megatron_ucp.formats.megatron_common import layer_wise_family
+
+    args = argparse.Namespace(optimizer="soap")
+    with pytest.raises(UCPError, match=r"ckpt: SOAP optimizer state \['L', 'Q_L', 'Q_R', 'R', "
+                                       r"'exp_avg', 'exp_avg_sq'\] \(--optimizer soap\).*Kronecker"):
+        layer_wise_family({"step", "exp_avg", "exp_avg_sq", "L", "R", "Q_L", "Q_R"}, args, "ckpt")
 
 
 def rank_load_param_groups(cfg: dict) -> list[dict]:

@@ -28,6 +28,7 @@ from megatron_ucp.layout import Layout
 # formats' shared name for it)
 from megatron_ucp.mcore_compat.mamba import args_hybrid_pattern as hybrid_layer_pattern
 from megatron_ucp.mcore_compat.mamba import set_hybrid_pattern_for_pp
+from megatron_ucp.spec import UNRESHARDABLE_STATES
 from megatron_ucp.storage import Location, location, refuse_non_empty
 from megatron_ucp.validation import check_layout
 
@@ -494,6 +495,10 @@ def layer_wise_family(states: set[str], args, where: str) -> str:
         return "lion"
     if names == {"momentum_buffer"} and getattr(args, "optimizer", None) in ("muon", "dist_muon"):
         return "muon"
+    if names & {"L", "R", "Q_L", "Q_R"}:  # (emerging_optimizers SOAP's Kronecker factors)
+        raise UCPError(f"{where}: SOAP optimizer state {sorted(names)} (--optimizer "
+                       f"{getattr(args, 'optimizer', None)}): {UNRESHARDABLE_STATES['soap']}; resume "
+                       "the run with Megatron-LM itself, or convert its weights only")
     raise UCPError(f"{where}: a LayerWiseDistributedOptimizer state {sorted(names)} (--optimizer "
                    f"{getattr(args, 'optimizer', None)}) that megatron-ucp does not map (it reads "
                    "Muon's momentum_buffer, Lion's exp_avg and Adam's exp_avg/exp_avg_sq); resume "
