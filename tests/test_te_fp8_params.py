@@ -1,13 +1,14 @@
 """FP8 parameters (`fp8_param=True`, Megatron-LM `--fp8-param-gather`): TE weights held as
-Float8Tensor (delayed scaling), trained and saved at one layout, loaded at another (`make test`
+Float8Tensor (delayed scaling; current scaling, megatron's `fp8_recipe="tensorwise"`), trained and saved at one layout, loaded at another (`make test`
 runs this file in .venvte; TE's quantize kernels run as te_cpu's pure-torch stand-ins,
 megatron_ucp.testing.te_quantize_cpu).
 
 A save writes the fp32 master weights (never the FP8 bytes); a load writes the masters into the
 DistributedOptimizer and lets megatron-core derive the FP8 weights from them
 (`_copy_main_params_to_model_params` -> fp8_utils.quantize_param_shard -> TE's
-cast_master_weights_to_fp8) with the saved FP8 scales. The reference is megatron-core's own
-derivation in the saving run, from the same masters and scales, after its save.
+cast_master_weights_to_fp8) with the saved FP8 scales (delayed scaling; current scaling derives each scale from the masters'
+amax). The reference is megatron-core's own derivation in the saving run, from the same masters and
+scales, after its save, and TE's scale and cast of each TP slice of the saved masters.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TE_SKIP
-from reference import _join_tp, assemble, global_key
+from reference import _join_tp, assemble, global_key, tp_slice
 from test_transitions import universal_tensors
 
 from megatron_ucp.testing.launch import launch
@@ -36,39 +37,55 @@ FP8_PARAM = {"transformer_impl": "transformer_engine", "dtype": "bf16",
              "extra": {"fp8": "hybrid", "fp8_param": True, "fp8_amax_history_len": 16,
                        "fp8_amax_compute_algo": "max"}}
 DELAYED = {"recipe": "delayed", "format": "HYBRID", "amax_history_len": 16}
+# current scaling (megatron's fp8_recipe="tensorwise", TE's Float8CurrentScalingQuantizer): no FP8
+# state to save; each weight's scale comes from the amax of its master, all-reduced over DP
+TENSORWISE_PARAM = {**FP8_PARAM, "extra": {"fp8": "hybrid", "fp8_param": True,
+                                           "fp8_recipe": "tensorwise"}}
+TENSORWISE = {"recipe": "tensorwise"}
 STEPS = 2
 
 
 def fp8_weights(dump_dir: Path) -> dict[str, dict]:
-    """global key -> {"data": full FP8 bytes (TP shards joined), "scale_inv"} from the dumps."""
+    """global key -> {"data": full FP8 bytes (TP shards joined), "scale_inv": [one per TP rank],
+    "shards": [(coords, bytes, scale_inv) per TP rank]} from the dumps."""
     coords = {int(p.stem.removeprefix("rank")): torch.load(p, weights_only=False)["coords"]
               for p in Path(dump_dir).glob("rank*.pt")}
     by_key: dict[str, dict] = {}
     for r, c in sorted(coords.items()):
         for e in torch.load(Path(dump_dir) / f"fp8params_rank{r}.pt", weights_only=False):
             key = global_key(e["name"], c, e["chunk"])
-            slot = by_key.setdefault(key, {"tp": {}, "scale_inv": e["scale_inv"], "coords": c})
-            if c["tp"] in slot["tp"]:  # a DP replica: megatron-core's all-gather leaves them equal
-                assert torch.equal(slot["tp"][c["tp"]], e["data"]), f"{key}: DP replicas differ"
-            slot["tp"][c["tp"]] = e["data"]
-            assert torch.equal(slot["scale_inv"], e["scale_inv"]), f"{key}: scale_inv differs"
-    return {k: {"data": _join_tp(k, [s["tp"][t] for t in sorted(s["tp"])], False, s["coords"]),
-                "scale_inv": s["scale_inv"]} for k, s in by_key.items()}
+            slot = by_key.setdefault(key, {})
+            if c["tp"] in slot:  # a DP replica: megatron-core's all-gather leaves them equal
+                assert torch.equal(slot[c["tp"]][1], e["data"]), f"{key}: DP replicas differ"
+                assert torch.equal(slot[c["tp"]][2], e["scale_inv"]), f"{key}: scale_inv differs"
+            slot[c["tp"]] = (c, e["data"], e["scale_inv"])
+    return {k: {"data": _join_tp(k, [s[t][1] for t in sorted(s)], False, s[0][0]),
+                "scale_inv": [s[t][2] for t in sorted(s)], "shards": [s[t] for t in sorted(s)]}
+            for k, s in by_key.items()}
 
 
-@pytest.mark.parametrize("src,dst", [("tp2", "dp2"), ("dp2", "tp2")])
-def test_fp8_weights_are_rederived_from_the_saved_masters(src, dst, tmp_path):
+@pytest.mark.parametrize("src,dst,recipe", [("tp2", "dp2", "delayed"), ("dp2", "tp2", "delayed"),
+                                            ("tp2", "dp2", "tensorwise"),
+                                            ("dp2", "tp2", "tensorwise"),
+                                            ("dp2", "dp1", "tensorwise")])
+def test_fp8_weights_are_rederived_from_the_saved_masters(src, dst, recipe, tmp_path):
     """TP2 -> DP2 and DP2 -> TP2 (the masters sharded over DP: partial casts, then the uint8
     buffer all-gathered): after the load every FP8 weight's raw bytes and scale_inv equal those that
-    megatron-core derives in the saving run from the same fp32 masters and FP8 scales; masters and
-    Adam moments equal the saved ones bitwise. Before, the load derived the FP8 weights before it
-    restored the FP8 scales (with the fresh model's scale 1): bytes and scale_inv differed."""
+    megatron-core derives in the saving run from the same fp32 masters (and, delayed scaling, FP8
+    scales); masters and Adam moments equal the saved ones bitwise. Delayed scaling: before, the
+    load derived the FP8 weights before it restored the FP8 scales (with the fresh model's scale 1):
+    bytes and scale_inv differed. Current scaling (tensorwise): each TP rank's weight has its own
+    scale, TE's from the amax of that rank's whole master, the amaxes of the DP shards all-reduced
+    (at DP2 each rank holds part of a weight): at another TP the FP8 weights differ from the saving
+    run's by design, and are checked against TE's scale and cast of each TP slice of the masters;
+    at the same TP (DP2 -> DP1) they equal the saving run's bitwise."""
+    cfg, fp8 = (FP8_PARAM, DELAYED) if recipe == "delayed" else (TENSORWISE_PARAM, TENSORWISE)
     a = launch(2, f"{T}:train_and_save",
-               {"layout": src, "cfg": FP8_PARAM, "steps": STEPS, "save_dir": str(tmp_path / "a"),
-                "fp8": DELAYED, "dump_dir": str(tmp_path / "a-dump")}, timeout=400)
+               {"layout": src, "cfg": cfg, "steps": STEPS, "save_dir": str(tmp_path / "a"),
+                "fp8": fp8, "dump_dir": str(tmp_path / "a-dump")}, timeout=400)
     assert all(r["error"] is None for r in a) and all(r["fp8_weights"] == 16 for r in a), a
-    b = launch(2, f"{T}:load",
-               {"layout": dst, "cfg": FP8_PARAM, "load_dir": str(tmp_path / "a"),
+    b = launch(int(dst[-1]) if dst.startswith("dp") else 2, f"{T}:load",
+               {"layout": dst, "cfg": cfg, "load_dir": str(tmp_path / "a"),
                 "dump_dir": str(tmp_path / "b-dump"), "resave_dir": str(tmp_path / "b-resave")},
                timeout=400)
     assert all(r["iteration"] == STEPS and r["fp8_modules"] > 0 for r in b), b
@@ -96,21 +113,30 @@ def test_fp8_weights_are_rederived_from_the_saved_masters(src, dst, tmp_path):
 
     ref, got = fp8_weights(tmp_path / "a-dump"), fp8_weights(tmp_path / "b-dump")
     assert len(ref) == 16 and ref.keys() == got.keys()
-    for key in ref:
-        assert got[key]["data"].dtype == torch.uint8, key
-        assert torch.equal(ref[key]["scale_inv"], got[key]["scale_inv"]), (key, "scale_inv")
-        assert torch.equal(ref[key]["data"], got[key]["data"]), (key, "data")
-        # the filled FP8 scales (not 1) are the ones the weights were derived with
-        assert not torch.equal(got[key]["scale_inv"], torch.ones(1)), key
-    # masters: the bytes are megatron-core's cast of the saved master (as bf16) with its scale
     from megatron_ucp.testing import te_quantize_cpu
 
+    same_tp = src.startswith("dp") == dst.startswith("dp")
     for key in ref:
-        master = saved[key]["param"].to(torch.bfloat16)
-        scale = torch.reciprocal(ref[key]["scale_inv"])
-        assert torch.equal(te_quantize_cpu.cast_to_fp8_bytes(master, scale, _te_dtype()),
-                           ref[key]["data"]), key
-    if src == "tp2":
+        assert got[key]["data"].dtype == torch.uint8, key
+        if recipe == "delayed" or same_tp:  # megatron-core's derivation in the saving run
+            assert torch.equal(ref[key]["scale_inv"][0], got[key]["scale_inv"][0]), (key, "scale_inv")
+            assert torch.equal(ref[key]["data"], got[key]["data"]), (key, "data")
+        for run in (ref, got):
+            for coords, data, scale_inv in run[key]["shards"]:
+                # the bytes are TE's cast of the saved master (as bf16; its TP slice) with the scale
+                master = tp_slice(key, saved[key]["param"], coords, False).to(torch.bfloat16)
+                if recipe == "delayed":  # the filled FP8 scales (not 1), restored
+                    assert not torch.equal(scale_inv, torch.ones(1)), key
+                    assert torch.equal(scale_inv, ref[key]["scale_inv"][0]), key
+                    scale = torch.reciprocal(scale_inv)
+                else:  # TE's current scaling: 448 / amax of the weight's (bf16) master
+                    scale = torch.tensor([448.0]) / master.abs().max().float()
+                    assert torch.equal(scale_inv, torch.reciprocal(scale)), key
+                cast = te_quantize_cpu.cast_to_fp8_bytes(master, scale, _te_dtype())
+                assert torch.equal(cast, data), key
+    if recipe == "tensorwise" and dst == "tp2":  # a TP rank's scale is its slice's, not the weight's
+        assert any(len({float(v) for v in got[k]["scale_inv"]}) > 1 for k in got)
+    if src == "tp2" and recipe == "delayed":
         _check_hf_export(tmp_path, saved, ref)
 
 
@@ -129,7 +155,7 @@ def _check_hf_export(tmp_path: Path, saved: dict, fp8: dict) -> None:
             key = f"decoder.layers.{layer}.mlp.{ours}.weight"
             got = hf[f"transformer.h.{layer}.mlp.{theirs}.weight"]
             assert torch.equal(got, saved[key]["param"].t()), key
-            dequantized = fp8[key]["data"].view(torch.float8_e4m3fn).float() * fp8[key]["scale_inv"]
+            dequantized = fp8[key]["data"].view(torch.float8_e4m3fn).float() * fp8[key]["scale_inv"][0]
             assert not torch.equal(got, dequantized.t()), key
 
 
@@ -162,3 +188,35 @@ def test_stand_in_cast_matches_torch_float8_rounding():
     e5 = te_quantize_cpu.cast_to_fp8_bytes(torch.tensor([1e9, 57344.0]), torch.ones(1),
                                            tex.DType.kFloat8E5M2).view(torch.float8_e5m2).float()
     assert e5.tolist() == [57344.0, 57344.0]
+
+
+def test_stand_in_current_scaling_scale_and_quantize():
+    """TE's current-scaling scale (recipe_common.cuh `compute_scale_from_amax`: epsilon floor; 0,
+    inf and NaN amax -> 1; an infinite quotient -> FLT_MAX; power-of-2 scales keep the exponent) and
+    the stand-in quantize of a Float8CurrentScalingQuantizer (amax of the tensor, NaN ignored)."""
+    from megatron_ucp.testing import te_cpu, te_quantize_cpu
+
+    tex = _tex()
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer
+
+    te_cpu.install_quantize_stand_ins()
+    ref = te_quantize_cpu.compute_scale_from_amax_reference
+    amax = torch.tensor([0.0, float("inf"), float("nan"), 3.0, 1e-45, 448.0])
+    s = ref(amax, 448.0, False, 0.0)
+    fmax = torch.finfo(torch.float32).max
+    assert s.tolist() == [1.0, 1.0, 1.0, torch.tensor(448.0 / 3.0).item(), fmax, 1.0]
+    assert ref(amax, 448.0, True, 0.0).tolist() == [1.0, 1.0, 1.0, 128.0, 2.0 ** 127, 1.0]
+    assert ref(torch.tensor([1e-10, 0.0]), 448.0, False, 1e-4).tolist() == \
+        [(torch.tensor(448.0) / torch.tensor(1e-4)).item()] * 2  # epsilon floors a zero amax too
+    assert ref(torch.tensor([2.0]), 57344.0, False, 0.0).tolist() == [28672.0]
+
+    x = torch.tensor([[0.5, -3.0, float("nan"), 1.0], [2.0, 0.25, -1.5, 0.0]], dtype=torch.bfloat16)
+    q = Float8CurrentScalingQuantizer(tex.DType.kFloat8E4M3, device=torch.device("cpu"),
+                                      force_pow_2_scales=True)
+    t = q(x)
+    assert t._scale_inv.tolist() == [1.0 / 128.0]  # 448 / 3 = 149.3 -> 2^7
+    expect = te_quantize_cpu.cast_to_fp8_bytes(x, torch.tensor([128.0]), tex.DType.kFloat8E4M3)
+    assert torch.equal(t._data, expect)
+    amax_out = torch.zeros(1)
+    tex.compute_amax(x, amax_out)
+    assert amax_out.tolist() == [3.0]
