@@ -1,14 +1,16 @@
 """FP8 parameters (`fp8_param=True`, Megatron-LM `--fp8-param-gather`): TE weights held as
-Float8Tensor (delayed scaling; current scaling, megatron's `fp8_recipe="tensorwise"`), trained and saved at one layout, loaded at another (`make test`
+Float8Tensor (delayed scaling; current scaling, megatron's `fp8_recipe="tensorwise"`) or
+MXFP8Tensor (`fp8_recipe="mxfp8"`), trained and saved at one layout, loaded at another (`make test`
 runs this file in .venvte; TE's quantize kernels run as te_cpu's pure-torch stand-ins,
-megatron_ucp.testing.te_quantize_cpu).
+megatron_ucp.testing.te_quantize_cpu and te_mxfp8_cpu).
 
 A save writes the fp32 master weights (never the FP8 bytes); a load writes the masters into the
 DistributedOptimizer and lets megatron-core derive the FP8 weights from them
 (`_copy_main_params_to_model_params` -> fp8_utils.quantize_param_shard -> TE's
-cast_master_weights_to_fp8) with the saved FP8 scales (delayed scaling; current scaling derives each scale from the masters'
-amax). The reference is megatron-core's own derivation in the saving run, from the same masters and
-scales, after its save, and TE's scale and cast of each TP slice of the saved masters.
+cast_master_weights_to_fp8; MXFP8: the param buffer, all-gathered, then re-quantized) with the
+saved FP8 scales (delayed scaling; current scaling and MXFP8 derive their scales from the
+masters). The reference is megatron-core's own derivation in the saving run, from the same masters
+and scales, after its save, and TE's scale and cast of each TP slice of the saved masters.
 """
 
 from __future__ import annotations
@@ -42,12 +44,22 @@ DELAYED = {"recipe": "delayed", "format": "HYBRID", "amax_history_len": 16}
 TENSORWISE_PARAM = {**FP8_PARAM, "extra": {"fp8": "hybrid", "fp8_param": True,
                                            "fp8_recipe": "tensorwise"}}
 TENSORWISE = {"recipe": "tensorwise"}
+# MXFP8 (fp8_recipe="mxfp8", TE's MXFP8Quantizer: 1x32 / 32x1 blocks, E8M0 scales): megatron-core
+# 0.19 all-gathers MXFP8 parameters through the grad buffer and re-quantizes them
+# (--reuse-grad-buf-for-mxfp8-param-ag); the scenarios report compute capability 10.0
+MXFP8_PARAM = {**FP8_PARAM, "extra": {"fp8": "e4m3", "fp8_param": True, "fp8_recipe": "mxfp8"},
+               "optimizer_extra": {"reuse_grad_buf_for_mxfp8_param_ag": True,
+                                   "fp8_recipe": "mxfp8"}}
+MXFP8 = {"recipe": "mxfp8"}
+CFGS = {"delayed": (FP8_PARAM, DELAYED), "tensorwise": (TENSORWISE_PARAM, TENSORWISE),
+        "mxfp8": (MXFP8_PARAM, MXFP8)}
 STEPS = 2
 
 
 def fp8_weights(dump_dir: Path) -> dict[str, dict]:
-    """global key -> {"data": full FP8 bytes (TP shards joined), "scale_inv": [one per TP rank],
-    "shards": [(coords, bytes, scale_inv) per TP rank]} from the dumps."""
+    """global key -> {"data": full FP8 bytes (TP shards joined; MXFP8: the rowwise copy),
+    "columnwise_data" (MXFP8), "scale_inv": [one per TP rank], "shards": [(coords, dump entry)
+    per TP rank]} from the dumps."""
     coords = {int(p.stem.removeprefix("rank")): torch.load(p, weights_only=False)["coords"]
               for p in Path(dump_dir).glob("rank*.pt")}
     by_key: dict[str, dict] = {}
@@ -56,18 +68,26 @@ def fp8_weights(dump_dir: Path) -> dict[str, dict]:
             key = global_key(e["name"], c, e["chunk"])
             slot = by_key.setdefault(key, {})
             if c["tp"] in slot:  # a DP replica: megatron-core's all-gather leaves them equal
-                assert torch.equal(slot[c["tp"]][1], e["data"]), f"{key}: DP replicas differ"
-                assert torch.equal(slot[c["tp"]][2], e["scale_inv"]), f"{key}: scale_inv differs"
-            slot[c["tp"]] = (c, e["data"], e["scale_inv"])
-    return {k: {"data": _join_tp(k, [s[t][1] for t in sorted(s)], False, s[0][0]),
-                "scale_inv": [s[t][2] for t in sorted(s)], "shards": [s[t] for t in sorted(s)]}
-            for k, s in by_key.items()}
+                for k, v in e.items():
+                    if torch.is_tensor(v):
+                        assert torch.equal(slot[c["tp"]][1][k], v), f"{key}: DP replicas differ ({k})"
+            slot[c["tp"]] = (c, e)
+    out = {}
+    for k, s in by_key.items():
+        shards = [s[t] for t in sorted(s)]
+        out[k] = {"data": _join_tp(k, [e["data"] for _, e in shards], False, shards[0][0]),
+                  "scale_inv": [e["scale_inv"] for _, e in shards], "shards": shards}
+        if "columnwise_data" in shards[0][1]:
+            out[k]["columnwise_data"] = _join_tp(k, [e["columnwise_data"] for _, e in shards],
+                                                 False, shards[0][0])
+    return out
 
 
 @pytest.mark.parametrize("src,dst,recipe", [("tp2", "dp2", "delayed"), ("dp2", "tp2", "delayed"),
                                             ("tp2", "dp2", "tensorwise"),
                                             ("dp2", "tp2", "tensorwise"),
-                                            ("dp2", "dp1", "tensorwise")])
+                                            ("dp2", "dp1", "tensorwise"),
+                                            ("tp2", "dp2", "mxfp8"), ("dp2", "tp2", "mxfp8")])
 def test_fp8_weights_are_rederived_from_the_saved_masters(src, dst, recipe, tmp_path):
     """TP2 -> DP2 and DP2 -> TP2 (the masters sharded over DP: partial casts, then the uint8
     buffer all-gathered): after the load every FP8 weight's raw bytes and scale_inv equal those that
@@ -79,7 +99,8 @@ def test_fp8_weights_are_rederived_from_the_saved_masters(src, dst, recipe, tmp_
     (at DP2 each rank holds part of a weight): at another TP the FP8 weights differ from the saving
     run's by design, and are checked against TE's scale and cast of each TP slice of the masters;
     at the same TP (DP2 -> DP1) they equal the saving run's bitwise."""
-    cfg, fp8 = (FP8_PARAM, DELAYED) if recipe == "delayed" else (TENSORWISE_PARAM, TENSORWISE)
+    cfg, fp8 = CFGS[recipe]
+    _install_stand_ins()  # (this process reads the dumps' MXFP8 tensors: TE's dequantize)
     a = launch(2, f"{T}:train_and_save",
                {"layout": src, "cfg": cfg, "steps": STEPS, "save_dir": str(tmp_path / "a"),
                 "fp8": fp8, "dump_dir": str(tmp_path / "a-dump")}, timeout=400)
@@ -118,11 +139,15 @@ def test_fp8_weights_are_rederived_from_the_saved_masters(src, dst, recipe, tmp_
     same_tp = src.startswith("dp") == dst.startswith("dp")
     for key in ref:
         assert got[key]["data"].dtype == torch.uint8, key
+        if recipe == "mxfp8":  # 32-element blocks inside every TP shard: the bytes are TP-invariant
+            _check_mxfp8(key, saved[key]["param"], ref[key], got[key])
+            continue
         if recipe == "delayed" or same_tp:  # megatron-core's derivation in the saving run
             assert torch.equal(ref[key]["scale_inv"][0], got[key]["scale_inv"][0]), (key, "scale_inv")
             assert torch.equal(ref[key]["data"], got[key]["data"]), (key, "data")
         for run in (ref, got):
-            for coords, data, scale_inv in run[key]["shards"]:
+            for coords, e in run[key]["shards"]:
+                data, scale_inv = e["data"], e["scale_inv"]
                 # the bytes are TE's cast of the saved master (as bf16; its TP slice) with the scale
                 master = tp_slice(key, saved[key]["param"], coords, False).to(torch.bfloat16)
                 if recipe == "delayed":  # the filled FP8 scales (not 1), restored
@@ -138,6 +163,25 @@ def test_fp8_weights_are_rederived_from_the_saved_masters(src, dst, recipe, tmp_
         assert any(len({float(v) for v in got[k]["scale_inv"]}) > 1 for k in got)
     if src == "tp2" and recipe == "delayed":
         _check_hf_export(tmp_path, saved, ref)
+
+
+def _check_mxfp8(key: str, master: torch.Tensor, ref: dict, got: dict) -> None:
+    """MXFP8 weights after the load: rowwise and columnwise bytes equal the saving run's
+    (megatron-core's re-quantization there), and each TP rank's bytes and E8M0 scales are TE's
+    MXFP8 quantize of its slice of the saved master (as bf16)."""
+    from megatron_ucp.testing import te_mxfp8_cpu
+
+    assert torch.equal(ref["data"], got["data"]), (key, "rowwise data")
+    assert torch.equal(ref["columnwise_data"], got["columnwise_data"]), (key, "columnwise data")
+    assert not torch.equal(got["data"], got["columnwise_data"]), key  # 1x32 vs 32x1 blocks
+    for run in (ref, got):
+        for coords, e in run["shards"]:
+            q = te_mxfp8_cpu.quantize_2d(tp_slice(key, master, coords, False).to(torch.bfloat16),
+                                         _tex().DType.kFloat8E4M3)
+            assert torch.equal(q["rowwise_data"], e["data"]), key
+            assert torch.equal(q["rowwise_e8m0"], e["scale_inv"]), key
+            assert torch.equal(q["columnwise_data"], e["columnwise_data"]), key
+            assert torch.equal(q["columnwise_e8m0"], e["columnwise_scale_inv"]), key
 
 
 def _check_hf_export(tmp_path: Path, saved: dict, fp8: dict) -> None:
@@ -164,6 +208,13 @@ def _tex():
     from megatron_ucp.testing import cpu_shim  # noqa: F401
 
     return importlib.import_module("transformer_engine_torch")
+
+
+def _install_stand_ins() -> None:
+    _tex()
+    from megatron_ucp.testing import te_cpu
+
+    te_cpu.install_quantize_stand_ins()
 
 
 def _te_dtype():

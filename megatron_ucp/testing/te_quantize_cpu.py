@@ -7,7 +7,7 @@ What each replaces (TE 2.20.2; the CUDA kernels need a GPU):
 - `transformer_engine_torch.quantize(tensor, quantizer, output=None, noop_flag=None)`
   (csrc/extensions/cast.cpp `quantize`, csrc/quantizer.cpp `Float8Quantizer::create_tensor`,
   `convert_and_update_tensor`, `quantize` -> `nvte_quantize_v2`), for a `Float8Quantizer` only
-  (MXFP8, block scaling and NVFP4 quantizers go on to TE's own function):
+  (MXFP8 goes to te_mxfp8_cpu; block scaling and NVFP4 quantizers to TE's own function):
   * output buffers as TE creates them: `_data` uint8 when rowwise usage (or non-TN FP8 GEMMs,
     compute capability 10.x / >= 13), `_transpose` uint8 [last, rest...] when columnwise usage and
     TN-only GEMMs (Hopper: what the CPU shim reports), `_scale_inv` = reciprocal(scale) (fp32 [1]);
@@ -59,8 +59,9 @@ These are what `megatron.core.fp8_utils.quantize_param_shard` -> TE
 `cast_master_weights_to_fp8` (`_cast_master_weights_to_fp8_delayed_scaling` and
 `_cast_master_weights_to_fp8_current_scaling`: per-shard amax, MAX all-reduce over the DP group,
 scales, then a Float8Quantizer partial cast of the shard into the weight's bytes) and building a
-`fp8_param` model (`TransformerEngineBaseModule.reset_parameters`: `quantizer(param)`) call. Block
-scaling, MXFP8 and NVFP4 keep TE's kernels (not stood in).
+`fp8_param` model (`TransformerEngineBaseModule.reset_parameters`: `quantizer(param)`) call.
+MXFP8 (`MXFP8Quantizer`) has its stand-ins in `te_mxfp8_cpu` (installed with these); block scaling
+and NVFP4 keep TE's kernels (not stood in).
 """
 
 from __future__ import annotations
@@ -282,6 +283,12 @@ def quantize(tensor, quantizer, output=None, noop_flag=None):
         return float8_quantize(tensor, quantizer, output, noop_flag)
     if type(quantizer) is Float8CurrentScalingQuantizer:
         return current_scaling_quantize(tensor, quantizer, output, noop_flag)
+    from transformer_engine.pytorch.tensor.mxfp8_tensor import MXFP8Quantizer
+
+    if type(quantizer) is MXFP8Quantizer:
+        from megatron_ucp.testing import te_mxfp8_cpu
+
+        return te_mxfp8_cpu.mxfp8_quantize(tensor, quantizer, output, noop_flag)
     return _ORIGINAL["quantize"](tensor, quantizer, output, noop_flag)
 
 
@@ -315,3 +322,6 @@ def install() -> None:
     tex.create_empty_quantized_tensor = create_empty_quantized_tensor
     tex.fp8_transpose = fp8_transpose
     te_utils.multi_tensor_scale = multi_tensor_scale
+    from megatron_ucp.testing import te_mxfp8_cpu
+
+    te_mxfp8_cpu.install()
