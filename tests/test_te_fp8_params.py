@@ -271,3 +271,58 @@ def test_stand_in_current_scaling_scale_and_quantize():
     amax_out = torch.zeros(1)
     tex.compute_amax(x, amax_out)
     assert amax_out.tolist() == [3.0]
+
+
+def test_stand_in_mxfp8_e8m0_and_sharded_cast():
+    """TE's E8M0 rounding (`ptx::float_to_e8m0`: up to the next power of two, saturated at
+    0xFE; NaN 0xFF; 0 -> 0), the MXFP8 quantize's layout (rowwise [M, K/32] and columnwise
+    [M/32, K] scales in buffers padded to [128, 4] / [4, 128]), and TE's DP-sharded path
+    (partial amax per shard, MAX over the shards, E8M0 scales, partial casts) giving the same bytes
+    and scales as the quantize of the whole weight, for shards that cut through blocks."""
+    from megatron_ucp.testing import te_mxfp8_cpu as mx
+
+    tex = _tex()
+    _install_stand_ins()
+    from transformer_engine.pytorch.tensor.mxfp8_tensor import MXFP8Quantizer
+
+    from megatron_ucp.testing import cpu_shim
+
+    if not cpu_shim.REAL_CUDA:  # compute capability 10.0 only inside the MXFP8 scenarios
+        assert torch.cuda.get_device_capability() == (9, 0)
+    v = torch.tensor([0.0, 1.0, 1.5, 2.0 ** -127, 2.0 ** -128, 3.0 * 2.0 ** -128, 2.0 ** 127 * 1.5,
+                      float("inf"), float("nan")])
+    assert mx.float_to_e8m0(v).tolist() == [0, 127, 128, 0, 0, 1, 254, 254, 255]
+    assert mx.exp2f_rcp(torch.tensor([0, 127, 130], dtype=torch.uint8)).tolist() == \
+        [1.0, 1.0, 0.125]
+
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(64, 96, generator=g) * torch.logspace(-3, 1, 96)).to(torch.bfloat16)
+    t = MXFP8Quantizer(tex.DType.kFloat8E4M3)(w)
+    assert t._rowwise_scale_inv.shape == (128, 4) and t._columnwise_scale_inv.shape == (4, 128)
+    q = mx.quantize_2d(w, tex.DType.kFloat8E4M3)
+    assert torch.equal(t._rowwise_data, q["rowwise_data"])
+    assert torch.equal(t._rowwise_scale_inv[:64, :3], q["rowwise_e8m0"])
+    assert torch.equal(t._columnwise_scale_inv[:2, :96], q["columnwise_e8m0"])
+    assert len(q["rowwise_e8m0"].unique()) > 5  # the blocks' scales differ
+    # every value within the E4M3 range of its block, the block amax at most 448 x scale
+    deq = t.dequantize(dtype=torch.float32)
+    assert torch.allclose(deq, w.float(), rtol=0.07, atol=0.0)
+
+    flat = w.float().reshape(-1)
+    cuts = [0, 1000, 3077, flat.numel()]  # three DP shards, mid-row and mid-block
+    amax_r = torch.zeros(128, 4, dtype=torch.bfloat16)
+    amax_c = torch.zeros(4, 128, dtype=torch.bfloat16)
+    for a, b in zip(cuts, cuts[1:]):
+        part_r, part_c = torch.zeros_like(amax_r), torch.zeros_like(amax_c)
+        mx.mxfp8_scaling_compute_partial_amax(flat[a:b].to(torch.bfloat16), part_r, part_c, 64, 96, a)
+        amax_r, amax_c = torch.maximum(amax_r, part_r), torch.maximum(amax_c, part_c)  # all-reduce
+    s_r, s_c = torch.empty(128, 4, dtype=torch.uint8), torch.empty(4, 128, dtype=torch.uint8)
+    mx.multi_tensor_compute_scale_inv_e8m0(0, None, [[amax_r, amax_c], [s_r, s_c]])
+    assert torch.equal(s_c[:2, :96], q["columnwise_e8m0"])
+    assert torch.equal(s_r[:64, :3], q["rowwise_e8m0"])
+    row, col = torch.empty(64 * 96, dtype=torch.uint8), torch.empty(64 * 96, dtype=torch.uint8)
+    for a, b in zip(cuts, cuts[1:]):
+        mx.mxfp8_scaling_partial_cast(flat[a:b].to(torch.bfloat16), row[a:b], col[a:b], s_r, s_c,
+                                      64, 96, a)
+    assert torch.equal(row.reshape(64, 96), q["rowwise_data"])
+    assert torch.equal(col.reshape(64, 96), q["columnwise_data"])
