@@ -1,7 +1,7 @@
 """Pure-torch stand-ins for the Transformer Engine 2.20 kernels of FP8 parameters (`fp8_param=True`,
 Megatron-LM `--fp8-param-gather`) with delayed scaling (`Float8Quantizer`) and current scaling
-(`Float8CurrentScalingQuantizer`, megatron's `fp8_recipe="tensorwise"`), for CPU-only hosts (test code only:
-`te_cpu.install_quantize_stand_ins` installs them; megatron_ucp itself never does).
+(`Float8CurrentScalingQuantizer`, megatron's `fp8_recipe="tensorwise"`), for CPU-only hosts (test
+code only: `te_cpu.install_quantize_stand_ins` installs them; megatron_ucp itself never does).
 
 What each replaces (TE 2.20.2; the CUDA kernels need a GPU):
 - `transformer_engine_torch.quantize(tensor, quantizer, output=None, noop_flag=None)`
@@ -18,7 +18,9 @@ What each replaces (TE 2.20.2; the CUDA kernels need a GPU):
     torch's `.to(float8_e4m3fn / float8_e5m2)` rounds to nearest even too, but gives NaN (e4m3) /
     inf (e5m2) past the format's max, so the product is clamped to +-max first (NaN stays NaN; the
     NaN byte pattern itself is torch's, not checked against CUDA's);
-  * `noop_flag` (a tensor, 1 = skip) honoured as the kernel does.
+  * `noop_flag` (a tensor, 1 = skip) honoured as the kernel does;
+  * a Float8Quantizer whose `amax` is empty (`torch.Tensor()`, as TE's current-scaling partial
+    cast builds one) gets no amax update: the C++ side then passes no amax pointer to the kernel.
 - `transformer_engine_torch.create_empty_quantized_tensor(quantizer, shape, dtype, device, pin)`
   (`Quantizer.make_empty`; FusedAdam's fp8 moments, `--exp-avg-dtype fp8`): a Float8Quantizer's
   uninitialised Float8Tensor with the buffers above, on the host;
@@ -29,8 +31,6 @@ What each replaces (TE 2.20.2; the CUDA kernels need a GPU):
 - `transformer_engine_torch.multi_tensor_scale` as bound in `transformer_engine.pytorch.tensor.utils`
   (csrc multi_tensor/scale.cu): out[i] = in[i] * scale for each pair of lists, in fp32, into the
   output's dtype; the noop flag set when a non-finite value is met (TE's overflow check).
-  A Float8Quantizer whose `amax` is empty (`torch.Tensor()`, as TE's current-scaling partial cast
-  builds one) gets no amax update: the C++ side then passes no amax pointer to the kernel.
 - `transformer_engine_torch.quantize` for a `Float8CurrentScalingQuantizer`
   (csrc/quantizer.cpp `Float8CurrentScalingQuantizer::create_tensor` / `convert_and_update_tensor`
   / `quantize_impl`): the quantizer's own amax and scale are C++ buffers (TE 2.20's Python
