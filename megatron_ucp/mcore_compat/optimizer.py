@@ -31,7 +31,16 @@ def init_optimizer_states(optimizer) -> None:
 
 
 def copy_main_params_to_model_params(optimizer) -> None:
-    """Write the fp32 main shards into the model's parameters (`_copy_main_params_to_model_params`)."""
+    """Write the fp32 main shards into the model's parameters (`_copy_main_params_to_model_params`),
+    as megatron-core's `step` does: with `reuse_grad_buf_for_mxfp8_param_ag` (MXFP8 parameters,
+    0.19) the shards go into the DDP param buffer instead (`_copy_main_params_to_param_buffer`),
+    and the next param all-gather re-quantizes the model's MXFP8 weights from it
+    (`_post_param_sync`); a plain copy would leave that buffer stale and the all-gather would
+    overwrite the weights with it."""
+    if getattr(optimizer.config, "reuse_grad_buf_for_mxfp8_param_ag", False) and hasattr(
+            optimizer, "_copy_main_params_to_param_buffer"):
+        optimizer._copy_main_params_to_param_buffer()
+        return
     optimizer._copy_main_params_to_model_params()
 
 

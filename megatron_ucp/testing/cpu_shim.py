@@ -46,6 +46,31 @@ class _Stream(_Event):
         return False
 
 
+# the compute capability the shim reports: Hopper's 9.0 unless a scenario asks for another
+# (`set_compute_capability`: TE refuses MXFP8 below 10.0 and changes FP8 buffer layouts at 10.x)
+_CAPABILITY = [9, 0]
+
+
+def set_compute_capability(major: int, minor: int = 0) -> None:
+    """Report compute capability major.minor from now on (this process: a scenario that needs
+    another one, e.g. MXFP8's 10.0, sets it before it builds its model). TE caches what it
+    derives from it (`functools.lru_cache`): those caches are cleared."""
+    _CAPABILITY[:] = [major, minor]
+    _Props.major, _Props.minor = major, minor
+    try:
+        import transformer_engine.pytorch.quantization as te_quantization
+        import transformer_engine.pytorch.utils as te_utils
+    except ImportError:
+        return
+    for name in dir(te_utils):
+        fn = getattr(te_utils, name)
+        if callable(fn) and hasattr(fn, "cache_clear"):
+            fn.cache_clear()
+    for name in dir(te_quantization):  # _FP8_SUPPORT, _MXFP8_SUPPORT, ...: computed once
+        if name.startswith("_") and name.endswith("_SUPPORT"):
+            setattr(te_quantization, name, None)
+
+
 class _Props:
     name = "cpu (megatron_ucp shim)"
     major, minor = 9, 0
@@ -97,7 +122,7 @@ _cuda_api = {
     "max_memory_reserved": lambda *a, **k: 0,
     "memory_stats": lambda *a, **k: {},
     "reset_peak_memory_stats": lambda *a, **k: None,
-    "get_device_capability": lambda *a, **k: (9, 0),
+    "get_device_capability": lambda *a, **k: tuple(_CAPABILITY),
     "get_device_name": lambda *a, **k: _Props.name,
     "get_device_properties": lambda *a, **k: _Props(),
 }

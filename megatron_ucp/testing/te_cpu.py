@@ -6,7 +6,7 @@ multi-tensor ops) need a GPU. What stands in for them:
   when TE is importable; these module globals are set back to torch's optimizers and megatron-core's
   own local multi-tensor functions (what megatron-core uses without TE or Apex); and
   `install_quantize_stand_ins`: TE's FP8 quantize kernels for FP8 parameters (`fp8_param=True`,
-  delayed scaling), pure torch (`te_quantize_cpu`), and DDP's synchronous param all-gathers issued
+  delayed and current scaling), pure torch (`te_quantize_cpu`), and DDP's synchronous param all-gathers issued
   one by one: torch's gloo backend breaks a coalesced all_gather_into_tensor whose tensors differ in
   dtype (the uint8 buffer of FP8 weights next to the bf16 one: the bytes come back cast).
 - `use_te_fused_adam`: the other way for the precision-aware optimizer, which only TE's FusedAdam
@@ -68,8 +68,9 @@ def use_te_fused_adam() -> None:
 
 
 def install_quantize_stand_ins() -> None:
-    """TE's Float8Quantizer cast (`tex.quantize`), `tex.fp8_transpose` and the multi-tensor scale
-    of TE's cast_master_weights_to_fp8, in pure torch (see te_quantize_cpu); DDP's synchronous
+    """TE's Float8Quantizer and Float8CurrentScalingQuantizer casts (`tex.quantize`),
+    `tex.compute_amax`, `tex.fp8_transpose` and the multi-tensor scale / scale computation of TE's
+    cast_master_weights_to_fp8, in pure torch (see te_quantize_cpu); DDP's synchronous
     coalesced collectives run one by one (`_uncoalesced`)."""
     from megatron_ucp.mcore_compat.optimizer import wrap_ddp_coalescing_manager
     from megatron_ucp.testing import te_quantize_cpu

@@ -35,6 +35,8 @@ def _recipe(fp8: dict | None):
                                         amax_compute_algo="max")
     if kind == "tensorwise":
         return te_recipe.Float8CurrentScaling(fp8_format=te_recipe.Format.HYBRID)
+    if kind == "mxfp8":
+        return te_recipe.MXFP8BlockScaling(fp8_format=te_recipe.Format.E4M3)
     if kind == "blockwise":
         return te_recipe.Float8BlockScaling(fp8_format=te_recipe.Format.E4M3)
     raise ValueError(kind)
@@ -66,17 +68,35 @@ def rederive_fp8_params(st) -> None:
         chunk.start_param_sync(force_sync=True)
 
 
+def _fp8_param_entry(i: int, n: str, p) -> dict:
+    """A Float8Tensor's bytes and scale_inv; an MXFP8Tensor's rowwise and columnwise bytes and
+    E8M0 scales (the [M, K/32] / [M/32, K] blocks TE writes: the padding is uninitialised)."""
+    if hasattr(p, "_rowwise_data"):
+        m, k = p._rowwise_data.shape
+        return {"chunk": i, "name": n, "data": p._rowwise_data.detach().clone(),
+                "scale_inv": p._rowwise_scale_inv[:m, :k // 32].detach().clone(),
+                "columnwise_data": p._columnwise_data.detach().clone(),
+                "columnwise_scale_inv": p._columnwise_scale_inv[:m // 32, :k].detach().clone(),
+                "fp8_dtype": str(p._fp8_dtype)}
+    return {"chunk": i, "name": n, "data": p._data.detach().clone(),
+            "scale_inv": p._scale_inv.detach().clone().reshape(-1), "fp8_dtype": str(p._fp8_dtype)}
+
+
 def _dump_fp8_params(st, dump_dir: str) -> int:
-    entries = [{"chunk": i, "name": n, "data": p._data.detach().clone(),
-                "scale_inv": p._scale_inv.detach().clone().reshape(-1),
-                "fp8_dtype": str(p._fp8_dtype)} for i, n, p in fp8_params(st.model)]
+    entries = [_fp8_param_entry(i, n, p) for i, n, p in fp8_params(st.model)]
     Path(dump_dir).mkdir(parents=True, exist_ok=True)
     torch.save(entries, Path(dump_dir) / f"fp8params_rank{dist.get_rank()}.pt")
     return len(entries)
 
 
 def setup(layout: str, cfg: dict):
-    """`scenarios.setup`, with TE's FusedAdam (its kernels on the CPU) for a precision-aware run."""
+    """`scenarios.setup`, with TE's FusedAdam (its kernels on the CPU) for a precision-aware run;
+    an MXFP8 run (`fp8_recipe="mxfp8"`) on a device of compute capability 10.0 (TE refuses MXFP8
+    below; the CPU shim reports Hopper's 9.0 otherwise)."""
+    if cfg.get("extra", {}).get("fp8_recipe") == "mxfp8":
+        from megatron_ucp.testing import cpu_shim
+
+        cpu_shim.set_compute_capability(10, 0)
     if cfg.get("optimizer_extra", {}).get("use_precision_aware_optimizer"):
         te_cpu.use_te_fused_adam()
     return scenarios.setup(layout, cfg)

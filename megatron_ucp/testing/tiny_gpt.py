@@ -317,6 +317,10 @@ def _finish(cfg: TinyGPTConfig, layout: Layout, tf_config: TransformerConfig, ch
         # Megatron-LM's --fp8-param-gather sets both (TransformerConfig.fp8_param from it): the
         # distributed optimizer then derives the FP8 weights from its masters after each step
         fp8_param_gather=bool(getattr(tf_config, "fp8_param", False)),
+        # MXFP8 parameters (megatron-core 0.19): the param all-gather through the grad buffer,
+        # then re-quantized (Megatron-LM's --reuse-grad-buf-for-mxfp8-param-ag sets both configs)
+        **({"reuse_grad_buf_for_mxfp8_param_ag": True}
+           if cfg.optimizer_extra.get("reuse_grad_buf_for_mxfp8_param_ag") else {}),
     )
     layouts = _layer_wise_layouts(chunks, ddp_config) if layer_wise and cfg.layer_wise_param_layout \
         else [None] * len(chunks)
