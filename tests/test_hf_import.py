@@ -70,6 +70,24 @@ MODELS = {  # name -> (arch, config class, kwargs)
         "first_k_dense_replace": 1, "rms_norm_eps": 1e-6, "rope_parameters": {
             "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
             "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}}),
+    # DeepSeek-V2 (V2, V2.5): MLA with a query LoRA rank, YaRN (mscale / mscale_all_dim as
+    # DeepSeek's own), the first layer dense, softmax routing (top-2 of 6 scaled by 1.5) within the
+    # best 2 of 3 expert groups (group_limited_greedy), 2 shared experts
+    "deepseek_v2": ("deepseek_v2", "DeepseekV2Config", {
+        **ROTARY, "num_key_value_heads": 4, "moe_intermediate_size": 16, "n_shared_experts": 2,
+        "n_routed_experts": 6, "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8,
+        "v_head_dim": 16, "qk_nope_head_dim": 16, "topk_method": "group_limited_greedy", "n_group": 3,
+        "topk_group": 2, "num_experts_per_tok": 2, "routed_scaling_factor": 1.5, "first_k_dense_replace": 1,
+        "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+            "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32.0, "beta_slow": 1.0}}),
+    # DeepSeek-V2-Lite: no query LoRA (q_proj), greedy top-3 of 4 unscaled, every layer MoE, tied
+    "deepseek_v2_lite": ("deepseek_v2", "DeepseekV2Config", {
+        **ROTARY, "num_key_value_heads": 4, "moe_intermediate_size": 16, "n_shared_experts": 1,
+        "n_routed_experts": 4, "kv_lora_rank": 16, "q_lora_rank": None, "qk_rope_head_dim": 8,
+        "v_head_dim": 16, "qk_nope_head_dim": 16, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+        "num_experts_per_tok": 3, "first_k_dense_replace": 0, "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0}}),
     # GLM-4.5: q/k/v biases, QK-norm, RoPE on half of each head (transformers' default
     # partial_rotary_factor 0.5), the first layer dense, sigmoid routing with
     # e_score_correction_bias over 2 expert groups (top-1 group), 2 shared experts, top-2 of 4 x 2.5
@@ -254,7 +272,7 @@ def test_round_trip_is_bitwise(saved, tmp_path, name):
             "n_head", "n_positions", "n_inner", "layer_norm_epsilon", "dtype", "head_dim",
             "moe_intermediate_size", "norm_topk_prob", "n_routed_experts", "n_shared_experts",
             "routed_scaling_factor", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim",
-            "qk_nope_head_dim", "first_k_dense_replace", "rope_interleave", "sliding_window",
+            "qk_nope_head_dim", "first_k_dense_replace", "rope_interleave", "sliding_window", "topk_method",
             "use_qk_norm", "n_group", "topk_group",
             "layer_types", "swiglu_limit", "swiglu_alpha", "layers_block_type", "ssm_state_size",
             "mamba_num_heads", "mamba_head_dim", "n_groups", "conv_kernel", "time_step_min",
@@ -267,7 +285,8 @@ def test_round_trip_is_bitwise(saved, tmp_path, name):
 
 
 @pytest.mark.parametrize("name", ["llama_bias", "mistral", "mistral_tied", "mixtral", "gpt2_untied",
-                                  "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe", "glm4_moe_air",
+                                  "qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v2_lite", "deepseek_v3",
+                                  "glm4_moe", "glm4_moe_air",
                                   "gpt_oss", "gpt_oss_yarn",
                                   "nemotron_h"])
 def test_exported_model_computes_the_same(saved, tmp_path, name):
