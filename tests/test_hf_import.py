@@ -71,13 +71,13 @@ MODELS = {  # name -> (arch, config class, kwargs)
             "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
             "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}}),
     # DeepSeek-V2 (V2, V2.5): MLA with a query LoRA rank, YaRN (mscale / mscale_all_dim as
-    # DeepSeek's own), the first layer dense, softmax routing (top-2 of 6 scaled by 1.5) within the
+    # DeepSeek's own), the first layer dense, softmax routing (top-3 of 6 scaled by 1.5) within the
     # best 2 of 3 expert groups (group_limited_greedy), 2 shared experts
     "deepseek_v2": ("deepseek_v2", "DeepseekV2Config", {
         **ROTARY, "num_key_value_heads": 4, "moe_intermediate_size": 16, "n_shared_experts": 2,
         "n_routed_experts": 6, "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8,
         "v_head_dim": 16, "qk_nope_head_dim": 16, "topk_method": "group_limited_greedy", "n_group": 3,
-        "topk_group": 2, "num_experts_per_tok": 2, "routed_scaling_factor": 1.5, "first_k_dense_replace": 1,
+        "topk_group": 2, "num_experts_per_tok": 3, "routed_scaling_factor": 1.5, "first_k_dense_replace": 1,
         "rope_parameters": {
             "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
             "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32.0, "beta_slow": 1.0}}),
@@ -602,6 +602,19 @@ def test_export_streams_one_tensor_at_a_time(saved, tmp_path):
     ("deepseek_v3", dict(config={"norm_topk_prob": False}), "config.json norm_topk_prob=False"),
     ("deepseek_v3", dict(config={"n_group": 2, "topk_group": 2}), "config.json topk_group=2"),
     ("deepseek_v3", dict(config={"attention_bias": True}), "config.json attention_bias=True"),
+    # DeepSeek-V2: transformers ignores norm_topk_prob (the remote code does not); a group scored by
+    # its best expert is megatron-core's only where num_experts_per_tok // topk_group == 1 (V2's own
+    # 6 // 3 is not); the remote code's fields transformers does not read
+    ("deepseek_v2", dict(config={"norm_topk_prob": True}), "config.json norm_topk_prob=True"),
+    ("deepseek_v2", dict(config={"topk_group": 1}), "config.json topk_group=1: transformers' DeepSeek-V2 "
+     "scores an expert group by its best expert"),
+    ("deepseek_v2", dict(config={"topk_method": "noaux_tc"}), "config.json topk_method='noaux_tc'"),
+    ("deepseek_v2", dict(config={"moe_layer_freq": 2}), "config.json moe_layer_freq=2"),
+    ("deepseek_v2", dict(config={"scoring_func": "sigmoid"}), "config.json scoring_func='sigmoid'"),
+    ("deepseek_v2", dict(config={"n_shared_experts": 0}), "config.json n_shared_experts=0"),
+    ("deepseek_v2", dict(config={"mlp_bias": True}), "config.json mlp_bias=True"),
+    ("deepseek_v2_lite", dict(config={"rms_norm_eps": 1e-5}),
+     "config.json rms_norm_eps=1e-05: HF deepseek_v2 normalizes the q and kv latents with eps 1e-6"),
     ("gpt2", dict(config={"embd_pdrop": 0.0}),
      "config.json embd_pdrop=0.0: megatron-core's hidden_dropout is both the embedding's and the residual's"),
     ("gpt_oss", dict(config={"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}),
@@ -679,6 +692,13 @@ def test_import_refuses_mtp_copies_that_differ(saved, tmp_path):
     ("deepseek_v3", "glm4_moe", {}, "multi_latent_attention"),
     ("qwen3_moe", "glm4_moe", {}, "moe_router_score_function"),
     ("qwen3", "glm4_moe", {}, "num_moe_experts"),
+    ("deepseek_v2", "deepseek_v2", {"mtp_num_layers": 1}, "mtp_num_layers"),  # (none in DeepSeek-V2)
+    ("deepseek_v3", "deepseek_v2", {"mtp_num_layers": None}, "moe_router_score_function"),
+    ("deepseek_v2", "deepseek_v2", {"moe_router_pre_softmax": False}, "moe_router_pre_softmax"),
+    ("deepseek_v2", "deepseek_v2", {"moe_router_group_topk": 1}, "moe_router_group_topk"),  # 3 // 1
+    ("deepseek_v2", "deepseek_v2", {"moe_router_enable_expert_bias": True}, "moe_router_enable_expert_bias"),
+    ("deepseek_v2", "deepseek_v2", {"moe_layer_freq": [1, 0]}, "moe_layer_freq"),
+    ("deepseek_v2_lite", "deepseek_v3", {}, "moe_router_score_function"),
 ])
 def test_new_arch_export_refuses_by_field(saved, tmp_path, name, arch, change, field):
     _assert_export_refused(saved, tmp_path, name, arch, change, field)
