@@ -870,7 +870,7 @@ def split_qkv(t: torch.Tensor, heads: int, groups: int) -> tuple[torch.Tensor, t
 def hf_expected(master: dict[str, torch.Tensor], arch: str, heads: int, groups: int, vocab: int,
                 linear_key_heads: int = 0) -> dict[str, torch.Tensor]:
     """The tensors a transformers `arch` (llama, qwen2, mistral, mixtral, qwen3, qwen3_moe, gpt2,
-    deepseek_v3, kimi_k2, glm4_moe, gpt_oss, nemotron_h or qwen3_next) checkpoint of the
+    deepseek_v2, deepseek_v3, kimi_k2, glm4_moe, gpt_oss, nemotron_h or qwen3_next) checkpoint of the
     megatron-core GPT with full master weights `master` (universal names) holds, by the textbook
     correspondences:
     megatron's fused linear_qkv rows are per query group [q heads of the group; k; v] (head_dim
@@ -945,7 +945,7 @@ def hf_expected(master: dict[str, torch.Tensor], arch: str, heads: int, groups: 
                                  ("mlp.linear_fc1", "mlp.c_fc"), ("mlp.linear_fc2", "mlp.c_proj")):
                 out[h + f"{theirs}.weight"] = master[m + f"{mine}.weight"].t()
                 out[h + f"{theirs}.bias"] = master[m + f"{mine}.bias"]
-    elif arch in ("deepseek_v3", "kimi_k2"):  # (Kimi-K2: DeepSeek-V3's tensors)
+    elif arch in ("deepseek_v2", "deepseek_v3", "kimi_k2"):  # (DeepSeek-V3's tensors; V2: no expert bias)
         out.update(_deepseek_v3_expected(master, vocab, len(layers)))
     elif arch == "glm4_moe":
         out.update(_glm4_moe_expected(master, heads, groups, vocab, len(layers)))

@@ -27,8 +27,8 @@ from megatron_ucp.testing.launch import launch  # noqa: E402
 
 HF_SCENARIOS = "megatron_ucp.testing.hf_scenarios"
 TOL = 1e-4  # fp32 logits, max abs difference
-REL_TOL = 1e-5  # Mistral, DeepSeek-V3, GLM-4.5, GPT-OSS, Nemotron-H, Qwen3-Next: max abs / max abs logit
-REL_ARCHS = ("mistral", "deepseek_v3", "glm4_moe", "nemotron_h", "qwen3_next")
+REL_TOL = 1e-5  # Mistral, DeepSeek-V2/V3, GLM-4.5, GPT-OSS, Nemotron-H, Qwen3-Next: max abs / max abs logit
+REL_ARCHS = ("mistral", "deepseek_v2", "deepseek_v3", "glm4_moe", "nemotron_h", "qwen3_next")
 TRUE_VOCAB = 250  # the model pads it to 256 (vocab rows 250..255 must not be exported)
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
             vocab_size=256, unpadded_vocab_size=TRUE_VOCAB, seq_length=32, micro_batch_size=2,
@@ -132,6 +132,25 @@ NATIVE_NEW = {
             "mscale": 1.0, "mscale_all_dim": 1.0}),
         {**BASE, **ROTARY, **DEEPSEEK_V3_MEGATRON, "untie_embeddings": True, "vocab_size": 128,
          "unpadded_vocab_size": 100}),
+    # DeepSeek-V2-Lite's attention (no query LoRA: linear_q_proj) with DeepSeek-V2's routing:
+    # softmax top-3 of 6 scaled by 1.5 within the best 2 of 3 expert groups (group_limited_greedy:
+    # 3 experts of 3 groups may be the best), 2 shared experts; YaRN with DeepSeek's
+    # mscale = mscale_all_dim (the softmax scaled, cos/sin not)
+    "deepseek_v2": ("DeepseekV2Config", dict(
+        vocab_size=100, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=2, n_routed_experts=6,
+        kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
+        topk_method="group_limited_greedy", n_group=3, topk_group=2, num_experts_per_tok=3,
+        first_k_dense_replace=1, routed_scaling_factor=1.5, max_position_embeddings=32, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 16, "mscale": 0.707, "mscale_all_dim": 0.707}),
+        {**BASE, **ROTARY, **DEEPSEEK_V3_MEGATRON, "num_experts": 6, "untie_embeddings": True,
+         "vocab_size": 128, "unpadded_vocab_size": 100, "extra": {
+             **DEEPSEEK_V3_MEGATRON["extra"], "moe_router_score_function": "softmax",
+             "moe_router_pre_softmax": True, "moe_router_enable_expert_bias": False,
+             "moe_router_topk": 3, "moe_router_topk_scaling_factor": 1.5, "q_lora_rank": None,
+             "mscale": 0.707, "mscale_all_dim": 0.707, "moe_router_num_groups": 3,
+             "moe_router_group_topk": 2}}),
     "glm4_moe": ("Glm4MoeConfig", dict(
         vocab_size=100, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_bias=True, use_qk_norm=True,

@@ -70,6 +70,24 @@ MODELS = {  # name -> (arch, config class, kwargs)
         "first_k_dense_replace": 1, "rms_norm_eps": 1e-6, "rope_parameters": {
             "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
             "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}}),
+    # DeepSeek-V2 (V2, V2.5): MLA with a query LoRA rank, YaRN (mscale / mscale_all_dim as
+    # DeepSeek's own), the first layer dense, softmax routing (top-3 of 6 scaled by 1.5) within the
+    # best 2 of 3 expert groups (group_limited_greedy), 2 shared experts
+    "deepseek_v2": ("deepseek_v2", "DeepseekV2Config", {
+        **ROTARY, "num_key_value_heads": 4, "moe_intermediate_size": 16, "n_shared_experts": 2,
+        "n_routed_experts": 6, "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8,
+        "v_head_dim": 16, "qk_nope_head_dim": 16, "topk_method": "group_limited_greedy", "n_group": 3,
+        "topk_group": 2, "num_experts_per_tok": 3, "routed_scaling_factor": 1.5, "first_k_dense_replace": 1,
+        "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+            "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32.0, "beta_slow": 1.0}}),
+    # DeepSeek-V2-Lite: no query LoRA (q_proj), greedy top-3 of 4 unscaled, every layer MoE, tied
+    "deepseek_v2_lite": ("deepseek_v2", "DeepseekV2Config", {
+        **ROTARY, "num_key_value_heads": 4, "moe_intermediate_size": 16, "n_shared_experts": 1,
+        "n_routed_experts": 4, "kv_lora_rank": 16, "q_lora_rank": None, "qk_rope_head_dim": 8,
+        "v_head_dim": 16, "qk_nope_head_dim": 16, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+        "num_experts_per_tok": 3, "first_k_dense_replace": 0, "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0}}),
     # GLM-4.5: q/k/v biases, QK-norm, RoPE on half of each head (transformers' default
     # partial_rotary_factor 0.5), the first layer dense, sigmoid routing with
     # e_score_correction_bias over 2 expert groups (top-1 group), 2 shared experts, top-2 of 4 x 2.5
@@ -270,7 +288,7 @@ def test_round_trip_is_bitwise(saved, tmp_path, name):
             "n_head", "n_positions", "n_inner", "layer_norm_epsilon", "dtype", "head_dim",
             "moe_intermediate_size", "norm_topk_prob", "n_routed_experts", "n_shared_experts",
             "routed_scaling_factor", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim",
-            "qk_nope_head_dim", "first_k_dense_replace", "rope_interleave", "sliding_window",
+            "qk_nope_head_dim", "first_k_dense_replace", "rope_interleave", "sliding_window", "topk_method",
             "use_qk_norm", "n_group", "topk_group",
             "layer_types", "swiglu_limit", "swiglu_alpha", "layers_block_type", "ssm_state_size",
             "mamba_num_heads", "mamba_head_dim", "n_groups", "conv_kernel", "time_step_min",
@@ -283,7 +301,8 @@ def test_round_trip_is_bitwise(saved, tmp_path, name):
 
 
 @pytest.mark.parametrize("name", ["llama_bias", "mistral", "mistral_tied", "mixtral", "gpt2_untied",
-                                  "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe", "glm4_moe_air",
+                                  "qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v2_lite", "deepseek_v3",
+                                  "glm4_moe", "glm4_moe_air",
                                   "gpt_oss", "gpt_oss_yarn",
                                   "nemotron_h", "qwen3_next"])
 def test_exported_model_computes_the_same(saved, tmp_path, name):
@@ -599,6 +618,19 @@ def test_export_streams_one_tensor_at_a_time(saved, tmp_path):
     ("deepseek_v3", dict(config={"norm_topk_prob": False}), "config.json norm_topk_prob=False"),
     ("deepseek_v3", dict(config={"n_group": 2, "topk_group": 2}), "config.json topk_group=2"),
     ("deepseek_v3", dict(config={"attention_bias": True}), "config.json attention_bias=True"),
+    # DeepSeek-V2: transformers ignores norm_topk_prob (the remote code does not); a group scored by
+    # its best expert is megatron-core's only where num_experts_per_tok // topk_group == 1 (V2's own
+    # 6 // 3 is not); the remote code's fields transformers does not read
+    ("deepseek_v2", dict(config={"norm_topk_prob": True}), "config.json norm_topk_prob=True"),
+    ("deepseek_v2", dict(config={"topk_group": 1}), "config.json topk_group=1: transformers' DeepSeek-V2 "
+     "scores an expert group by its best expert"),
+    ("deepseek_v2", dict(config={"topk_method": "noaux_tc"}), "config.json topk_method='noaux_tc'"),
+    ("deepseek_v2", dict(config={"moe_layer_freq": 2}), "config.json moe_layer_freq=2"),
+    ("deepseek_v2", dict(config={"scoring_func": "sigmoid"}), "config.json scoring_func='sigmoid'"),
+    ("deepseek_v2", dict(config={"n_shared_experts": 0}), "config.json n_shared_experts=0"),
+    ("deepseek_v2", dict(config={"mlp_bias": True}), "config.json mlp_bias=True"),
+    ("deepseek_v2_lite", dict(config={"rms_norm_eps": 1e-5}),
+     "config.json rms_norm_eps=1e-05: HF deepseek_v2 normalizes the q and kv latents with eps 1e-6"),
     ("gpt2", dict(config={"embd_pdrop": 0.0}),
      "config.json embd_pdrop=0.0: megatron-core's hidden_dropout is both the embedding's and the residual's"),
     ("gpt_oss", dict(config={"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}),
@@ -676,6 +708,13 @@ def test_import_refuses_mtp_copies_that_differ(saved, tmp_path):
     ("deepseek_v3", "glm4_moe", {}, "multi_latent_attention"),
     ("qwen3_moe", "glm4_moe", {}, "moe_router_score_function"),
     ("qwen3", "glm4_moe", {}, "num_moe_experts"),
+    ("deepseek_v2", "deepseek_v2", {"mtp_num_layers": 1}, "mtp_num_layers"),  # (none in DeepSeek-V2)
+    ("deepseek_v3", "deepseek_v2", {"mtp_num_layers": None}, "moe_router_score_function"),
+    ("deepseek_v2", "deepseek_v2", {"moe_router_pre_softmax": False}, "moe_router_pre_softmax"),
+    ("deepseek_v2", "deepseek_v2", {"moe_router_group_topk": 1}, "moe_router_group_topk"),  # 3 // 1
+    ("deepseek_v2", "deepseek_v2", {"moe_router_enable_expert_bias": True}, "moe_router_enable_expert_bias"),
+    ("deepseek_v2", "deepseek_v2", {"moe_layer_freq": [1, 0]}, "moe_layer_freq"),
+    ("deepseek_v2_lite", "deepseek_v3", {}, "moe_router_score_function"),
 ])
 def test_new_arch_export_refuses_by_field(saved, tmp_path, name, arch, change, field):
     _assert_export_refused(saved, tmp_path, name, arch, change, field)

@@ -2,7 +2,8 @@
 transform), what it refuses to export, its config.json (export-hf) and the megatron-core model of
 a config.json (import-hf). `_base` holds what they share and the `HFArch` hooks; `_llama_like`
 the rotary decoder Llama, Qwen2, Mistral, Qwen3, Mixtral and Qwen3-MoE build on (GLM-4.5 takes its
-attention and DeepSeek-V3's MoE layers; Kimi-K2 is DeepSeek-V3's model); the element order of fused
+attention and DeepSeek-V3's MoE layers; Kimi-K2 is DeepSeek-V3's model, DeepSeek-V2 its attention
+with softmax routing); the element order of fused
 tensors is in `formats.tensor_transforms`.
 
 The registry below is the one list of architectures: `export-hf --arch` offers it, import-hf
@@ -20,6 +21,7 @@ from collections.abc import Callable
 
 from megatron_ucp.errors import UCPError
 from megatron_ucp.formats.hf.archs import (
+    deepseek_v2,
     deepseek_v3,
     glm4_moe,
     gpt2,
@@ -38,8 +40,8 @@ from megatron_ucp.formats.hf.archs import (
 from megatron_ucp.formats.hf.archs._base import HFArch, Rule, hints_from_args, keeps_fp32
 
 REGISTRY: dict[str, HFArch] = {module.ARCH.name: module.ARCH for module in (
-    llama, qwen2, mistral, mixtral, gpt2, qwen3, qwen3_moe, deepseek_v3, kimi_k2, glm4_moe, gpt_oss,
-    nemotron_h, qwen3_next)}
+    llama, qwen2, mistral, mixtral, gpt2, qwen3, qwen3_moe, deepseek_v2, deepseek_v3, kimi_k2, glm4_moe,
+    gpt_oss, nemotron_h, qwen3_next)}
 ARCHS = tuple(REGISTRY)  # names: transformers' model_type, export-hf --arch
 # model types users bring that no megatron-core model (0.16.1 .. 0.19.2, GPTModel or MambaModel)
 # computes, and what it lacks: refused by name, never imported as a near relative. (Bridge trains

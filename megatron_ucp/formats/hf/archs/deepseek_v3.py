@@ -150,7 +150,7 @@ class DeepseekV3(HFArch):
             raise fail(arch, "add_bias_linear", True, "DeepSeek-V3's linear layers have no biases "
                        "(its attention_bias covers only the attention projections)")
         if get("layernorm_epsilon", 1e-5) != 1e-6:
-            raise fail(arch, "layernorm_epsilon", get("layernorm_epsilon", 1e-5), "HF deepseek_v3 "
+            raise fail(arch, "layernorm_epsilon", get("layernorm_epsilon", 1e-5), f"HF {arch} "
                        "normalizes the q and kv latents with eps 1e-6 whatever rms_norm_eps says")
         if not str(get("activation_func", "silu")).endswith("silu"):
             raise fail(arch, "activation_func", get("activation_func"), "DeepSeek-V3's MLP is SwiGLU")
@@ -209,6 +209,12 @@ class DeepseekV3(HFArch):
 
     # ------------------------------------------------------------------ import
 
+    def megatron_args(self, hf: dict, where: str, mtp_layers: int = 0):
+        """q_lora_rank null (V2-Lite's, no query LoRA) is not the default 1536 config.json omits."""
+        if "q_lora_rank" in hf and hf["q_lora_rank"] is None:
+            hf = {**hf, "q_lora_rank": 0}
+        return super().megatron_args(hf, where, mtp_layers)
+
     def mtp_layers_held(self, hf: dict, names) -> int:
         """transformers' own save_pretrained writes no MTP layer, DeepSeek's checkpoints theirs."""
         first = hf.get("num_hidden_layers", 0)
@@ -227,7 +233,7 @@ class DeepseekV3(HFArch):
             raise refuse("attention_bias", "megatron-core's add_bias_linear puts biases on every "
                          "linear layer or none")
         if d["rms_norm_eps"] != 1e-6:
-            raise refuse("rms_norm_eps", "HF deepseek_v3 normalizes the q and kv latents with eps 1e-6, "
+            raise refuse("rms_norm_eps", f"HF {self.name} normalizes the q and kv latents with eps 1e-6, "
                          "megatron-core every norm with one layernorm_epsilon")
         heads = d["num_attention_heads"]
         if (d.get("num_key_value_heads") or heads) != heads:
@@ -239,10 +245,10 @@ class DeepseekV3(HFArch):
                     swiglu=True, add_bias_linear=False, add_qkv_bias=False, position_embedding_type="rope",
                     max_position_embeddings=d["max_position_embeddings"],
                     attention_dropout=d.get("attention_dropout", 0.0), mtp_num_layers=mtp_layers or None,
-                    **self.sigmoid_moe_args(d, refuse), **mla)
+                    **self.moe_args(d, refuse), **mla)
         return args, {"activation": "swiglu", "rotary_base": theta}
 
-    def sigmoid_moe_args(self, d: dict, refuse: Refuse) -> dict:
+    def moe_args(self, d: dict, refuse: Refuse) -> dict:
         """The layers of config `d`: the first first_k_dense_replace dense, every later one a MoE
         layer with sigmoid routing, expert bias, shared experts, scaled top-k, expert groups."""
         layers, topk, experts = d["num_hidden_layers"], d["num_experts_per_tok"], d["n_routed_experts"]
@@ -290,7 +296,8 @@ def mla_args(d: dict, refuse: Refuse) -> tuple[float, dict]:
     theta, kind = float(rope["rope_theta"]), rope["rope_type"]
     refuse_partial_rotary(d, refuse, "DeepSeek-V3's rotary part of a head is qk_rope_head_dim; "
                           "transformers' DeepSeek-V3 rotates all of it")
-    mla = dict(multi_latent_attention=True, q_lora_rank=d["q_lora_rank"], kv_lora_rank=d["kv_lora_rank"],
+    mla = dict(multi_latent_attention=True, q_lora_rank=d["q_lora_rank"] or None,
+               kv_lora_rank=d["kv_lora_rank"],
                qk_head_dim=d["qk_nope_head_dim"], qk_pos_emb_head_dim=d["qk_rope_head_dim"],
                v_head_dim=d["v_head_dim"], rotary_base=theta, qk_layernorm=True)
     if kind == "yarn":

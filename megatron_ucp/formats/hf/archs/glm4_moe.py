@@ -157,7 +157,7 @@ class Glm4Moe(DeepseekV3):
                     position_embedding_type="rope", rotary_base=theta, rotary_percent=percent,
                     max_position_embeddings=d["max_position_embeddings"],
                     attention_dropout=d.get("attention_dropout", 0.0), mtp_num_layers=mtp_layers or None,
-                    **self.sigmoid_moe_args(d, refuse))
+                    **self.moe_args(d, refuse))
         return args, {"activation": "swiglu", "rotary_base": theta, "rotary_percent": percent}
 
 
