@@ -142,7 +142,7 @@ def features(cfg: dict) -> list[str]:
 
 def lora_lines(source) -> list[str]:
     """A Megatron-Bridge LoRA checkpoint's adapters (read merged into its base checkpoint)."""
-    lora = getattr(source, "lora", None)
+    lora = None if source is None else source.lora
     if lora is None:
         return []
     return [f"LoRA         adapter checkpoint (Megatron-Bridge peft LoRA): rank {lora.dim}, alpha "

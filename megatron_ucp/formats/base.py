@@ -55,6 +55,8 @@ class Source:
 
     Optional, with the default here:
       args: the Megatron-LM run args (Megatron-LM sources); None
+      lora: a Megatron-Bridge LoRA checkpoint's adapters (`megatron_dist.bridge.lora.LoRAAdapters`), read
+        merged into its base checkpoint; None
       read_into(...): `read` into a caller's buffer; through `read`
       read_order(names): the order reading is cheapest (front to back in its files); as given
       leading_runs(...): a whole tensor as byte runs of its files (copied, never decoded); None
@@ -77,6 +79,7 @@ class Source:
     origin: dict
     bytes_read: int
     args: argparse.Namespace | None = None
+    lora: Any = None
 
     def read(self, name: str, state: str, offset: tuple[int, ...],
              shape: tuple[int, ...]) -> torch.Tensor:

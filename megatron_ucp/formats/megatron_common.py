@@ -485,9 +485,8 @@ YARN_FROM_ARGS = (
 
 
 def layer_wise_family(states: set[str], args, where: str) -> str:
-    """The optimizer family (`spec.OPTIMIZER_STATES`) of one torch optimizer chained inside
-    megatron-core 0.19's LayerWiseDistributedOptimizer (`--optimizer muon|lion`), by the states
-    its parameters carry; anything else is refused by name (no state is guessed)."""
+    """The optimizer family (`spec.OPTIMIZER_STATES`) of one torch optimizer in megatron-core 0.19's
+    LayerWiseDistributedOptimizer (`--optimizer muon|lion`) by its states; else refused by name."""
     names = set(states) - {"param", "fp32_param", "step"}
     if names == {"exp_avg", "exp_avg_sq"}:
         return "adam"
@@ -495,11 +494,7 @@ def layer_wise_family(states: set[str], args, where: str) -> str:
         return "lion"
     if names == {"momentum_buffer"} and getattr(args, "optimizer", None) in ("muon", "dist_muon"):
         return "muon"
-    if names & {"L", "R", "Q_L", "Q_R"}:  # (emerging_optimizers SOAP's Kronecker factors)
-        raise UCPError(f"{where}: SOAP optimizer state {sorted(names)} (--optimizer "
-                       f"{getattr(args, 'optimizer', None)}): {UNRESHARDABLE_STATES['soap']}; resume "
-                       "the run with Megatron-LM itself, or convert its weights only")
+    why = (f"SOAP's: {UNRESHARDABLE_STATES['soap']}" if names & {"L", "R", "Q_L", "Q_R"} else "that "
+           "megatron-ucp does not map (it reads Muon's momentum_buffer, Lion's exp_avg, Adam's moments)")
     raise UCPError(f"{where}: a LayerWiseDistributedOptimizer state {sorted(names)} (--optimizer "
-                   f"{getattr(args, 'optimizer', None)}) that megatron-ucp does not map (it reads "
-                   "Muon's momentum_buffer, Lion's exp_avg and Adam's exp_avg/exp_avg_sq); resume "
-                   "the run with Megatron-LM itself, or convert its weights only")
+                   f"{getattr(args, 'optimizer', None)}), {why}; resume with Megatron-LM or convert weights")

@@ -25,7 +25,7 @@ def identity(group: dict) -> tuple:
 
 def chain_family(torch_optimizer) -> str:
     """The family of one torch optimizer chained in the LayerWise optimizer (its class)."""
-    from megatron_ucp.optimizer_state import family
+    from megatron_ucp.optimizer_family import family
 
     groups = torch_optimizer.param_groups
     return family(torch_optimizer, groups[0] if groups else {})

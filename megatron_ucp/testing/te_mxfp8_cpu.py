@@ -64,7 +64,7 @@ def _roundup(n: int, m: int) -> int:
 
 def max_norm_rcp(te_dtype) -> torch.Tensor:
     """`Quantized_Limits<T>::max_norm_rcp`: the fp32 of 1 / max_norm (a double, then fp32)."""
-    from megatron_ucp.testing.te_quantize_cpu import _max_fp8
+    from megatron_ucp.testing.te_fp8_cast_cpu import _max_fp8
 
     return torch.tensor(1.0 / _max_fp8(te_dtype), dtype=torch.float32)
 
@@ -103,7 +103,7 @@ def block_scales(x2d: torch.Tensor, te_dtype) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _cast(x: torch.Tensor, scale: torch.Tensor, te_dtype) -> torch.Tensor:
-    from megatron_ucp.testing.te_quantize_cpu import cast_to_fp8_bytes
+    from megatron_ucp.testing.te_fp8_cast_cpu import cast_to_fp8_bytes
 
     return cast_to_fp8_bytes(x.float() * scale, torch.ones(1), te_dtype)
 
@@ -260,7 +260,7 @@ def mxfp8_scaling_partial_cast(master, output_rowwise, output_colwise, scale_inv
 
 def dequantize(tensor, dtype: torch.dtype) -> torch.Tensor:
     """`_FromMXFP8Func.forward` with TE's dequantize kernel on the host, see the module docstring."""
-    from megatron_ucp.testing.te_quantize_cpu import _torch_fp8_dtype
+    from megatron_ucp.testing.te_fp8_cast_cpu import _torch_fp8_dtype
 
     if tensor._rowwise_data is None and tensor._columnwise_data is None:
         raise ValueError("Cannot dequantize MXFP8 tensor with no data")

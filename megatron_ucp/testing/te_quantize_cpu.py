@@ -68,26 +68,10 @@ from __future__ import annotations
 
 import torch
 
+from megatron_ucp.testing.te_fp8_cast_cpu import _max_fp8, _torch_fp8_dtype, cast_to_fp8_bytes  # noqa: F401
+
 _ORIGINAL: dict = {}
 FLT_MAX = torch.finfo(torch.float32).max
-
-
-def _torch_fp8_dtype(te_dtype) -> torch.dtype:
-    import transformer_engine_torch as tex
-
-    if te_dtype == tex.DType.kFloat8E4M3:
-        return torch.float8_e4m3fn
-    if te_dtype == tex.DType.kFloat8E5M2:
-        return torch.float8_e5m2
-    raise ValueError(f"not an FP8 dtype: {te_dtype}")
-
-
-def cast_to_fp8_bytes(x: torch.Tensor, scale: torch.Tensor, te_dtype) -> torch.Tensor:
-    """The bytes of TE's FP8 cast of `x` with `scale` (a [1] fp32 tensor): uint8, x's shape."""
-    dt = _torch_fp8_dtype(te_dtype)
-    fmax = torch.finfo(dt).max
-    y = x.float() * scale.float().reshape(())
-    return y.clamp(-fmax, fmax).to(dt).view(torch.uint8)
 
 
 def _non_tn_supported() -> bool:
@@ -180,10 +164,6 @@ def abs_max(x: torch.Tensor) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float32)
     a = x.detach().abs()
     return torch.where(torch.isnan(a), torch.zeros((), dtype=a.dtype), a).amax().float()
-
-
-def _max_fp8(te_dtype) -> float:
-    return float(torch.finfo(_torch_fp8_dtype(te_dtype)).max)  # 448 / 57344
 
 
 def compute_scale_from_amax_reference(amax: torch.Tensor, max_fp8: float, force_pow_2_scales: bool,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 
+from megatron_ucp import mcore_compat
 from megatron_ucp.formats.hf.archs._base import (
     ROTARY_INV_FREQ,
     Entry,
@@ -296,6 +297,11 @@ def mla_args(d: dict, refuse: Refuse) -> tuple[float, dict]:
     theta, kind = float(rope["rope_theta"]), rope["rope_type"]
     refuse_partial_rotary(d, refuse, "DeepSeek-V3's rotary part of a head is qk_rope_head_dim; "
                           "transformers' DeepSeek-V3 rotates all of it")
+    if not d["q_lora_rank"] and not mcore_compat.local_mla_qk_norm_without_q_lora():
+        raise refuse("q_lora_rank", f"null (no query LoRA rank) cannot be built by "
+                     f"{mcore_compat.release_name()}: its MLA wants a Q norm fused into linear_q_proj "
+                     "there (transformer/mla_qk_norm_config.py), a layer only Transformer Engine has and "
+                     "a norm HF's model lacks; import it with megatron-core 0.16")
     mla = dict(multi_latent_attention=True, q_lora_rank=d["q_lora_rank"] or None,
                kv_lora_rank=d["kv_lora_rank"],
                qk_head_dim=d["qk_nope_head_dim"], qk_pos_emb_head_dim=d["qk_rope_head_dim"],
