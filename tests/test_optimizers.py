@@ -210,7 +210,7 @@ def test_megatron_lm_soap_state_is_refused_by_name():
     args = argparse.Namespace(optimizer="soap")
     with pytest.raises(UCPError, match=r"ckpt: a LayerWiseDistributedOptimizer state \['L', 'Q_L', "
                                        r"'Q_R', 'R', 'exp_avg', 'exp_avg_sq'\] \(--optimizer soap\), "
-                                       r"SOAP's .*Kronecker"):
+                                       r"SOAP's: .*Kronecker"):
         layer_wise_family({"step", "exp_avg", "exp_avg_sq", "L", "R", "Q_L", "Q_R"}, args, "ckpt")
 
 
