@@ -17,6 +17,8 @@ import pytest
 import torch
 from conftest import REPORT
 
+from megatron_ucp.mcore_compat import local_mla_qk_norm_without_q_lora
+
 transformers = pytest.importorskip("transformers")
 
 from megatron_ucp.conversion import import_hf  # noqa: E402
@@ -114,6 +116,9 @@ GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 32.0, "bet
 # the megatron-core models they import as (vocabulary 100 padded to 128). GPT-OSS: not trained in
 # megatron-core, which cannot backpropagate through experts with biases at EP1, the layout here
 # (0.16.1 and 0.19.2; at EP > 1 it can: tests/fixtures/megatron_lm_v019/README.md)
+# DeepSeek-V2-Lite's MLA (no query LoRA) where megatron-core builds it (0.16), else a query LoRA
+# rank (0.19's local spec cannot build it: import-hf refuses it there, tests/test_hf_import.py)
+V2_Q_LORA = None if local_mla_qk_norm_without_q_lora() else 32
 NATIVE_NEW = {
     # Mistral with sliding_window 5 on every layer (16 tokens), head_dim != hidden / heads
     "mistral": ("MistralConfig", dict(
@@ -139,7 +144,7 @@ NATIVE_NEW = {
     "deepseek_v2": ("DeepseekV2Config", dict(
         vocab_size=100, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4, n_shared_experts=2, n_routed_experts=6,
-        kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
+        kv_lora_rank=16, q_lora_rank=V2_Q_LORA, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
         topk_method="group_limited_greedy", n_group=3, topk_group=2, num_experts_per_tok=3,
         first_k_dense_replace=1, routed_scaling_factor=1.5, max_position_embeddings=32, rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
@@ -148,7 +153,7 @@ NATIVE_NEW = {
          "vocab_size": 128, "unpadded_vocab_size": 100, "extra": {
              **DEEPSEEK_V3_MEGATRON["extra"], "moe_router_score_function": "softmax",
              "moe_router_pre_softmax": True, "moe_router_enable_expert_bias": False,
-             "moe_router_topk": 3, "moe_router_topk_scaling_factor": 1.5, "q_lora_rank": None,
+             "moe_router_topk": 3, "moe_router_topk_scaling_factor": 1.5, "q_lora_rank": V2_Q_LORA,
              "mscale": 0.707, "mscale_all_dim": 0.707, "moe_router_num_groups": 3,
              "moe_router_group_topk": 2}}),
     "glm4_moe": ("Glm4MoeConfig", dict(
