@@ -228,6 +228,15 @@ def hf_rope(d: dict) -> dict:
     return rope
 
 
+def default_rope(d: dict, refuse: Refuse, arch: str) -> dict:
+    """`hf_rope(d)` of an architecture that imports the default RoPE only (scaled kinds refused)."""
+    rope = hf_rope(d)
+    if rope["rope_type"] != "default":
+        raise refuse("rope_parameters.rope_type", f"{rope['rope_type']!r} RoPE scaling is not imported "
+                     f"for {arch} (default only)")
+    return rope
+
+
 def refuse_partial_rotary(d: dict, refuse: Refuse, why: str) -> None:
     """Refuse a partial_rotary_factor other than 1, naming where config.json sets it."""
     inside = {**(d.get("rope_scaling") or {}), **(d.get("rope_parameters") or {})}

@@ -23,9 +23,9 @@ from megatron_ucp.formats.hf.archs._base import (
     Entry,
     Refuse,
     check_common,
+    default_rope,
     fail,
     features,
-    hf_rope,
     linear_rope_factor,
     refuse_hybrid,
     require,
@@ -132,10 +132,7 @@ class Glm4Moe(DeepseekV3):
         the `mtp_layers` MTP layers the checkpoint holds."""
         if d["hidden_act"] != "silu":
             raise refuse("hidden_act", "megatron-core's SwiGLU MLP uses silu")
-        rope = hf_rope(d)
-        if rope["rope_type"] != "default":
-            raise refuse("rope_parameters.rope_type", f"{rope['rope_type']!r} RoPE scaling is not imported "
-                         "for glm4_moe (default only: GLM-4.5's own)")
+        rope = default_rope(d, refuse, self.name)
         theta = float(rope["rope_theta"])
         heads = d["num_attention_heads"]
         groups = d.get("num_key_value_heads") or heads

@@ -31,24 +31,19 @@ from megatron_ucp.formats.hf.archs._base import (
     check_common,
     check_defaults,
     check_wanted,
+    default_rope,
     fail,
     features,
     fill,
-    hf_rope,
     moe_layers,
     refuse_hybrid,
     require,
 )
-from megatron_ucp.formats.hf.archs._llama_like import DENSE_MLP, MOE_NORM
+from megatron_ucp.formats.hf.archs._llama_like import DENSE_MLP, GLOBAL, MOE_NORM
 from megatron_ucp.formats.hf.archs.qwen3 import QK_NORM
 from megatron_ucp.formats.hf.archs.qwen3_moe import EXPERT, ROUTER
 from megatron_ucp.formats.tensor_transforms import Heads
 
-GLOBAL: list[Entry] = [
-    ("embedding.word_embeddings.weight", "copy", ("model.embed_tokens.weight",), ""),
-    ("decoder.final_layernorm.weight", "copy", ("model.norm.weight",), ""),
-    ("output_layer.weight", "copy", ("lm_head.weight",), "untied"),
-]
 GATED_ATTENTION: list[Entry] = [
     ("decoder.layers.{i}.self_attention.linear_qkv.layer_norm_weight", "copy",
      ("model.layers.{i}.input_layernorm.weight",), ""),
@@ -231,10 +226,7 @@ class Qwen3Next(HFArch):
             raise refuse("hidden_act", "megatron-core's SwiGLU MLP and Gated DeltaNet use silu")
         if d["attention_bias"]:
             raise refuse("attention_bias", "megatron-core's Gated DeltaNet and experts here have no biases")
-        rope = hf_rope(d)
-        if rope["rope_type"] != "default":
-            raise refuse("rope_parameters.rope_type", f"{rope['rope_type']!r} RoPE scaling is not imported "
-                         "for HF qwen3_next (default only)")
+        rope = default_rope(d, refuse, self.name)
         theta = float(rope["rope_theta"])
         percent = float(rope.get("partial_rotary_factor", d["partial_rotary_factor"]))
         heads, layers = d["num_attention_heads"], d["num_hidden_layers"]
